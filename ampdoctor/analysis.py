@@ -1,0 +1,217 @@
+"""From records to a Report: run the rules, rank the findings (root cause first), write the summary and the
+data panels the reporters draw; merge the ranks of a distributed run; fold in an in-process replay."""
+from __future__ import annotations
+
+import math
+import warnings
+
+from .findings import Finding, Report
+from .records import DTYPE_LIMITS, RunMeta, StepRecord
+from .rules import RuleConfig, RunData, run_rules
+
+__all__ = ["build_report", "diagnose_run_dir", "merge_replay", "rank"]
+
+_SEV = {"error": 0, "warning": 1, "info": 2}
+
+
+def rank(findings: list[Finding]) -> list[Finding]:
+    """Most important first: severity, then root causes (low rank_hint) before consequences, then step."""
+    def key(f):
+        h = f.evidence.get("rank_hint", 50)
+        return (_SEV[f.severity], h // 10, f.step if f.step is not None else 1 << 60, h)
+    return sorted(findings, key=key)
+
+
+def build_report(meta: RunMeta, steps: list[StepRecord], *, run_dir: str | None = None,
+                 config: RuleConfig | None = None) -> Report:
+    findings = rank(run_rules(RunData(meta, steps), config))
+    return Report(findings, _summary(meta, steps, findings, run_dir), _panels(meta, steps))
+
+
+def _summary(meta, steps, findings, run_dir) -> dict:
+    top = next((f for f in findings if f.severity in ("error", "warning")), None)
+    if top is None:
+        verdict = f"Healthy: no problems found in {len(steps)} step(s)."
+    else:
+        where = f" at `{top.module}`" if top.module else ""
+        op = f" ({top.op})" if top.op else ""
+        st = f", step {top.step}" if top.step is not None else ""
+        verdict = f"{top.rule}{where}{op}{st}: {top.message}"
+    bad = [r for r in steps if r.bad]
+    return {"verdict": verdict, "steps": len(steps), "bad_steps": len(bad),
+            "skipped_steps": sum(r.skipped for r in steps), "first_bad_step": bad[0].step if bad else None,
+            "errors": sum(f.severity == "error" for f in findings),
+            "warnings": sum(f.severity == "warning" for f in findings),
+            "infos": sum(f.severity == "info" for f in findings), "run_dir": run_dir,
+            "model_class": meta.model_class, "every": meta.every,
+            "captures": [r.capture for r in steps if r.capture]}
+
+
+def _headroom(s) -> float | None:
+    if s is None or not s.absmax:
+        return None if s is None or s.finite else -1.0
+    if not s.finite and (s.posinf or s.neginf):
+        return -1.0
+    mx = DTYPE_LIMITS.get(s.ref if s.ref in ("float16", "bfloat16") else "float16")[0]
+    return math.log2(mx / s.absmax)
+
+
+def _panels(meta: RunMeta, steps: list[StepRecord]) -> dict:
+    timeline = [{"step": r.step, "loss": r.loss, "scale": r.scale, "skipped": r.skipped, "grad_norm": r.grad_norm,
+                 "sampled": r.sampled, "bad": r.bad} for r in steps]
+    layers: dict[str, dict] = {}
+    order = [m[0] for m in meta.modules]
+    head: dict[str, dict[int, float]] = {}
+    for r in steps:
+        for c in r.modules:
+            L = layers.setdefault(c.module, {"module": c.module, "type": c.type, "depth": c.depth, "calls": 0,
+                                             "absmax_out": 0.0, "headroom_bits": None, "subnormal_share": 0.0,
+                                             "absmax_grad": 0.0, "grad_norm": None, "nonfinite_out": 0})
+            L["calls"] += 1
+            if c.out is not None:
+                L["absmax_out"] = max(L["absmax_out"], c.out.absmax)
+                L["nonfinite_out"] += c.out.nonfinite
+                h = _headroom(c.out)
+                if h is not None:
+                    L["headroom_bits"] = h if L["headroom_bits"] is None else min(L["headroom_bits"], h)
+                    d = head.setdefault(c.module, {})
+                    d[r.step] = min(d.get(r.step, h), h)
+                nz = c.out.nonzero_finite
+                if nz:
+                    L["subnormal_share"] = max(L["subnormal_share"], c.out.subnormal / nz)
+            if c.gout is not None:
+                g = c.gout.absmax / (r.scale or 1.0)
+                L["absmax_grad"] = max(L["absmax_grad"], g)
+        for p in r.params:
+            if p.grad_norm is not None and p.module in layers:
+                L = layers[p.module]
+                L["grad_norm"] = max(L["grad_norm"] or 0.0, p.grad_norm)
+    mods = [m for m in order if m in head] + [m for m in head if m not in order]
+    hsteps = sorted({s for d in head.values() for s in d})
+    gnames = sorted({p.name for r in steps for p in r.params if p.grad_norm is not None})
+    gsteps = sorted({r.step for r in steps if any(p.grad_norm is not None for p in r.params)})
+    gval = {(r.step, p.name): p.grad_norm for r in steps for p in r.params}
+    calls = []
+    for r in steps:
+        for e in r.events:
+            calls.append({"step": e.step, "index": e.index, "kind": e.kind, "file": e.file, "line": e.line,
+                          "stage": e.stage, "error": e.error, "internal": bool(e.detail.get("internal")),
+                          "misordered": bool(e.error or e.scaled)})
+    return {"timeline": timeline,
+            "layers": sorted(layers.values(), key=lambda L: order.index(L["module"]) if L["module"] in order else 1e9),
+            "heatmap": {"modules": mods, "steps": hsteps, "ref": "float16",
+                        "headroom": [[head[m].get(s) for s in hsteps] for m in mods]},
+            "grad_norms": {"names": gnames, "steps": gsteps,
+                           "values": [[gval.get((s, n)) for s in gsteps] for n in gnames]},
+            "calls": calls[-2000:], "env": meta.env}
+
+
+def diagnose_run_dir(run_dir: str) -> Report:
+    """Read a run directory (all ranks) and build its Report; findings carry evidence.rank when distributed."""
+    from .rundir import find_rank_dirs, read_run
+    ranks = find_rank_dirs(run_dir)
+    if len(ranks) == 1 and ranks[0][0] is None:
+        meta, steps = read_run(ranks[0][1])
+        return build_report(meta, steps, run_dir=run_dir)
+    reports = []
+    for r, path in ranks:
+        meta, steps = read_run(path)
+        rep = build_report(meta, steps, run_dir=path)
+        reports.append((r, rep, steps))
+    return _merge_ranks(run_dir, reports)
+
+
+def _merge_ranks(run_dir, reports) -> Report:
+    merged: dict[tuple, Finding] = {}
+    for r, rep, _ in reports:
+        for f in rep.findings:
+            key = (f.rule, f.module, f.phase)
+            if key not in merged or (f.step is not None and (merged[key].step is None or f.step < merged[key].step)):
+                f.evidence["rank"] = r
+                merged[key] = f
+            merged[key].evidence.setdefault("ranks", [])
+            if r not in merged[key].evidence["ranks"]:
+                merged[key].evidence["ranks"].append(r)
+    findings = list(merged.values())
+    # scaler divergence across ranks: different scale or found_inf at the same step
+    by_step: dict[int, dict[int, tuple]] = {}
+    for r, _, steps in reports:
+        for s in steps:
+            by_step.setdefault(s.step, {})[r] = (s.scale, s.skipped)
+    diverged = next((st for st, d in sorted(by_step.items()) if len(set(d.values())) > 1), None)
+    if diverged is not None:
+        findings.append(Finding("scaler_misorder", "error", "scaler", None, None, diverged,
+                                f"The ranks' GradScalers diverged at step {diverged}: "
+                                + ", ".join(f"rank {r}: scale {v[0]}, skipped {v[1]}"
+                                            for r, v in sorted(by_step[diverged].items())) +
+                                ". Ranks are stepping on different iterations (uneven batches per rank?).",
+                                "Give every rank the same number of iterations (drop_last=True, "
+                                "DistributedSampler), and call scaler.update() on every rank every iteration.",
+                                {"rank": min(by_step[diverged]), "per_rank": {str(k): list(v) for k, v in
+                                                                             by_step[diverged].items()},
+                                 "rank_hint": 8}))
+    findings = rank(findings)
+    first = reports[0][1]
+    summ = dict(first.summary)
+    summ.update({"run_dir": run_dir, "ranks": [r for r, _, _ in reports],
+                 "errors": sum(f.severity == "error" for f in findings),
+                 "warnings": sum(f.severity == "warning" for f in findings),
+                 "infos": sum(f.severity == "info" for f in findings)})
+    top = next((f for f in findings if f.severity in ("error", "warning")), None)
+    if top is not None:
+        summ["verdict"] = f"{top.rule} at `{top.module}` (rank {top.evidence.get('rank')}): {top.message}"
+    return Report(findings, summ, first.data)
+
+
+_OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow")
+
+
+def merge_replay(rep: Report, watch) -> Report:
+    """Re-run the first capture in-process with op-level instrumentation and fold its findings in: an op-level
+    finding at the same module (or inside it) refines the module-level one (rule and op)."""
+    cap = next((c for c in rep.summary.get("captures") or []), None)
+    if cap is None or not any(f.rule in ("overflow", "nan_origin") or f.severity == "error" for f in rep.findings):
+        return rep
+    try:
+        from .replay import replay
+    except ImportError:
+        return rep
+    m = watch.machine
+    m.suspended = True
+    try:
+        rr = replay(cap, model=watch.model, shadow=False, whatif=False, fix_search=False)
+    except Exception as e:  # replay is a bonus here; the watch report stands on its own
+        warnings.warn(f"ampdoctor: in-process replay of {cap} failed ({type(e).__name__}: {e})", RuntimeWarning,
+                      stacklevel=3)
+        return rep
+    finally:
+        m.suspended = False
+    findings = list(rep.findings)
+    refined: set[int] = set()
+    for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
+        if f.rule not in _OPLEVEL or f.severity == "info":
+            continue
+        match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin") and
+                      g.phase == f.phase and g.severity != "info" and g.module is not None and f.module is not None
+                      and (f.module == g.module or f.module.startswith(g.module + ".") if g.module else True)),
+                     None)
+        if any(id(g) in refined and g.module == f.module and g.phase == f.phase for g in findings):
+            continue
+        if match is not None:
+            i = findings.index(match)
+            ev = dict(match.evidence)
+            ev.update({k: v for k, v in f.evidence.items() if k != "rank_hint"})
+            ev["module_level_rule"] = match.rule
+            findings[i] = Finding(f.rule, match.severity, f.phase, f.module, f.op, match.step, f.message, f.fix, ev)
+            refined.add(id(findings[i]))
+        elif not any(g.rule == f.rule and g.module == f.module for g in findings):
+            f.evidence.setdefault("rank_hint", 9)
+            f.evidence["from_replay"] = cap
+            findings.append(f)
+    rep.findings = rank(findings)
+    if rr.data.get("replay"):
+        rep.data["replay"] = rr.data["replay"]
+    top = next((f for f in rep.findings if f.severity in ("error", "warning")), None)
+    if top is not None:
+        rep.summary["verdict"] = _summary(RunMeta(), [], [top], None)["verdict"]
+    return rep

@@ -1,0 +1,339 @@
+"""Captures (format v1): one batch plus the state needed to re-run it, written and read back safely.
+
+A capture is a directory:
+
+    manifest.json          format "ampdoctor-capture", format_version 1, versions, model class, HF config,
+                           autocast {device, dtype, enabled}, scaler state, step, the structure of args/kwargs
+                           (JSON, tensors as {"__tensor__": key}), and per file its size and sha256
+    tensors.safetensors    the batch tensors ("a/…", "k/…") and RNG states taken before the forward ("rng/…")
+    state.safetensors      the model's weights and buffers (state_dict)
+
+Nothing is pickled. `load_capture` also reads `.pt` files named by a manifest, only through
+`torch.load(weights_only=True)`, which refuses a payload that would run code. Every check that fails raises
+`BadInput` with one line. Copies of tensors happen only in `write_capture`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import BadInput
+from .fsutil import atomic_write_bytes, atomic_write_text
+
+__all__ = ["Capture", "save_batch", "write_capture", "load_capture", "FORMAT_NAME", "FORMAT_VERSION"]
+
+FORMAT_NAME = "ampdoctor-capture"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_FILE_BYTES = 64 << 30
+_FILE_ROLES = ("tensors", "state")
+_LEAF = (int, float, bool, str, type(None))
+
+
+@dataclass
+class Capture:
+    """A loaded capture. `args`/`kwargs` are rebuilt with CPU tensors; `rng` maps "cpu"/"cuda:<i>" to states."""
+
+    path: str
+    manifest: dict
+    args: tuple
+    kwargs: dict
+    state_dict: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    autocast: dict = field(default_factory=dict)
+    scaler_state: dict | None = None
+    step: int | None = None
+
+    @property
+    def model_class(self) -> str:
+        return self.manifest.get("model_class", "")
+
+    @property
+    def hf_config(self) -> dict | None:
+        return self.manifest.get("hf_config")
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def _ampdoctor_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("ampdoctor")
+    except Exception:
+        import sys
+        return str(getattr(sys.modules.get("ampdoctor"), "__version__", "0+unknown"))
+
+
+def _encode(obj: Any, key: str, tensors: dict, where: str) -> Any:
+    """Turn args/kwargs into JSON with tensor placeholders; tensors are copied to CPU into `tensors`."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": key, "requires_grad": bool(obj.requires_grad), "device": str(obj.device)}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": str(obj)}
+    if isinstance(obj, _LEAF):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [_encode(v, f"{key}.{i}", tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {"__tuple__": items}
+    if isinstance(obj, dict) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        d = obj if isinstance(obj, dict) else {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        pairs = []
+        for k, v in d.items():
+            if not isinstance(k, (str, int)):
+                raise BadInput(f"cannot capture {where}: dict key {k!r} is not a str or int")
+            pairs.append([k, _encode(v, f"{key}.{k}", tensors, f"{where}[{k!r}]")])
+        return {"__dict__": pairs}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).replace("torch.", "")}
+    raise BadInput(f"cannot capture {where}: unsupported type {type(obj).__qualname__} "
+                   "(tensors, numbers, str, None, lists, tuples, dicts and dataclasses are supported)")
+
+
+def _autocast_now() -> dict:
+    for dev in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                return {"device": dev, "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", ""),
+                        "enabled": True}
+        except (RuntimeError, TypeError):
+            continue
+    return {"device": "cpu", "dtype": "float16", "enabled": False}
+
+
+def _rng_now() -> dict[str, torch.Tensor]:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"cuda:{i}"] = s
+    return rng
+
+
+def _norm_rng(rng: dict) -> dict[str, torch.Tensor]:
+    """{"cpu": state, "cuda:0": state, ...}; a list under "cuda" (get_rng_state_all) is spread by index."""
+    out = {}
+    for k, v in rng.items():
+        if isinstance(v, (list, tuple)):
+            out.update({f"{k}:{i}": s for i, s in enumerate(v)})
+        elif isinstance(v, torch.Tensor):
+            out[str(k)] = v
+    return out
+
+
+def _norm_autocast(ac: dict | str | None) -> dict:
+    """A dict {device, dtype, enabled}, a "device:dtype" string (as a watch records it), or None (= now)."""
+    if isinstance(ac, dict):
+        return {"device": str(ac.get("device", "cpu")), "dtype": str(ac.get("dtype", "float16")).replace("torch.", ""),
+                "enabled": bool(ac.get("enabled", True))}
+    if isinstance(ac, str) and ":" in ac:
+        dev, dt = ac.split(":", 1)
+        return {"device": dev, "dtype": dt.replace("torch.", ""), "enabled": True}
+    return _autocast_now()
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v if isinstance(v, _LEAF) else str(v)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple | list, kwargs: dict | None, *,
+                  state_dict: dict | None = None, rng: dict | None = None, autocast: dict | None = None,
+                  scaler_state: dict | None = None, step: int | None = None, extra: dict | None = None) -> str:
+    """Write a capture directory at `path` and return it. `state_dict`/`rng` default to the model's weights and
+    the RNG states now; a watch passes the ones it took before the bad step's forward."""
+    from safetensors.torch import save as st_save
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    structure = {"args": _encode(tuple(args), "a", tensors, "args"),
+                 "kwargs": _encode(dict(kwargs or {}), "k", tensors, "kwargs")}
+    for name, s in _norm_rng(rng if rng is not None else _rng_now()).items():
+        tensors[f"rng/{name}"] = s.detach().to("cpu", copy=True).contiguous()
+    sd = state_dict if state_dict is not None else model.state_dict()
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    files = {}
+    for role, data in (("tensors", tensors), ("state", state)):
+        fname = f"{role}.safetensors"
+        atomic_write_bytes(os.path.join(path, fname), st_save(data))
+        fp = os.path.join(path, fname)
+        files[role] = {"name": fname, "bytes": os.path.getsize(fp), "sha256": _sha256(fp)}
+    cfg = getattr(model, "config", None)
+    hf_config = _plain(cfg.to_dict()) if hasattr(cfg, "to_dict") else None
+    cls = type(model)
+    manifest = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "torch_version": torch.__version__,
+        "ampdoctor_version": _ampdoctor_version(), "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "hf_config": hf_config, "autocast": _norm_autocast(autocast),
+        "scaler": _plain(scaler_state) if scaler_state is not None else None, "step": step,
+        "training": bool(model.training),
+        "eval_modules": [n for n, m in model.named_modules() if not m.training and model.training],
+        "structure": structure, "rng": sorted(k[4:] for k in tensors if k.startswith("rng/")),
+        "files": files, "extra": _plain(extra or {}),
+    }
+    atomic_write_text(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=1))
+    return path
+
+
+def save_batch(path: str | os.PathLike, model: torch.nn.Module, *args, **kwargs) -> str:
+    """Capture one batch (`model(*args, **kwargs)`), the model's weights and the RNG states now, for `replay`."""
+    if not isinstance(model, torch.nn.Module):
+        raise BadInput(f"save_batch needs an nn.Module as its second argument, got {type(model).__qualname__}")
+    return write_capture(path, model, args, kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def _need(cond: bool, what: str, path: str) -> None:
+    if not cond:
+        raise BadInput(f"capture {path}: {what}")
+
+
+def _safe_file(root: str, name: Any, cap: str) -> str:
+    _need(isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", ".."),
+          f"file name {name!r} in manifest.json is not a plain file name", cap)
+    fp = os.path.join(root, name)
+    _need(os.path.lexists(fp), f"missing file {name} (re-create the capture)", cap)
+    real_root = os.path.realpath(root)
+    _need(os.path.commonpath([real_root, os.path.realpath(fp)]) == real_root,
+          f"{name} is a link that points outside the capture directory; refusing to read it", cap)
+    _need(os.path.isfile(fp), f"{name} is not a regular file", cap)
+    return fp
+
+
+def _check_manifest(m: Any, cap: str) -> None:
+    _need(isinstance(m, dict), "manifest.json is not a JSON object", cap)
+    _need(m.get("format") == FORMAT_NAME, f"manifest format is {m.get('format')!r}, expected {FORMAT_NAME!r}", cap)
+    v = m.get("format_version")
+    _need(isinstance(v, int) and not isinstance(v, bool), "format_version is not an integer", cap)
+    _need(v <= FORMAT_VERSION, f"format_version {v} is newer than this ampdoctor reads ({FORMAT_VERSION}); "
+          "upgrade ampdoctor", cap)
+    _need(v >= 1, f"unknown format_version {v}", cap)
+    types = {"torch_version": str, "ampdoctor_version": str, "model_class": str, "structure": dict, "files": dict,
+             "autocast": dict}
+    for k, t in types.items():
+        _need(isinstance(m.get(k), t), f"manifest field {k!r} must be {t.__name__}, got {type(m.get(k)).__name__}",
+              cap)
+    for k, t in (("hf_config", dict), ("scaler", dict), ("extra", dict), ("rng", list), ("training", bool),
+                 ("eval_modules", list)):
+        _need(m.get(k) is None or isinstance(m.get(k), t), f"manifest field {k!r} must be {t.__name__} or null", cap)
+    step = m.get("step")
+    _need(step is None or (isinstance(step, int) and not isinstance(step, bool)), "manifest step is not an int", cap)
+    ac = m["autocast"]
+    _need(isinstance(ac.get("device"), str) and isinstance(ac.get("dtype"), str)
+          and isinstance(ac.get("enabled"), bool), "manifest autocast must be {device: str, dtype: str, enabled: "
+          "bool}", cap)
+    _need(ac["dtype"] in ("float16", "bfloat16", "float32"), f"autocast dtype {ac['dtype']!r} is not supported", cap)
+    _need(set(m["structure"]) == {"args", "kwargs"}, "manifest structure must hold exactly args and kwargs", cap)
+    for role in _FILE_ROLES:
+        f = m["files"].get(role)
+        _need(isinstance(f, dict) and isinstance(f.get("name"), str), f"manifest files.{role} is missing", cap)
+        n = f.get("bytes")
+        _need(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_FILE_BYTES,
+              f"files.{role}.bytes is not a size ampdoctor accepts (0..{MAX_FILE_BYTES})", cap)
+        _need(f.get("sha256") is None or isinstance(f.get("sha256"), str), f"files.{role}.sha256 is not a str", cap)
+
+
+def _read_tensors(fp: str, cap: str) -> dict[str, torch.Tensor]:
+    name = os.path.basename(fp)
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load as st_load
+        with open(fp, "rb") as f:
+            data = f.read()
+        try:
+            out = st_load(data)
+        except Exception as e:
+            raise BadInput(f"capture {cap}: {name} is not a valid safetensors file ({str(e).splitlines()[0][:120]})")
+    elif name.endswith(".pt"):
+        try:
+            out = torch.load(fp, map_location="cpu", weights_only=True)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            raise BadInput(f"capture {cap}: {name} was refused by torch.load(weights_only=True): {first}")
+    else:
+        raise BadInput(f"capture {cap}: {name} has an unknown extension (expected .safetensors or .pt)")
+    _need(isinstance(out, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out.items()),
+          f"{name} does not hold a flat mapping of names to tensors", cap)
+    return out
+
+
+def _decode(obj: Any, tensors: dict, cap: str) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors, cap) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            key = obj["__tensor__"]
+            _need(isinstance(key, str) and key in tensors, f"structure names tensor {key!r} that is not stored", cap)
+            t = tensors[key]
+            return t.requires_grad_(True) if obj.get("requires_grad") and t.is_floating_point() else t
+        if "__tuple__" in obj:
+            _need(isinstance(obj["__tuple__"], list), "malformed tuple in structure", cap)
+            return tuple(_decode(v, tensors, cap) for v in obj["__tuple__"])
+        if "__dict__" in obj:
+            pairs = obj["__dict__"]
+            _need(isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], (str, int))
+                                                  for p in pairs), "malformed dict in structure", cap)
+            return {k: _decode(v, tensors, cap) for k, v in pairs}
+        if "__float__" in obj:
+            _need(obj["__float__"] in ("inf", "-inf", "nan"), "malformed float in structure", cap)
+            return float(obj["__float__"])
+        if "__dtype__" in obj:
+            dt = getattr(torch, str(obj["__dtype__"]), None)
+            _need(isinstance(dt, torch.dtype), f"unknown dtype {obj['__dtype__']!r} in structure", cap)
+            return dt
+        raise BadInput(f"capture {cap}: unknown object in structure (keys {sorted(obj)[:4]})")
+    _need(isinstance(obj, _LEAF), f"unsupported value {type(obj).__name__} in structure", cap)
+    return obj
+
+
+def load_capture(path: str | os.PathLike) -> Capture:
+    """Read and validate a capture directory. Raises `BadInput` (one line) on anything unusable."""
+    cap = os.fspath(path)
+    _need(os.path.isdir(cap), "is not a directory (expected a capture written by save_batch or a watch)", cap)
+    mp = _safe_file(cap, "manifest.json", cap)
+    _need(os.path.getsize(mp) <= MAX_MANIFEST_BYTES, "manifest.json is implausibly large", cap)
+    try:
+        with open(mp, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"capture {cap}: manifest.json is not valid JSON ({e.__class__.__name__}: {e})".splitlines()[0])
+    _check_manifest(manifest, cap)
+    loaded = {}
+    for role in _FILE_ROLES:
+        f = manifest["files"][role]
+        fp = _safe_file(cap, f["name"], cap)
+        size = os.path.getsize(fp)
+        _need(size == f["bytes"], f"{f['name']} is {size} bytes but the manifest says {f['bytes']} "
+              "(truncated or replaced)", cap)
+        if f.get("sha256"):
+            _need(_sha256(fp) == f["sha256"], f"{f['name']} does not match its sha256 (corrupt)", cap)
+        loaded[role] = _read_tensors(fp, cap)
+    tensors = loaded["tensors"]
+    st = manifest["structure"]
+    args = _decode(st["args"], tensors, cap)
+    kwargs = _decode(st["kwargs"], tensors, cap)
+    _need(isinstance(args, tuple) and isinstance(kwargs, dict), "structure args/kwargs have the wrong shape", cap)
+    _need(all(isinstance(k, str) for k in kwargs), "structure kwargs keys must be strings", cap)
+    rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng/")}
+    for k, v in rng.items():
+        _need(v.dtype == torch.uint8 and v.dim() == 1, f"RNG state {k} is not a 1-D uint8 tensor", cap)
+    return Capture(path=cap, manifest=manifest, args=args, kwargs=kwargs, state_dict=loaded["state"], rng=rng,
+                   autocast=dict(manifest["autocast"]), scaler_state=manifest.get("scaler"),
+                   step=manifest.get("step"))

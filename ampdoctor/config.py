@@ -1,0 +1,38 @@
+"""WatchConfig: every knob of a watch, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["WatchConfig", "DEFAULT_EVERY"]
+
+DEFAULT_EVERY = 200
+
+
+@dataclass(kw_only=True, slots=True)
+class WatchConfig:
+    every: int = DEFAULT_EVERY
+    """Full per-layer statistics on every N-th step (step 0 always). 1 = every step. Steps in between are
+    still checked for inf/NaN in the loss and gradients and for skipped steps."""
+
+    bad_step_followup: int = 3
+    """After a bad step, record full statistics on this many following steps (or until a producer is seen)."""
+
+    capture: bool = True
+    """Write a capture of the first bad step's batch under run_dir/captures/ (needs run_dir)."""
+
+    max_captures: int = 1
+    """How many captures one run may write."""
+
+    update_sample: int = 256
+    """Elements per low-precision parameter checked for updates that round away (w + Δw == w)."""
+
+    max_module_calls: int = 4096
+    """Per step, at most this many module calls are recorded (the rest are counted, not measured)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every must be a positive int (1 = every step), got {self.every!r}")
+        if self.bad_step_followup < 0 or self.max_captures < 0 or self.update_sample < 0:
+            raise ValueError("bad_step_followup, max_captures and update_sample must be >= 0")
+        if self.max_module_calls < 1:
+            raise ValueError("max_module_calls must be >= 1")

@@ -1,0 +1,167 @@
+"""Scaler, optimizer and gradient-clipping monitor: records every call, in order, with the caller's line.
+
+Patches are instance attributes on the user's GradScaler and optimizer (removed on close) and, shared by all
+open watches, the module-level clipping functions of `torch.nn.utils`. A call that raises is recorded before
+the exception propagates, so a report after a crashed script still names the misuse and the line.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "caller_location", "scaler_stage"]
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
+    """(file, line) of the first frame outside ampdoctor and torch."""
+    f = sys._getframe(skip)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not (fn.startswith(_PKG_DIR) or fn.startswith(_TORCH_DIR) or fn.startswith("<frozen")
+                or "/contextlib.py" in fn or "/functools.py" in fn):
+            return fn, f.f_lineno
+        f = f.f_back
+    return None, None
+
+
+def scaler_stage(scaler, optimizer) -> str | None:
+    """GradScaler's per-optimizer stage name (READY / UNSCALED / STEPPED) or None."""
+    try:
+        st = scaler._per_optimizer_states[id(optimizer)]["stage"]
+        return getattr(st, "name", str(st))
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+class _InstancePatch:
+    """Replace methods on one object by wrappers; `remove()` restores exactly what was there."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+        self._saved: list[tuple[str, bool, Any]] = []
+
+    def wrap(self, name: str, make: Callable[[Callable], Callable]) -> None:
+        had = name in vars(self.obj)
+        orig = getattr(self.obj, name)
+        self._saved.append((name, had, vars(self.obj).get(name)))
+        setattr(self.obj, name, make(orig))
+
+    def remove(self) -> None:
+        for name, had, old in reversed(self._saved):
+            if had:
+                setattr(self.obj, name, old)
+            else:
+                try:
+                    delattr(self.obj, name)
+                except AttributeError:
+                    pass
+        self._saved.clear()
+
+
+class ScalerPatch(_InstancePatch):
+    """Wraps scale / unscale_ / step / update of one GradScaler and reports them to `sink(kind, ...)`."""
+
+    def __init__(self, scaler, sink):
+        super().__init__(scaler)
+        for kind in ("scale", "unscale_", "step", "update"):
+            self.wrap(kind, lambda orig, kind=kind: self._make(kind, orig, sink))
+
+    @staticmethod
+    def _make(kind: str, orig: Callable, sink) -> Callable:
+        def wrapper(*args, **kwargs):
+            tok = sink.before(kind, args, kwargs)
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException as e:
+                sink.failed(tok, e)
+                raise
+            sink.after(tok, args, kwargs, out)
+            return out
+        wrapper.__wrapped__ = orig
+        return wrapper
+
+
+class OptimizerPatch(_InstancePatch):
+    """A zero_grad wrapper on one optimizer (its steps are seen through torch's global optimizer hooks)."""
+
+    def __init__(self, optimizer, sink):
+        super().__init__(optimizer)
+
+        def make_zero_grad(orig):
+            def zero_grad(*args, **kwargs):
+                sink.zero_grad(optimizer)
+                return orig(*args, **kwargs)
+            zero_grad.__wrapped__ = orig
+            return zero_grad
+        self.wrap("zero_grad", make_zero_grad)
+
+
+
+_CLIP_FUNCS = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grad_norm")
+
+
+class ClipPatch:
+    """Process-wide: wraps torch.nn.utils' clipping functions once and fans calls out to open watches."""
+
+    _lock = threading.Lock()
+    _sinks: list = []
+    _saved: list[tuple[Any, str, Any]] = []
+
+    @classmethod
+    def add(cls, sink) -> None:
+        with cls._lock:
+            if not cls._sinks:
+                cls._install()
+            cls._sinks.append(sink)
+
+    @classmethod
+    def discard(cls, sink) -> None:
+        with cls._lock:
+            if sink in cls._sinks:
+                cls._sinks.remove(sink)
+            if not cls._sinks:
+                for mod, name, orig in reversed(cls._saved):
+                    setattr(mod, name, orig)
+                cls._saved.clear()
+
+    @classmethod
+    def _install(cls) -> None:
+        import torch.nn.utils as U
+        import torch.nn.utils.clip_grad as C
+        originals: dict[str, Callable] = {}
+        for mod in (C, U):
+            for name in _CLIP_FUNCS:
+                fn = getattr(mod, name, None)
+                if fn is None:
+                    continue
+                orig = originals.setdefault(name, getattr(fn, "__wrapped_by_ampdoctor__", fn))
+                cls._saved.append((mod, name, fn))
+                setattr(mod, name, cls._wrapper(name.rstrip("_") + ("_" if name.endswith("_") else ""), orig))
+
+    @classmethod
+    def _wrapper(cls, kind: str, orig: Callable) -> Callable:
+        def clip(parameters, *args, **kwargs):
+            if not isinstance(parameters, (torch.Tensor, list, tuple)):
+                parameters = list(parameters)  # a generator would be consumed by our look
+            toks = [(s, s.clip_before(kind, parameters)) for s in list(cls._sinks)]
+            try:
+                out = orig(parameters, *args, **kwargs)
+            except BaseException as e:
+                for s, t in toks:
+                    s.failed(t, e)
+                raise
+            for s, t in toks:
+                s.clip_after(t, out)
+            return out
+        clip.__wrapped_by_ampdoctor__ = orig
+        clip.__wrapped__ = orig
+        clip.__name__ = getattr(orig, "__name__", kind)
+        clip.__doc__ = getattr(orig, "__doc__", None)
+        return clip

@@ -1,0 +1,263 @@
+"""Typed records: what a watch measures, keyed by module qualified name and optimizer step.
+
+Records are small dataclasses of numbers and strings. They are what crosses from the hooks to the run
+directory and from the run directory to the rules; nothing else does. Each has `to_dict`/`from_dict` so a
+run directory round-trips exactly (see ampdoctor/rundir.py for the on-disk layout).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "Producer", "StepRecord", "RunMeta",
+           "STAT_FIELDS", "DTYPE_LIMITS"]
+
+# Order of the numbers in a device-side stats vector (ampdoctor/stats.py) and in TensorStats.
+STAT_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "absmax", "min_nonzero", "near_max", "subnormal",
+               "overflow_as_ref")
+
+# Limits per reference dtype: (max finite, smallest normal, near-max threshold).
+# near-max threshold is 2^15 for fp16 (one bit of headroom left), max/2 for the others.
+DTYPE_LIMITS = {
+    "float16": (65504.0, 2.0 ** -14, 2.0 ** 15),
+    "bfloat16": (3.3895313892515355e38, 1.1754943508222875e-38, 2.0 ** 127),
+    "float32": (3.4028234663852886e38, 1.1754943508222875e-38, 2.0 ** 127),
+    "float64": (1.7976931348623157e308, 2.2250738585072014e-308, 2.0 ** 1023),
+}
+
+
+def _fromd(cls, d: dict):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class TensorStats:
+    """Statistics of one tensor (or of several tensors aggregated, e.g. all inputs of a call).
+
+    Counts are relative to `ref` (the dtype the values live in or will be cast to: fp16 tensors, and fp32
+    tensors inside an fp16 autocast region, use fp16 limits; bf16 its own). `absmax` and `min_nonzero` are over
+    finite values only (0.0 / None when there are none). `overflow_as_ref` counts finite values that would
+    become ±inf if cast to `ref` (non-zero only for a wider dtype measured against a narrower ref).
+    """
+
+    dtype: str
+    ref: str
+    numel: int = 0
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    zeros: int = 0
+    absmax: float = 0.0
+    min_nonzero: float | None = None
+    near_max: int = 0
+    subnormal: int = 0
+    overflow_as_ref: int = 0
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    @property
+    def finite(self) -> bool:
+        return self.nonfinite == 0
+
+    @property
+    def nonzero_finite(self) -> int:
+        return max(self.numel - self.nonfinite - self.zeros, 0)
+
+    @property
+    def headroom_bits(self) -> float | None:
+        """log2(max of ref / absmax): how many doublings are left before overflow (None if all zero)."""
+        import math
+        if not self.absmax:
+            return None
+        return math.log2(DTYPE_LIMITS.get(self.ref, DTYPE_LIMITS["float32"])[0] / self.absmax)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorStats":
+        return _fromd(cls, d)
+
+
+@dataclass
+class ModuleCall:
+    """One call of one module in one step (a module called three times gets three records).
+
+    `inp`/`out`: forward statistics of the tensor inputs/outputs. `gout`: gradient flowing into the module's
+    outputs (from above); `gin`: gradient flowing out towards its inputs. Gradients are as autograd saw them,
+    i.e. multiplied by the loss scale when a GradScaler is used; divide by the step's `scale` to unscale.
+    `seq` orders calls within the step (forward order); `bseq` the order in which the backward reached it.
+    """
+
+    module: str
+    type: str
+    call: int
+    seq: int
+    depth: int
+    autocast: str | None = None
+    inp: TensorStats | None = None
+    par: TensorStats | None = None
+    out: TensorStats | None = None
+    gout: TensorStats | None = None
+    gin: TensorStats | None = None
+    bseq: int | None = None
+    grad_enabled: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModuleCall":
+        d = dict(d)
+        for k in ("inp", "par", "out", "gout", "gin"):
+            if d.get(k) is not None:
+                d[k] = TensorStats.from_dict(d[k])
+        return _fromd(cls, d)
+
+
+@dataclass
+class ParamStat:
+    """One parameter at the optimizer step: gradient after unscale_, and what the update did."""
+
+    name: str
+    module: str
+    dtype: str
+    numel: int
+    grad_norm: float | None = None
+    grad_absmax: float | None = None
+    grad_nonfinite: int = 0
+    grad_zeros: int = 0
+    weight_absmax: float | None = None
+    update_sampled: int = 0
+    update_rounded_away: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParamStat":
+        return _fromd(cls, d)
+
+
+@dataclass
+class CallEvent:
+    """A call to the scaler, the optimizer or a clipping function, in program order.
+
+    `kind`: scale, unscale_, step, update, optimizer.step, zero_grad, clip_grad_norm_, clip_grad_value_,
+    get_total_norm, backward. `stage`: the GradScaler per-optimizer stage before the call (READY, UNSCALED,
+    STEPPED) when known. `error`: the exception message when the call raised (recorded before it propagates).
+    """
+
+    kind: str
+    step: int
+    index: int
+    file: str | None = None
+    line: int | None = None
+    stage: str | None = None
+    scaled: bool | None = None
+    error: str | None = None
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CallEvent":
+        return _fromd(cls, d)
+
+
+@dataclass
+class Producer:
+    """The innermost module (call) whose inputs were finite and whose output was not: inf/NaN's origin."""
+
+    module: str
+    call: int
+    phase: str
+    kind: str
+    op: str | None = None
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Producer":
+        return _fromd(cls, d)
+
+
+@dataclass
+class StepRecord:
+    """Everything recorded for one optimizer step (0-based `step`).
+
+    `sampled`: full per-module statistics were taken this step. `skipped`: the scaler found inf/NaN and the
+    optimizer step was skipped. `scale`: the loss scale the backward used. `loss`: the last loss seen (the value
+    passed to `scaler.scale` or `.backward()`, or the model's scalar/`.loss` output). `micro_batches`: forwards of
+    the root module counted into this step (gradient accumulation).
+    """
+
+    step: int
+    sampled: bool = False
+    loss: float | None = None
+    loss_finite: bool | None = None
+    scale: float | None = None
+    next_scale: float | None = None
+    found_inf: bool | None = None
+    skipped: bool = False
+    grad_finite: bool | None = None
+    grad_norm: float | None = None
+    micro_batches: int = 0
+    autocast: str | None = None
+    forward_producer: Producer | None = None
+    backward_producer: Producer | None = None
+    modules: list[ModuleCall] = field(default_factory=list)
+    params: list[ParamStat] = field(default_factory=list)
+    events: list[CallEvent] = field(default_factory=list)
+    exception: dict | None = None
+    capture: str | None = None
+
+    @property
+    def bad(self) -> bool:
+        return bool(self.skipped or self.loss_finite is False or self.grad_finite is False
+                    or self.forward_producer or self.backward_producer or self.exception)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepRecord":
+        d = dict(d)
+        for k in ("forward_producer", "backward_producer"):
+            if d.get(k) is not None:
+                d[k] = Producer.from_dict(d[k])
+        d["modules"] = [ModuleCall.from_dict(m) for m in d.get("modules") or []]
+        d["params"] = [ParamStat.from_dict(p) for p in d.get("params") or []]
+        d["events"] = [CallEvent.from_dict(e) for e in d.get("events") or []]
+        return _fromd(cls, d)
+
+
+@dataclass
+class RunMeta:
+    """Once per run: the model's module tree, the optimizer's parameter dtypes, the scaler, the environment."""
+
+    format_version: int = 1
+    ampdoctor_version: str = ""
+    torch_version: str = ""
+    model_class: str = ""
+    modules: list[list[Any]] = field(default_factory=list)   # [qualified name, class name, depth]
+    params: list[list[Any]] = field(default_factory=list)    # [name, module, dtype, numel, in_optimizer]
+    optimizer: dict = field(default_factory=dict)             # class, param dtypes, fp16/bf16 param names
+    scaler: dict = field(default_factory=dict)                # class, init_scale, growth/backoff, enabled
+    env: dict = field(default_factory=dict)                   # see ampdoctor/env.py
+    every: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunMeta":
+        return _fromd(cls, d)

@@ -1,0 +1,178 @@
+"""replay(): re-run one captured batch with op-level instrumentation and explain why it went non-finite.
+
+Pipeline (each step in its own module): rebuild the model and load the capture's weights (modelio) → the
+traced step: forward + backward under the op tracer, constant checks included (optrace, constants) → fp32
+shadow and dtype what-if (shadow) → fix search (fixsearch) → findings (explain). A model passed in is left
+exactly as it was: weights, buffers, modes, grads and RNG are restored in a `finally`.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any, Callable
+
+import torch
+
+from ..capture import Capture, load_capture
+from ..errors import BadInput
+from ..findings import Report
+from . import explain, fixsearch, modelio, shadow as shadow_mod
+from .optrace import OpTracer
+
+__all__ = ["replay"]
+
+
+def _device_of(model: torch.nn.Module) -> torch.device | None:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return None
+
+
+def _pick_dtype(cap: Capture, model: torch.nn.Module) -> tuple[torch.dtype | None, str | None]:
+    ac = cap.autocast
+    if ac.get("enabled"):
+        return getattr(torch, ac["dtype"]), None
+    if any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
+        return None, None  # a pure low-precision model: every op already runs in its dtype
+    return torch.float16, "the capture was taken outside autocast; replayed under float16 autocast"
+
+
+def _scale(cap: Capture) -> float | None:
+    s = (cap.scaler_state or {}).get("scale")
+    return float(s) if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 else None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Callable | str | None = None, *,
+           device: str | None = None, shadow: bool = True, whatif: bool = True, fix_search: bool = True,
+           progress: Callable[[str], None] | None = None) -> Report:
+    """Re-run a capture and report the op/module/step where inf/NaN first appeared, plus fp32 comparisons."""
+    say = progress or (lambda s: None)
+    cap = capture if isinstance(capture, Capture) else load_capture(capture)
+    if isinstance(loss_fn, str):
+        loss_fn = modelio.resolve(loss_fn, "--loss")
+    m = modelio.build_model(cap, model)
+    dev = torch.device(device) if device else (_device_of(m) or torch.device("cpu"))
+    if model is not None and not isinstance(model, str) and _device_of(m) not in (None, dev):
+        m = copy.deepcopy(m)   # never move the caller's model
+    with modelio.preserved(m):
+        m.to(dev)
+        return _replay(cap, m, loss_fn, dev, shadow, whatif, fix_search, say)
+
+
+def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
+    devtype = dev.type
+    say(f"replay: loading weights from {cap.path}")
+    modelio.load_weights(m, cap.state_dict)
+    m.train(bool(cap.manifest.get("training", True)))
+    for name in cap.manifest.get("eval_modules") or []:
+        try:
+            m.get_submodule(name).eval()
+        except AttributeError:
+            pass
+    dtype, note = _pick_dtype(cap, m)
+    dtype_name = str(dtype).replace("torch.", "") if dtype else str(next(
+        (p.dtype for p in m.parameters() if p.is_floating_point()), torch.float16)).replace("torch.", "")
+    args, kwargs = modelio.to_device((cap.args, cap.kwargs), dev)
+    scale = _scale(cap)
+
+    say("replay: traced forward/backward")
+    tracer = OpTracer(m)
+
+    def on_backward(root):
+        tracer.phase = "backward"
+        tracer.propagate([root.grad_fn])
+
+    forward_error, out, loss, grads = None, None, None, {}
+    with tracer:
+        try:
+            out, loss, grads = modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
+                                                loss_fn=loss_fn, scale=scale, on_backward=on_backward)
+        except RuntimeError as e:
+            forward_error = _first_line(e)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            raise BadInput(f"replaying the capture failed in the model: {type(e).__name__}: {_first_line(e)}")
+    if forward_error and tracer.exception_module is not None:
+        for c in tracer.constants:
+            c.setdefault("raised_here", c["module"] == tracer.exception_module)
+    out_ok = out is None or all(bool(torch.isfinite(t).all()) for t in shadow_mod._floats(out))
+    loss_finite = None if loss is None else bool(torch.isfinite(loss).all())
+    grads_bad = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
+    step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad)
+
+    rows, suspects, table, ref, fix = [], [], {}, None, None
+    m32 = None
+    if do_shadow or do_whatif or (do_fix and step_bad):
+        say("replay: fp32 shadow")
+        try:
+            m32 = shadow_mod.fp32_model(m)
+            ref, ref_finite, _ = shadow_mod.run_dtype(m32, args, kwargs, device=devtype, dtype=None, rng=cap.rng,
+                                                      loss_fn=loss_fn, cast_inputs=torch.float32)
+        except RuntimeError as e:
+            note = (note + "; " if note else "") + f"fp32 shadow failed: {_first_line(e)}"
+            ref = None
+    if ref is not None and do_shadow and not forward_error:
+        lo, _, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn,
+                                        scale=scale)
+        rows = shadow_mod.module_errors(lo, ref)
+        suspects = [] if step_bad else shadow_mod.precision_suspects(rows)
+    if ref is not None and do_whatif:
+        say("replay: dtype what-if (fp16, bf16" + (", tf32)" if devtype == "cuda" else ")"))
+        table = shadow_mod.whatif(m32, args, kwargs, device=devtype, rng=cap.rng, loss_fn=loss_fn, ref=ref,
+                                  scale=scale)
+    first = next((e.module for e in tracer.events), None)
+    if first is None:
+        first = next((c["module"] for c in tracer.constants), tracer.exception_module)
+    if do_fix and step_bad and dtype is not None and first is not None:
+        say("replay: searching the smallest set of modules to run in fp32")
+        fix = _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref)
+
+    findings = explain.build_findings(events=tracer.events, consts=tracer.constants, step_bad=step_bad,
+                                      step=cap.step, device=devtype, forward_error=forward_error, fix=fix,
+                                      suspects=suspects, dtype=dtype_name)
+    data = {"capture": cap.path, "device": str(dev), "dtype": dtype_name, "scale": scale,
+            "chain": explain.chain(tracer.events, loss_finite, grads_bad, tracer.constants,
+                                   forward_error),
+            "ops": [e.to_dict() for e in tracer.events[:8]],
+            "constants": [{k: v for k, v in c.items() if k != "key"} for c in tracer.constants[:8]],
+            "forward_error": forward_error,
+            "shadow": [{"module": r["module"], "call": r["call"], "rel_err": r["rel_err"]} for r in rows],
+            "whatif": table, "fix": fix or {"modules": [], "snippet": "", "found": False}}
+    summary = {"replay": True, "capture": cap.path, "step": cap.step, "dtype": dtype_name, "device": str(dev),
+               "finite": not step_bad, "loss": None if loss is None else float(loss.detach().float()),
+               "errors": sum(f.severity == "error" for f in findings),
+               "warnings": sum(f.severity == "warning" for f in findings), "note": note,
+               "headline": findings[0].one_line() if findings else "replayed step is finite; nothing to report"}
+    say("replay: done")
+    return Report(findings, summary, {"replay": data})
+
+
+def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> dict:
+    last = {}
+
+    def try_set(mods):
+        with fixsearch.fp32_modules(m, mods, devtype):
+            try:
+                rec, finite, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
+                                                      loss_fn=loss_fn, scale=scale)
+            except RuntimeError:
+                return False, None
+        last[tuple(mods)] = rec
+        over = rec.overflow_modules()
+        return finite, (over[0] if over else None)
+
+    res = fixsearch.search(first, try_set)
+    if res["found"]:
+        rec = last.get(tuple(res["modules"]))
+        root_err = None
+        if rec is not None and ref is not None and ("", 0) in rec.outs and ("", 0) in ref.outs:
+            root_err = shadow_mod.rel_err(rec.outs[("", 0)], ref.outs[("", 0)])
+        res["output_rel_err_vs_fp32"] = None if root_err is None or not math.isfinite(root_err) else root_err
+        res["snippet"] = fixsearch.snippet(res["modules"], devtype)
+    else:
+        res["snippet"] = ""
+    return res

@@ -1,0 +1,98 @@
+"""Constant rules: fill/mask values outside the working dtype's range, epsilons that vanish in it.
+
+`check_op` is called by the tracer's dispatch mode before each forward ATen op runs. It looks only at the
+arguments the op's schema types as Scalar (or a Python number passed where a Tensor goes, as `x + 1e-8` does),
+and only when the op works in float16/bfloat16. It runs before the op, so a fill that raises
+("value cannot be converted to type at::Half without overflow") is still recorded at its module and line.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["check_op", "MASK_OPS", "EPS_OPS", "LOW_DTYPES", "is_mask_like"]
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+# Ops where a huge constant is a mask/fill value (a huge constant in mul/div is judged by the op's output).
+MASK_OPS = {"masked_fill", "masked_fill_", "fill", "fill_", "full", "full_like", "new_full", "scalar_tensor",
+            "where", "add", "add_", "sub", "sub_", "rsub", "clamp", "clamp_", "clamp_min", "clamp_max",
+            "index_fill", "index_fill_", "constant_pad_nd", "fill_diagonal_"}
+# Ops where a tiny constant is an epsilon guard (or 1 - eps a saturation guard).
+EPS_OPS = {"clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "add", "add_", "sub", "sub_",
+           "rsub", "where", "masked_fill", "masked_fill_", "full", "fill", "fill_", "scalar_tensor", "full_like"}
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def is_mask_like(v: float) -> bool:
+    """A magnitude that looks like a hand-written mask constant: 1e4, 1e9, 1e30, finfo(...).max."""
+    v = abs(v)
+    if v < 1e4 or not math.isfinite(v):
+        return False
+    specials = [torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32)]
+    return abs(math.log10(v) - round(math.log10(v))) < 1e-6 or any(abs(v - s) <= 1e-6 * s for s in specials)
+
+
+def _working_dtype(args, kwargs) -> torch.dtype | None:
+    dt = kwargs.get("dtype")
+    if isinstance(dt, torch.dtype):
+        return dt
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.dtype
+    return None
+
+
+def _scalars(func, args, kwargs):
+    """(argument name, python number) for every Scalar-typed (or Tensor slot holding a number) argument."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or a.name == "alpha":
+            continue
+        t = str(a.type)
+        if "Scalar" in t or "number" in t or t.startswith("Tensor") or t in ("float", "Optional[float]"):
+            out.append((a.name, v))
+    return out
+
+
+def _record(tr, rule: str, func, dtype, name: str, value, rounded, detail: str) -> None:
+    from .optrace import source_line
+    mod = tr.module()
+    key = (rule, mod, func._schema.name, value)
+    for c in tr.constants:
+        if c["key"] == key:
+            c["count"] += 1
+            return
+    tr.constants.append({"key": key, "rule": rule, "module": mod, "op": func._schema.name, "arg": name,
+                         "value": value, "rounded": rounded, "dtype": str(dtype).replace("torch.", ""),
+                         "line": source_line(), "seq": tr.seq, "phase": tr.phase, "detail": detail, "count": 1})
+
+
+def check_op(tr, func, args, kwargs) -> None:
+    """Record mask/eps constant events for one forward op on the tracer `tr` (never raises)."""
+    short = func._schema.name.split("::")[-1]
+    if short not in MASK_OPS and short not in EPS_OPS:
+        return
+    dtype = _working_dtype(args, kwargs)
+    if dtype not in LOW_DTYPES:
+        return
+    fi = torch.finfo(dtype)
+    dname = str(dtype).replace("torch.", "")
+    for name, v in _scalars(func, args, kwargs):
+        v = float(v)
+        if not math.isfinite(v) or v == 0.0:
+            continue
+        if short in MASK_OPS and abs(v) > fi.max:
+            what = "raises or becomes -inf" if v < 0 else "raises or becomes inf"
+            _record(tr, "mask_value_overflow", func, dtype, name, v, math.copysign(math.inf, v),
+                    f"{v:g} is outside the {dname} range (max {fi.max:g}): it {what}")
+        elif short in EPS_OPS and v != 1.0 and abs(abs(v) - 1.0) < 1e-2:
+            r = torch.tensor(v, dtype=dtype).item()
+            if abs(r) == 1.0:
+                _record(tr, "eps_underflow", func, dtype, name, v, r,
+                        f"{v!r} rounds to exactly {r:g} in {dname} (its spacing near 1 is {fi.eps:g})")
+        elif short in EPS_OPS and abs(v) < 1e-3:
+            r = torch.tensor(v, dtype=dtype).item()
+            if r == 0.0:
+                _record(tr, "eps_underflow", func, dtype, name, v, r, f"{v:g} rounds to 0 in {dname}")

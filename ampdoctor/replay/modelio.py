@@ -1,0 +1,182 @@
+"""Model side of a replay: resolve `pkg.mod:factory`, rebuild from a capture, load its weights, run one step,
+and leave a caller's model exactly as it was (weights, buffers, modes, grads, RNG) afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..errors import BadInput
+
+__all__ = ["resolve", "build_model", "load_weights", "preserved", "set_rng", "autocast_ctx", "to_device",
+           "get_loss", "run_step", "floating_params"]
+
+
+def resolve(spec: str, what: str = "factory") -> Callable:
+    """Import "package.module:attr" (attr may be dotted) and return the object; errors are one-line BadInput."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise BadInput(f"{what} {spec!r} must look like package.module:name")
+    mod_name, attr = spec.split(":")
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(mod_name)
+    except Exception as e:
+        raise BadInput(f"cannot import {mod_name!r} for {what} {spec!r}: {type(e).__name__}: {e}".splitlines()[0])
+    finally:
+        if added and os.getcwd() in sys.path:
+            sys.path.remove(os.getcwd())
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise BadInput(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise BadInput(f"{what} {spec!r} is not callable")
+    return obj
+
+
+def build_model(capture, model: Any = None) -> torch.nn.Module:
+    """The model to replay on: `model` (a Module or a factory string), else rebuilt from the capture."""
+    if isinstance(model, str):
+        factory = resolve(model, "--model")
+        try:
+            model = factory()
+        except Exception as e:
+            raise BadInput(f"model factory {model!r} raised {type(e).__name__}: {e}".splitlines()[0])
+    if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise BadInput(f"model must be an nn.Module or a 'pkg.mod:factory' string, got {type(model).__name__}")
+        return model
+    cls_path = capture.model_class
+    if capture.hf_config is not None:
+        try:
+            import transformers
+        except ImportError:
+            raise BadInput("this capture holds a Hugging Face config but transformers is not installed; "
+                           "install it or pass model=/--model")
+        cfg = dict(capture.hf_config)
+        config = transformers.AutoConfig.for_model(cfg.pop("model_type", None), **cfg)
+        mod, _, name = cls_path.rpartition(".")
+        cls = getattr(importlib.import_module(mod), name, None) if mod else None
+        if cls is None:
+            raise BadInput(f"cannot import model class {cls_path!r}; pass model=/--model")
+        return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+    mod, _, name = cls_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), name)()
+    except Exception:
+        raise BadInput(f"cannot rebuild {cls_path or 'the model'} from the capture alone; pass model= "
+                       "(or --model package.module:factory)")
+
+
+def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    shape = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+             if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
+    if missing or unexpected or shape:
+        parts = [f"{label} {', '.join(x[:3])}{' …' if len(x) > 3 else ''}"
+                 for label, x in (("missing", missing), ("unexpected", unexpected), ("shape", shape)) if x]
+        raise BadInput("model does not match capture: " + "; ".join(parts))
+    with torch.no_grad():
+        model.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v
+                               for k, v in state_dict.items()}, strict=True)
+
+
+@contextlib.contextmanager
+def preserved(model: torch.nn.Module):
+    """Restore the model's weights/buffers (bitwise), train/eval modes, .grad and the RNG states on exit."""
+    state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    modes = {m: m.training for m in model.modules()}
+    grads = {p: (p.grad, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            live = model.state_dict(keep_vars=True)
+            for k, v in state.items():
+                if k in live:
+                    live[k].data.copy_(v)
+        for m, t in modes.items():
+            m.training = t
+        for p, (g, val) in grads.items():
+            p.grad = g
+            if g is not None:
+                g.data.copy_(val)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def set_rng(rng: dict) -> None:
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available():
+        for k, s in rng.items():
+            if k.startswith("cuda:") and int(k[5:]) < torch.cuda.device_count():
+                torch.cuda.set_rng_state(s, int(k[5:]))
+
+
+def autocast_ctx(device: str, dtype: torch.dtype | None):
+    """`torch.autocast(device, dtype)`, or a context that disables autocast when dtype is None or fp32."""
+    if dtype is None or dtype == torch.float32:
+        return torch.autocast(device, enabled=False)
+    return torch.autocast(device, dtype=dtype)
+
+
+def to_device(tree, device, float_dtype: torch.dtype | None = None):
+    def f(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        rg = t.requires_grad
+        t = t.detach().to(device)
+        if float_dtype is not None and t.is_floating_point():
+            t = t.to(float_dtype)
+        return t.requires_grad_(rg) if rg and t.is_floating_point() else t
+    return tree_map(f, tree)
+
+
+def get_loss(output, args, kwargs, loss_fn) -> torch.Tensor | None:
+    """The scalar loss of one step: loss_fn(output, *args, **kwargs), a scalar output, `.loss` or ["loss"]."""
+    if loss_fn is not None:
+        return loss_fn(output, *args, **kwargs)
+    if isinstance(output, torch.Tensor):
+        return output if output.numel() == 1 else None
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def floating_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+
+
+def run_step(model, args, kwargs, *, device: str, dtype, rng: dict, loss_fn=None, scale: float | None = None,
+             backward: bool = True, on_backward: Callable | None = None):
+    """One forward (+ backward through autograd.grad, so no .grad is touched). Returns (output, loss, grads)."""
+    set_rng(rng)
+    with autocast_ctx(device, dtype):
+        out = model(*args, **kwargs)
+        loss = get_loss(out, args, kwargs, loss_fn)
+    grads: dict[str, torch.Tensor] = {}
+    params = floating_params(model)
+    if backward and loss is not None and loss.requires_grad and params:
+        root = loss.float() * scale if scale else loss
+        if on_backward is not None:
+            on_backward(root)
+        gs = torch.autograd.grad(root, [p for _, p in params], allow_unused=True)
+        grads = {n: g for (n, _), g in zip(params, gs) if g is not None}
+    return out, loss, grads

@@ -1,0 +1,222 @@
+"""Op-level tracer: which ATen op first turned finite values into inf/NaN, in which module, on which line.
+
+`OpTracer` is a context manager over one model. Inside it:
+- per-module forward pre/post hooks keep a stack of qualified names (the innermost module running);
+- a `TorchFunctionMode` maps each autograd node created in the forward to (module, source line, function),
+  so a backward op can be attributed through `torch._C._current_autograd_node()`;
+- a `TorchDispatchMode` sees every ATen op after autocast: it hands scalar arguments to the constant checks
+  (ampdoctor/replay/constants.py) and, when a floating output is not finite, checks the inputs and records an
+  `OpEvent` if this op produced the inf/NaN.
+Checks are one `isfinite().all()` per floating output; inputs are only examined when an output is bad.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import constants
+
+__all__ = ["OpEvent", "OpTracer", "source_line"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_AMPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SKIP_FUNCS = {"__torch_function__", "__torch_dispatch__"}
+MAX_EVENTS = 32
+
+
+def source_line() -> str | None:
+    """'file:line in func' of the first frame outside torch and ampdoctor (the user's code)."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_AMPDOCTOR_DIR) or f.f_code.co_name in _SKIP_FUNCS
+                or fn.startswith("<frozen")):
+            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return None
+
+
+@dataclass
+class OpEvent:
+    """One op whose output held inf/NaN that its inputs did not (`kind`: overflow or nan_origin)."""
+
+    seq: int
+    phase: str
+    module: str | None
+    op: str
+    kind: str
+    line: str | None = None
+    autograd_node: str | None = None
+    out_dtype: str | None = None
+    out_nan: int = 0
+    out_posinf: int = 0
+    out_neginf: int = 0
+    out_numel: int = 0
+    absmax_in: float = 0.0
+    in_dtypes: list = field(default_factory=list)
+    in_has_inf: bool = False
+    in_zeros: int = 0
+    """inputs at the op's singular point: == 0 (== -1 for log1p)"""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _floats(tree) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+
+class _FnMode(TorchFunctionMode):
+    def __init__(self, tracer: "OpTracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.grad_fn not in self.tracer.nodes:
+                    self.tracer.nodes[t.grad_fn] = (self.tracer.module(), source_line(),
+                                                    getattr(func, "__name__", str(func)))
+        return out
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __init__(self, tracer: "OpTracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tracer
+        tr.seq += 1
+        if tr.phase == "forward":
+            constants.check_op(tr, func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            tr.note_exception()
+            raise
+        if len(tr.events) < MAX_EVENTS:
+            tr.check_output(func, args, kwargs, out)
+        return out
+
+
+class OpTracer:
+    """Context manager: trace one forward (and its backward, via `phase = "backward"`) of `model`."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+        self.stack: list[str] = []
+        self.nodes: dict = {}            # autograd node -> (module, line, torch function)
+        self._node_module: dict = {}     # filled by propagate(): every reachable node -> forward info
+        self.events: list[OpEvent] = []
+        self.constants: list[dict] = []  # mask/eps constant events (constants.py)
+        self.seq = 0
+        self.phase = "forward"
+        self.exception_module: str | None = None
+        self._handles: list = []
+        self._modes: list = []
+
+    # module stack ---------------------------------------------------------------------------------
+    def module(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    def _pre(self, mod, args):
+        self.stack.append(self.names.get(mod, ""))
+
+    def _post(self, mod, args, out):
+        if self.stack:
+            self.stack.pop()
+
+    def __enter__(self) -> "OpTracer":
+        for m in set(self.names):
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        self._modes = [_FnMode(self), _DispatchMode(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def note_exception(self) -> None:
+        """Remember the innermost module running when an op raised (before post hooks unwind the stack)."""
+        if self.exception_module is None:
+            self.exception_module = self.module()
+
+    # backward attribution ---------------------------------------------------------------------------
+    def propagate(self, roots) -> None:
+        """Give every node reachable from `roots` the forward info of its nearest mapped consumer (BFS), so
+        nodes created inside composite functions (e.g. F.normalize) are attributed too."""
+        info = {}
+        q = deque()
+        for r in roots:
+            if r is not None:
+                info[r] = self.nodes.get(r, (None, None, None))
+                q.append(r)
+        while q:
+            n = q.popleft()
+            for nxt, _ in getattr(n, "next_functions", ()):
+                if nxt is None or nxt in info:
+                    continue
+                info[nxt] = self.nodes.get(nxt, info[n])
+                q.append(nxt)
+        self._node_module = info
+
+    def _where(self):
+        if self.phase == "forward":
+            return self.module(), None, None
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None, None, None
+        mod, line, _ = self.nodes.get(node) or self._node_module.get(node) or (None, None, None)
+        return mod, line, node.name()
+
+    # inf/NaN origin ---------------------------------------------------------------------------------
+    def check_output(self, func, args, kwargs, out) -> None:
+        outs = _floats(out)
+        bad = [t for t in outs if not bool(torch.isfinite(t).all())]
+        if not bad:
+            return
+        ins = _floats((args, kwargs))
+        if not ins:
+            return  # a factory (full, scalar_tensor...): constants.py judges its value
+        if any(isinstance(a, float) and not (a == a and abs(a) != float("inf")) for a in tree_flatten((args, kwargs))[0]):
+            return  # an intended inf/NaN constant, e.g. masked_fill(mask, -inf)
+        in_nan = any(bool(torch.isnan(t).any()) for t in ins)
+        in_inf = any(bool(torch.isinf(t).any()) for t in ins)
+        out_nan = sum(int(torch.isnan(t).sum()) for t in bad)
+        if out_nan and not in_nan:
+            kind = "nan_origin"
+        elif not out_nan and not in_nan and not in_inf:
+            kind = "overflow"
+        else:
+            return
+        mod, line, node = self._where()
+        if self.phase == "forward":
+            line = source_line()
+        fin = [t[torch.isfinite(t)] for t in ins]
+        pole = -1.0 if func._schema.name == "aten::log1p" else 0.0
+        absmax = max((float(f.abs().max()) for f in fin if f.numel()), default=0.0)
+        self.events.append(OpEvent(
+            seq=self.seq, phase=self.phase, module=mod, op=func._schema.name, kind=kind, line=line,
+            autograd_node=node, out_dtype=str(bad[0].dtype).replace("torch.", ""), out_nan=out_nan,
+            out_posinf=sum(int(torch.isposinf(t).sum()) for t in bad),
+            out_neginf=sum(int(torch.isneginf(t).sum()) for t in bad), out_numel=sum(t.numel() for t in bad),
+            absmax_in=absmax, in_dtypes=sorted({str(t.dtype).replace("torch.", "") for t in ins}),
+            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins)))

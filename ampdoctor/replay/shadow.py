@@ -1,0 +1,160 @@
+"""fp32 shadow and dtype what-if: the same batch in fp32 and under fp16 / bf16 (/ TF32 on CUDA).
+
+Module forward hooks keep each call's floating outputs (and inputs), keyed by (module, call index), so a
+low-precision run can be compared with the fp32 run module by module. `precision_suspects` picks modules
+whose error stands far above the others *and* above the error they received from their inputs.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import modelio
+
+__all__ = ["Recorder", "fp32_model", "rel_err", "run_dtype", "precision_suspects", "whatif"]
+
+
+def _floats(tree) -> list[torch.Tensor]:
+    return [t.detach().float() for t in tree_flatten(tree)[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+
+class Recorder:
+    """Forward hooks on every module: inputs and outputs per (module, call). Removed on exit."""
+
+    def __init__(self, model: torch.nn.Module, keep_inputs: bool = True):
+        self.names = {m: n for n, m in model.named_modules()}
+        self.keep_inputs = keep_inputs
+        self.outs: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.ins: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.order: list[tuple[str, int]] = []
+        self._calls: dict[str, int] = {}
+        self._handles: list = []
+
+    def _hook(self, mod, args, kwargs, out):
+        name = self.names[mod]
+        c = self._calls.get(name, 0)
+        self._calls[name] = c + 1
+        key = (name, c)
+        self.order.append(key)
+        self.outs[key] = _floats(out)
+        if self.keep_inputs:
+            self.ins[key] = _floats((args, kwargs))
+
+    def __enter__(self) -> "Recorder":
+        for m in self.names:
+            self._handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def overflow_modules(self) -> list[str]:
+        """Modules (innermost first in call order) whose outputs hold inf/NaN while their inputs are finite."""
+        found = []
+        for key in self.order:
+            outs, ins = self.outs[key], self.ins.get(key, [])
+            if any(not bool(torch.isfinite(t).all()) for t in outs) and all(bool(torch.isfinite(t).all()) for t in ins):
+                if key[0] not in found:
+                    found.append(key[0])
+        return found
+
+
+def rel_err(lo: list[torch.Tensor], hi: list[torch.Tensor]) -> float | None:
+    """‖lo − hi‖ / ‖hi‖ over matching tensors; inf when lo is non-finite where hi is finite; None if no match."""
+    num = den = 0.0
+    matched = False
+    for a, b in zip(lo, hi):
+        if a.shape != b.shape:
+            continue
+        matched = True
+        fb = torch.isfinite(b)
+        if bool((~torch.isfinite(a) & fb).any()):
+            return math.inf
+        num += float(((a - b)[fb] ** 2).sum())
+        den += float((b[fb] ** 2).sum())
+    if not matched:
+        return None
+    return 0.0 if num == 0.0 else math.sqrt(num) / max(math.sqrt(den), 1e-30)
+
+
+def fp32_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model itself when its floating weights are fp32, else an fp32 deep copy."""
+    if all(t.dtype == torch.float32 for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()):
+        return model
+    return copy.deepcopy(model).float()
+
+
+def run_dtype(model, args, kwargs, *, device, dtype, rng, loss_fn, scale=None, tf32=False, cast_inputs=None):
+    """Run one step under `dtype` autocast (None = fp32) with a Recorder. Returns (recorder, finite, loss)."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        if cast_inputs is not None:
+            args, kwargs = modelio.to_device((args, kwargs), device, cast_inputs)
+        with Recorder(model) as rec:
+            out, loss, grads = modelio.run_step(model, args, kwargs, device=device, dtype=dtype, rng=rng,
+                                                loss_fn=loss_fn, scale=scale)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    finite = all(bool(torch.isfinite(t).all()) for t in _floats(out) + _floats(loss) + list(grads.values()))
+    return rec, finite, loss
+
+
+def module_errors(lo: Recorder, hi: Recorder) -> list[dict]:
+    """Per (module, call): relative error of outputs and of inputs vs the fp32 run, in call order."""
+    rows = []
+    for key in lo.order:
+        if key not in hi.outs:
+            continue
+        e = rel_err(lo.outs[key], hi.outs[key])
+        if e is None:
+            continue
+        ei = rel_err(lo.ins.get(key, []), hi.ins.get(key, []))
+        rows.append({"module": key[0], "call": key[1], "rel_err": e, "in_rel_err": ei})
+    return rows
+
+
+def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e-2) -> list[dict]:
+    """Rows whose error is > floor, > factor × the error of their inputs, and whose *own* contribution
+    (rel_err − in_rel_err) is > factor × the median contribution: downstream modules that only inherit an
+    error are not blamed. When a module and one of its ancestors both qualify, the innermost is kept."""
+    fin = [r for r in rows if math.isfinite(r["rel_err"]) and math.isfinite(r["in_rel_err"] or 0.0)]
+    if len(fin) < 3:
+        return []
+    own = {id(r): max(r["rel_err"] - (r["in_rel_err"] or 0.0), 0.0) for r in fin}
+    med = statistics.median(own.values())
+    hits = [r for r in fin if r["rel_err"] > floor and r["rel_err"] > factor * (r["in_rel_err"] or 0.0)
+            and own[id(r)] > factor * max(med, 1e-12)]
+    names = {r["module"] for r in hits}
+    return [dict(r, median=med) for r in hits
+            if not any(o != r["module"] and (r["module"] == "" or o.startswith(r["module"] + ".")) for o in names)]
+
+
+def whatif(model32, args, kwargs, *, device, rng, loss_fn, ref: Recorder, scale=None) -> dict:
+    """{dtype: {finite, overflow_modules, max_rel_err_module, max_rel_err}} for fp16, bf16 and (CUDA) tf32."""
+    table = {}
+    runs = [("float16", torch.float16, False), ("bfloat16", torch.bfloat16, False)]
+    if torch.device(device).type == "cuda":
+        runs.append(("tf32", None, True))
+    for label, dt, tf32 in runs:
+        try:
+            rec, finite, _ = run_dtype(model32, args, kwargs, device=device, dtype=dt, rng=rng, loss_fn=loss_fn,
+                                       scale=scale if dt == torch.float16 else None, tf32=tf32)
+        except RuntimeError as e:
+            table[label] = {"finite": False, "error": str(e).splitlines()[0][:200], "overflow_modules": [],
+                            "max_rel_err_module": None, "max_rel_err": None}
+            continue
+        rows = [r for r in module_errors(rec, ref) if r["module"] != ""] or module_errors(rec, ref)
+        over = rec.overflow_modules()
+        worst = max(rows, key=lambda r: (r["rel_err"], r["module"].count(".")), default=None)
+        table[label] = {"finite": finite, "overflow_modules": over,
+                        "max_rel_err_module": over[0] if over else (worst["module"] if worst else None),
+                        "max_rel_err": worst["rel_err"] if worst else None}
+    return table

@@ -1,0 +1,186 @@
+"""The HTML reporter: one self-contained file (inline CSS, JS and PNG data URIs; no network, no fonts).
+
+`write_html(report, path)` renders templates/report.html.j2 with jinja2 (autoescaped: module names and
+messages come from user code) and writes it atomically. `path` is a file ending in .html, or a directory that
+gets `index.html` plus the standalone plot PNGs beside it. A Content-Security-Policy forbids every fetch, so
+the page cannot reach the network even if a value slipped through. This module only shapes panels into rows;
+the charts come from plots.py and the downsampling from panels.py.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+
+from . import panels
+from .panels import fmt_num, num
+
+__all__ = ["write_html", "render_html"]
+
+MAX_CALL_ROWS = 300
+_REF_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+LAYER_COLS = [("module", "module", "str"), ("type", "type", "str"), ("calls", "calls", "num"),
+              ("absmax_out", "abs-max out", "num"), ("headroom_bits", "headroom (bits)", "num"),
+              ("subnormal_share", "subnormal share", "num"), ("absmax_grad", "abs-max grad", "num"),
+              ("grad_norm", "grad norm", "num"), ("nonfinite_out", "non-finite out", "num")]
+PLOT_INFO = {"headroom_heatmap.png": ("heatmap", "Headroom heatmap",
+                                      "layer × step; fp16 max, fp16 min normal and bf16 max marked on the scale"),
+             "loss_scale.png": ("timeline", "Loss-scale timeline", "skipped steps shaded"),
+             "grad_norms.png": ("grad-norms", "Gradient norms per layer", "worst value kept per step bin")}
+
+
+def _sort_value(v, col: str) -> str:
+    x = num(v)
+    if x is None:
+        return "" if not isinstance(v, str) else v
+    if math.isnan(x):   # a NaN statistic is as bad as it gets: lowest headroom, highest anything else
+        return "-Infinity" if col == "headroom_bits" else "Infinity"
+    return repr(x).replace("inf", "Infinity")
+
+
+def _layer_rows(layers: list[dict]) -> list[list[dict]]:
+    rows = []
+    for layer in layers:
+        row = []
+        for key, _, kind in LAYER_COLS:
+            v = layer.get(key)
+            if kind == "str":
+                text = ("(root)" if key == "module" and v == "" else "" if v is None else str(v))
+                row.append({"text": text, "v": text, "cls": "mono" if key == "module" else ""})
+                continue
+            x, cls = num(v), ""
+            text = fmt_num(v)
+            if key == "headroom_bits" and x is not None:
+                cls = "hr-bad" if not x > 0 else "hr-low" if x < 2 else "hr-sub" if x > 30 else ""
+                text = "overflow" if not math.isfinite(x) else f"{x:.2f}"
+            elif key == "subnormal_share" and x is not None and math.isfinite(x):
+                text = f"{100 * x:.1f}%"
+                cls = "hr-low" if x >= 0.25 else ""
+            elif key == "nonfinite_out" and x:
+                cls = "hr-bad"
+            row.append({"text": text, "v": _sort_value(v, key), "cls": ("num " + cls).strip()})
+        rows.append(row)
+    return rows
+
+
+def _evidence(ev: dict) -> list[tuple[str, str]]:
+    out = []
+    for k, v in (ev or {}).items():
+        if isinstance(v, (dict, list)):
+            text = json.dumps(v) if not (isinstance(v, list) and all(isinstance(x, str) for x in v)) \
+                else " → ".join(v) if k == "sequence" else ", ".join(v)
+        else:
+            text = fmt_num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+        out.append((str(k), text[:2000]))
+    return out
+
+
+def _calls(calls: list[dict], first_bad) -> tuple[list[dict], str]:
+    """Keep what explains a failure: misordered or failing calls, the first steps, and around the first bad step."""
+    def keep(c):
+        s = c.get("step")
+        near = first_bad is not None and s is not None and abs(s - first_bad) <= 1
+        return c.get("misordered") or c.get("error") or (s is not None and s <= 2) or near
+    rows = calls if len(calls) <= MAX_CALL_ROWS else [c for c in calls if keep(c)][:MAX_CALL_ROWS]
+    out = []
+    for c in rows:
+        src = f"{c.get('file') or ''}:{c['line']}" if c.get("line") is not None else (c.get("file") or "")
+        out.append({**c, "source": src})
+    n_mis = sum(bool(c.get("misordered")) for c in calls)
+    note = f"{len(calls)} calls in program order"
+    if len(rows) < len(calls):
+        note += f"; showing {len(rows)}: out-of-order and failing calls, the first steps and the first bad step"
+    if n_mis:
+        note += f"; {n_mis} out of order (highlighted)"
+    return out, note
+
+
+def _replay(rp: dict) -> dict | None:
+    if not rp:
+        return None
+    shadow = []
+    errs = [(s.get("module"), num(s.get("rel_err"))) for s in rp.get("shadow") or []]
+    finite = [e for _, e in errs if e is not None and math.isfinite(e) and e > 0]
+    top = max(finite) if finite else 1.0
+    for mod, e in sorted(errs, key=lambda t: -(t[1] if t[1] is not None and not math.isnan(t[1]) else math.inf)):
+        pct = 100 if e is None or not math.isfinite(e) else max(1, 100 * e / top)
+        shadow.append({"module": mod, "text": fmt_num(e), "pct": round(pct, 1), "bad": e is None or not math.isfinite(e)})
+    whatif = [{"dtype": dt, "finite": bool(w.get("finite")), "overflow": ", ".join(w.get("overflow_modules") or [])
+               or "none", "max_err": w.get("max_rel_err_module") or "—"} for dt, w in (rp.get("whatif") or {}).items()]
+    fix = rp.get("fix") or {}
+    return {"capture": rp.get("capture") or "", "chain": rp.get("chain") or [], "shadow": shadow, "whatif": whatif,
+            "snippet": fix.get("snippet"), "fix_modules": ", ".join(fix.get("modules") or [])}
+
+
+def _env(env: dict) -> list[tuple[str, str]]:
+    def show(v):
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if isinstance(v, (list, tuple)):
+            return ".".join(map(str, v)) if all(isinstance(x, int) for x in v) else ", ".join(map(str, v))
+        return "—" if v is None else str(v)
+    return [(str(k), show(v)) for k, v in (env or {}).items()]
+
+
+def _version() -> str:
+    try:
+        from .. import __version__
+        return str(__version__)
+    except Exception:
+        return ""
+
+
+def render_html(report, plots: dict[str, bytes] | None = None) -> str:
+    """The report as one HTML string; `plots` ({file name: PNG}) defaults to plots.render_plots(report)."""
+    import jinja2
+
+    d = report if isinstance(report, dict) else report.to_dict()
+    if plots is None:
+        from .plots import render_plots
+        plots = render_plots(d)
+    summary = d.get("summary") or {}
+    findings = [{**f, "evidence": _evidence(f.get("evidence"))} for f in d.get("findings") or []]
+    root = panels.root_finding(d)
+    verdict = summary.get("verdict") or (root or {}).get("message") or "No mixed-precision problems found."
+    stats = [(label, summary[k]) for k, label in (("steps", "steps"), ("bad_steps", "bad steps"),
+                                                  ("skipped_steps", "skipped"), ("first_bad_step", "first bad step"))
+             if summary.get(k) not in (None, "")]
+    header = [f"run {summary['run_dir']}"] if summary.get("run_dir") else []
+    if summary.get("every"):
+        every = summary["every"]
+        header.append("per-layer stats every step" if every == 1 else f"per-layer stats every {every} steps")
+    calls, calls_note = _calls(d.get("calls") or [], summary.get("first_bad_step"))
+    plot_rows = [{"id": PLOT_INFO[n][0], "title": PLOT_INFO[n][1], "note": PLOT_INFO[n][2],
+                  "b64": base64.b64encode(png).decode("ascii")} for n, png in plots.items() if n in PLOT_INFO]
+    replay = _replay(d.get("replay") or {})
+    sections = [("findings", "Findings", findings), ("layers", "Layers", d.get("layers"))]
+    sections += [(p["id"], p["title"].split(" per ")[0], True) for p in plot_rows]
+    sections += [("calls", "Call sequence", calls), ("replay", "Replay", replay), ("env", "Environment", d.get("env"))]
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates")),
+                             autoescape=True, trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    return env.get_template("report.html.j2").render(
+        title=summary.get("model_class") or "mixed-precision report", header=header, verdict=verdict, root=root,
+        counts=panels.counts(d), stats=stats, findings=findings, layers=_layer_rows(d.get("layers") or []),
+        layer_cols=LAYER_COLS, plots=plot_rows, calls=calls, calls_note=calls_note, replay=replay,
+        env=_env(d.get("env") or {}), toc=[(i, label) for i, label, present in sections if present],
+        ref=_REF_NAMES.get((d.get("heatmap") or {}).get("ref") or "float16", "fp16"), version=_version())
+
+
+def write_html(report, path: str | os.PathLike) -> str:
+    """Write the report to `path` (…/x.html, or a directory → index.html + plot PNGs); return the HTML path.
+
+    Only ampdoctor's own file names are written, each atomically; nothing else in the directory is touched.
+    """
+    from ..fsutil import atomic_write_bytes, atomic_write_text
+    from .plots import render_plots
+
+    path = os.fspath(path)
+    is_dir = os.path.isdir(path) or not path.lower().endswith((".html", ".htm"))
+    d = report if isinstance(report, dict) else report.to_dict()
+    plots = render_plots(d)
+    if is_dir:
+        for name, png in plots.items():
+            atomic_write_bytes(os.path.join(path, name), png)
+        path = os.path.join(path, "index.html")
+    return atomic_write_text(path, render_html(d, plots))

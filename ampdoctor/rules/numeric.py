@@ -1,0 +1,214 @@
+"""Numeric rules from module-level records: overflow, nan_origin, overflow_risk, underflow, and the
+mask-constant crash (mask_value_overflow) seen as an exception inside a module's forward."""
+from __future__ import annotations
+
+import linecache
+import math
+import re
+
+from ..findings import Finding
+from ..records import DTYPE_LIMITS, ModuleCall, StepRecord
+from . import RuleConfig, RunData, register
+
+AUTOCAST_OFF = ("with torch.autocast(device_type=\"cuda\", enabled=False):  # or \"cpu\"\n"
+                "    out = module(x.float())   # run {m} in fp32")
+
+
+def _call(rec: StepRecord, module: str, call: int) -> ModuleCall | None:
+    return next((c for c in rec.modules if c.module == module and c.call == call), None)
+
+
+def _num(x):
+    return None if x is None else (x if isinstance(x, (int, float)) else float(x))
+
+
+def _benign_backward(run: RunData, steps: list[int]) -> bool:
+    """A backward inf/NaN that the GradScaler handled as designed: every occurrence is a skipped step with a
+    finite loss, and the run recovered (a later step was not skipped) without a long streak."""
+    if not run.has_scaler:
+        return False
+    by = {r.step: r for r in run.steps}
+    if not all(by[s].skipped and by[s].loss_finite is not False for s in steps if s in by):
+        return False
+    last = max(steps)
+    recovered = any(not r.skipped and r.step > last for r in run.steps)
+    return recovered and len(steps) <= 16
+
+
+def _evidence(c: ModuleCall | None, phase: str, rec: StepRecord) -> dict:
+    ev: dict = {"call": c.call if c else None, "type": c.type if c else None}
+    if c is None:
+        return ev
+    a, b = (c.inp, c.out) if phase == "forward" else (c.gout, c.gin)
+    if a is not None:
+        ev["absmax_in"] = a.absmax
+        ev["nonfinite_in"] = a.nonfinite
+    if b is not None:
+        ev["absmax_out_finite"] = b.absmax
+        ev.update({"nan_out": b.nan, "posinf_out": b.posinf, "neginf_out": b.neginf, "numel_out": b.numel,
+                   "dtype_out": b.dtype, "ref": b.ref})
+    if c.autocast:
+        ev["autocast"] = c.autocast
+    if phase == "backward" and rec.scale:
+        ev["loss_scale"] = rec.scale
+    return ev
+
+
+@register("producers", emits=("overflow", "nan_origin"))
+def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """The first inf/NaN producer of each bad step, grouped by (phase, module, kind)."""
+    groups: dict[tuple, list[StepRecord]] = {}
+    for r in run.steps:
+        for p in (r.forward_producer, r.backward_producer):
+            if p is not None:
+                groups.setdefault((p.phase, p.module, p.kind), []).append(r)
+    out = []
+    for (phase, module, kind), recs in groups.items():
+        r0 = recs[0]
+        p = r0.forward_producer if phase == "forward" else r0.backward_producer
+        c = _call(r0, module, p.call)
+        steps = [r.step for r in recs]
+        rule = "overflow" if kind == "inf" else "nan_origin"
+        ev = _evidence(c, phase, r0)
+        ev.update({"steps": steps[:50], "occurrences": len(steps), "rank_hint": 10 if phase == "forward" else 12})
+        where = f"`{module}`" if module else "the model's top level"
+        sev = "error"
+        if phase == "backward" and _benign_backward(run, steps):
+            sev = "info"
+            ev["rank_hint"] = 40
+            msg = (f"The loss-scaled backward overflowed in {where} on {len(steps)} early step(s); GradScaler "
+                   "skipped them and lowered the scale, as designed.")
+            fix = "Nothing to do: a few skipped steps while the loss scale settles are normal."
+        elif phase == "forward":
+            what = "turned finite inputs into ±inf" if kind == "inf" else "produced NaN from NaN-free inputs"
+            msg = (f"{where} ({c.type if c else '?'}) {what} in the forward pass at step {r0.step}"
+                   f"{' (' + c.autocast + ' autocast)' if c and c.autocast else ''}; everything after it only "
+                   "passed the non-finite values on.")
+            fix = ("Keep this module in fp32 or rescale before the operation that overflows, e.g.\n"
+                   + AUTOCAST_OFF.format(m=module or "the model") +
+                   "\nRun `ampdoctor replay` on the capture to see the exact op. bf16 has fp32's range.")
+        else:
+            what = "turned a finite incoming gradient into ±inf" if kind == "inf" else \
+                "produced NaN gradients from a NaN-free incoming gradient"
+            msg = (f"In the backward pass {where} ({c.type if c else '?'}) {what} at step {r0.step}"
+                   f"{', on every step' if len(steps) > 2 else ''}; the forward was finite.")
+            fix = ("Find the op whose derivative is unbounded here (log/log1p/sqrt/div/pow near 0, norms of tiny "
+                   "vectors) and guard it with an epsilon representable in the working dtype, or run the module "
+                   "in fp32:\n" + AUTOCAST_OFF.format(m=module or "the model"))
+        out.append(Finding(rule, sev, phase, module, None, r0.step, msg, fix, ev))
+    out.extend(_outside_model(run))
+    return out
+
+
+def _outside_model(run: RunData) -> list[Finding]:
+    """Loss non-finite on a sampled step although no module produced inf/NaN: the loss computation outside
+    the watched model is the producer."""
+    for r in run.steps:
+        if r.loss_finite is False and r.sampled and r.modules and r.forward_producer is None \
+                and not any(c.out is not None and not c.out.finite for c in r.modules):
+            return [Finding("nan_origin", "error", "forward", None, None, r.step,
+                            "The loss became non-finite outside the watched model (in the loss computation) while "
+                            "every module's output was finite.",
+                            "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
+                            "(logsumexp, log_softmax, BCEWithLogits).",
+                            {"loss": r.loss, "rank_hint": 11})]
+    return []
+
+
+@register("overflow_risk", emits=("overflow_risk",))
+def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """Forward outputs within `near_max_bits` of the reference dtype's max but still finite."""
+    seen: dict[str, Finding] = {}
+    bad_modules = {p.module for r in run.steps for p in (r.forward_producer,) if p is not None}
+    for r in run.steps:
+        for c in r.modules:
+            o = c.out
+            if o is None or not o.finite or c.module in seen or c.module in bad_modules or o.ref == "float32":
+                continue
+            mx = DTYPE_LIMITS.get(o.ref, DTYPE_LIMITS["float32"])[0]
+            if o.dtype == "float32" and o.absmax >= 1e30:
+                continue  # an fp32 mask constant, not an activation (mask rules handle those)
+            head = math.log2(mx / o.absmax) if o.absmax > 0 else math.inf
+            if head < cfg.near_max_bits or o.overflow_as_ref > 0:
+                seen[c.module] = Finding(
+                    "overflow_risk", "warning", "forward", c.module, None, r.step,
+                    f"`{c.module}` ({c.type}) output reached {o.absmax:.4g}, {head:.2f} bits below the "
+                    f"{o.ref} maximum ({mx:g}); a slightly larger input will overflow to inf.",
+                    "Rescale (e.g. scale q before q@kᵀ, clamp, or normalise earlier) or keep this module in fp32:\n"
+                    + AUTOCAST_OFF.format(m=c.module),
+                    {"absmax_out": o.absmax, "headroom_bits": head, "near_max": o.near_max,
+                     "overflow_as_ref": o.overflow_as_ref, "ref": o.ref, "rank_hint": 30})
+    return list(seen.values())
+
+
+@register("underflow", emits=("underflow",))
+def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """Gradients (or activations) whose nonzero values mostly fall below the normal range of fp16."""
+    out: list[Finding] = []
+    done: set[tuple[str, str]] = set()
+    for r in run.steps:
+        if r.forward_producer is not None or (run.has_scaler and r.scale is not None and r.scale < 1.0):
+            continue  # gradients of NaN activations, or of a collapsed scale: consequences, reported elsewhere
+        flagged = []
+        for c in r.modules:
+            for phase, s in (("backward", c.gout), ("forward", c.out)):
+                if s is None or s.ref != "float16" or (phase, c.module) in done:
+                    continue
+                nz = s.nonzero_finite
+                if nz < cfg.underflow_min_nonzero or s.subnormal < 0:
+                    continue
+                share = s.subnormal / nz
+                if share >= cfg.underflow_share:
+                    flagged.append((phase, c, s, share))
+        for phase in ("backward", "forward"):
+            fl = [f for f in flagged if f[0] == phase]
+            if any(d[0] == phase for d in done):
+                continue
+            if not fl:
+                continue
+            first = min(fl, key=lambda f: (f[1].bseq if phase == "backward" and f[1].bseq is not None else f[1].seq))
+            same = [f for f in fl if f[2].to_dict() == first[2].to_dict()]
+            _, c, s, share = max(same, key=lambda f: f[1].depth)
+            done.add((phase, c.module))
+            scaled = run.has_scaler and phase == "backward"
+            fix = ("Use loss scaling: `scaler = torch.amp.GradScaler()`; `scaler.scale(loss).backward()`; "
+                   "`scaler.step(opt)`; `scaler.update()` — or train in bf16, which has fp32's range."
+                   if not scaled else "The loss scale is too small for these gradients: do not pin a small "
+                   "`init_scale`, check for a collapsed scale, or switch to bf16.")
+            if phase == "forward":
+                fix = "Rescale these activations or keep the module in fp32 / use bf16:\n" + AUTOCAST_OFF.format(
+                    m=c.module)
+            out.append(Finding(
+                "underflow", "error" if phase == "backward" else "warning", phase, c.module, None, r.step,
+                f"{share:.0%} of the nonzero {'gradients flowing into' if phase == 'backward' else 'outputs of'} "
+                f"`{c.module}` are below fp16's normal range (2^-14); "
+                f"{'values below 2^-24 are flushed to zero and learning stalls' if phase == 'backward' else 'they lose precision or vanish'}.",
+                fix, {"subnormal": s.subnormal, "nonzero": s.nonzero_finite, "zeros": s.zeros, "numel": s.numel,
+                      "min_nonzero": s.min_nonzero, "absmax": s.absmax, "share": share,
+                      "loss_scale": r.scale, "rank_hint": 20}))
+    return out
+
+
+_CONVERT = re.compile(r"value cannot be converted to type (\S+) without overflow", re.I)
+_MASK_OPS = ("masked_fill", "fill_", "full", "where", "new_full", "full_like", "clamp", "add", "sub")
+
+
+@register("exceptions", emits=("mask_value_overflow",))
+def exceptions(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """A module's forward raised 'value cannot be converted to type at::Half without overflow'."""
+    for r in run.steps:
+        e = r.exception
+        if not e or not _CONVERT.search(e.get("message", "")):
+            continue
+        src = linecache.getline(e["file"], e["line"]).strip() if e.get("file") and e.get("line") else ""
+        op = next((f"aten::{o}" for o in _MASK_OPS if f"{o}(" in src), None)
+        dt = _CONVERT.search(e["message"]).group(1)
+        return [Finding(
+            "mask_value_overflow", "error", "forward", e.get("module"), op, r.step,
+            f"`{e.get('module')}` used a fill/mask constant that does not fit in {dt}: "
+            f"\"{e['message']}\"" + (f" at {e['file']}:{e['line']}" if e.get("file") else ""),
+            "Use a constant of the working dtype: `scores.masked_fill(mask, torch.finfo(scores.dtype).min)` "
+            "(not -1e9 or finfo(float32).min), or apply the mask in fp32.",
+            {"source": src, "file": e.get("file"), "line": e.get("line"), "exception": e.get("type"),
+             "autocast": e.get("autocast"), "rank_hint": 5})]
+    return []

@@ -1,0 +1,194 @@
+"""GradScaler rules from the loss-scale timeline and the recorded call sequence: loss_scale_collapse,
+skipped_steps, clip_before_unscale, scaler_misorder, missing_scaler_update."""
+from __future__ import annotations
+
+from ..findings import Finding
+from ..records import CallEvent
+from . import RuleConfig, RunData, register
+
+ORDER = ("scaler.scale(loss).backward()\n"
+         "scaler.unscale_(optimizer)                      # before anything reads the gradients\n"
+         "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
+         "scaler.step(optimizer)\n"
+         "scaler.update()                                  # every iteration, also when the step was skipped\n"
+         "optimizer.zero_grad()")
+
+
+def _loc(ev: CallEvent) -> str:
+    return f"{ev.file}:{ev.line}" if ev.file else "an unknown line"
+
+
+def _seq(events: list[CallEvent]) -> list[str]:
+    return [e.kind + ("!" if e.error else "") for e in events if not e.detail.get("internal")]
+
+
+@register("scale_timeline", emits=("loss_scale_collapse", "skipped_steps"))
+def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    if not run.has_scaler or not run.steps:
+        return []
+    steps = run.steps
+    skipped = [r.step for r in steps if r.skipped]
+    if not skipped:
+        return []
+    init = run.meta.scaler.get("init_scale") or next((r.scale for r in steps if r.scale), None)
+    scales = [r.scale for r in steps if r.scale is not None]
+    last_scale = scales[-1] if scales else None
+    longest = cur = 0
+    for r in steps:
+        cur = cur + 1 if r.skipped else 0
+        longest = max(longest, cur)
+    first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
+    initial = [s for s in skipped if first_good is None or s < first_good]
+    later = [s for s in skipped if first_good is not None and s > first_good]
+    out = []
+    forward_bad = [r.step for r in steps if r.skipped and (r.loss_finite is False or r.forward_producer)]
+    ev = {"skipped": len(skipped), "steps": len(steps), "longest_streak": longest, "init_scale": init,
+          "last_scale": last_scale, "skipped_steps": skipped[:100],
+          "timeline": [[r.step, r.scale, bool(r.skipped)] for r in steps][:400]}
+    collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
+    if collapse:
+        cause = next((r for r in steps if r.skipped and (r.forward_producer or r.backward_producer
+                                                         or r.loss_finite is False)), None)
+        why = ""
+        if cause is not None:
+            p = cause.forward_producer or cause.backward_producer
+            why = (f" The inf/NaN is not transient: it comes from `{p.module}` ({p.phase})." if p else
+                   " The loss itself is non-finite on these steps.")
+        out.append(Finding(
+            "loss_scale_collapse", "error", "scaler", None, None, skipped[0],
+            f"GradScaler skipped {longest} steps in a row and the scale fell from {init:g} to "
+            f"{last_scale:.3g}: every step has inf/NaN gradients, so the model has stopped learning.{why}",
+            "Fix the source of the persistent inf/NaN (see the nan_origin/overflow finding above); lowering the "
+            "scale cannot help a NaN that every step produces.",
+            dict(ev, rank_hint=60)))
+        return out
+    if forward_bad:
+        out.append(Finding(
+            "skipped_steps", "error", "scaler", None, None, forward_bad[0],
+            f"GradScaler skipped {len(skipped)} of {len(steps)} steps; on {len(forward_bad)} of them the forward "
+            "pass itself was non-finite, which no loss scale can fix.",
+            "Fix the forward inf/NaN (see the overflow/nan_origin finding); those steps train nothing.",
+            dict(ev, rank_hint=70)))
+        return out
+    if initial and not later and len(initial) <= 16:
+        out.append(Finding(
+            "skipped_steps", "info", "scaler", None, None, initial[0],
+            f"GradScaler skipped the first {len(initial)} step(s) while searching for a loss scale "
+            f"({init:g} -> {last_scale:g}); this is expected.",
+            "Nothing to do. (If the LR scheduler warns about stepping before the optimizer, that is this.)",
+            dict(ev, rank_hint=90)))
+        return out
+    n_later = len(later)
+    share = n_later / max(len(steps) - len(initial), 1)
+    if n_later >= cfg.skipped_min and share >= cfg.skipped_share:
+        out.append(Finding(
+            "skipped_steps", "error" if share >= 0.5 else "warning", "scaler", None, None, later[0],
+            f"GradScaler skipped {n_later} of {len(steps) - len(initial)} steps after warm-up ({share:.0%}); "
+            "those batches did not train the model.",
+            "Find which layer overflows on those steps (replay the capture); consider bf16 or keeping that "
+            "layer in fp32, and check `growth_interval` is not too short.",
+            dict(ev, share=share, rank_hint=70)))
+    else:
+        out.append(Finding(
+            "skipped_steps", "info", "scaler", None, None, skipped[0],
+            f"GradScaler skipped {len(skipped)} of {len(steps)} steps; a normal rate for dynamic loss scaling.",
+            "Nothing to do.", dict(ev, rank_hint=90)))
+    return out
+
+
+@register("clip_before_unscale", emits=("clip_before_unscale",))
+def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    hits = [(r, e) for r in run.steps for e in r.events if e.kind.startswith(("clip_grad", "get_total_norm"))
+            and e.scaled]
+    if not hits:
+        return []
+    r, e = hits[0]
+    clipping = e.kind.startswith("clip_grad")
+    norm = e.detail.get("total_norm")
+    msg = (f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}) — "
+           f"{'it clipped the scaled norm, so the real update is shrunk by ~the scale factor' if clipping else 'the norm it read is scale× too large'}"
+           f" (seen on {len(hits)} step(s)).")
+    ev = {"file": e.file, "line": e.line, "stage": e.stage, "loss_scale": r.scale, "norm_seen": norm,
+          "norm_unscaled_estimate": norm / r.scale if norm and r.scale else None, "calls": len(hits),
+          "sequence": _seq(r.events), "rank_hint": 3}
+    return [Finding("clip_before_unscale", "error" if clipping else "warning", "optimizer", None,
+                    f"torch.nn.utils.{e.kind}", r.step, msg,
+                    "Call `scaler.unscale_(optimizer)` before clipping:\n" + ORDER, ev)]
+
+
+_UNSCALE_TWICE = "unscale_() has already been called"
+_STEP_TWICE = "step() has already been called since the last update()"
+_NO_INF = "No inf checks were recorded"
+_ITER_START = ("scale", "zero_grad")
+
+
+@register("call_order", emits=("scaler_misorder", "missing_scaler_update"))
+def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    if not run.has_scaler and not any(e.kind in ("scale", "unscale_", "update") for r in run.steps for e in r.events):
+        return []
+    out: list[Finding] = []
+    events = [e for r in run.steps for e in r.events if not e.detail.get("internal")]
+    steps = {r.step: r for r in run.steps}
+
+    def add(rule, e, msg, fix, extra=None):
+        if any(f.rule == rule for f in out):
+            return
+        r = steps.get(e.step)
+        seq = _seq(r.events) if r else []
+        out.append(Finding(rule, "error", "scaler", None, f"GradScaler.{e.kind}" if "." not in e.kind else e.kind,
+                           e.step, msg, fix, dict({"file": e.file, "line": e.line, "sequence": seq,
+                                                   "error": e.error, "rank_hint": 4}, **(extra or {}))))
+
+    for i, e in enumerate(events):
+        prev = events[:i]
+        since_update = []
+        for p in reversed(prev):
+            if p.kind == "update":
+                break
+            since_update.append(p)
+        since_update.reverse()
+        if e.kind == "update" and (_NO_INF in (e.error or "") or not any(p.kind == "step" for p in since_update)):
+            if any(p.kind == "scale" for p in since_update) or _NO_INF in (e.error or ""):
+                add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran before `scaler.step()` in this "
+                    "iteration: the scale is adjusted from stale inf checks (GradScaler asserts 'No inf checks').",
+                    "Call update() after step():\n" + ORDER)
+        elif e.kind == "unscale_" and (_UNSCALE_TWICE in (e.error or "") or
+                                        any(p.kind == "unscale_" for p in since_update)):
+            new_iter = False
+            seen_unscale = False
+            for p in since_update:
+                if p.kind == "unscale_":
+                    seen_unscale = True
+                elif seen_unscale and p.kind in _ITER_START:
+                    new_iter = True
+            if new_iter:
+                add("missing_scaler_update", e, f"An iteration ended without `scaler.update()` (e.g. update "
+                    f"skipped together with a skipped step); the next `unscale_` at {_loc(e)} fails.",
+                    "Call `scaler.update()` once every iteration, also when you skip the optimizer step:\n" + ORDER)
+            else:
+                add("scaler_misorder", e, f"`scaler.unscale_()` was called twice in one iteration (again at "
+                    f"{_loc(e)}); the second call is an error and would divide the gradients twice.",
+                    "Call unscale_ once per iteration, right before clipping; libraries such as Trainer/"
+                    "Accelerate already do it:\n" + ORDER)
+        elif e.kind == "step" and (_STEP_TWICE in (e.error or "") or any(p.kind == "step" for p in since_update)):
+            add("missing_scaler_update", e, f"`scaler.step()` at {_loc(e)} ran again without `scaler.update()` "
+                "since the previous step: the scale never adapts and GradScaler raises.",
+                "Call `scaler.update()` after every `scaler.step()`:\n" + ORDER)
+        elif e.kind == "unscale_" and any(p.kind == "step" for p in since_update):
+            add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()`.",
+                "Unscale before step:\n" + ORDER)
+        elif e.kind == "optimizer.step" and e.scaled and not e.detail.get("via_scaler"):
+            add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly on gradients still "
+                "multiplied by the loss scale: the update is scale× too large and inf steps are not skipped.",
+                "Use `scaler.step(optimizer)` instead of `optimizer.step()`:\n" + ORDER)
+    # a step with scaler.step but no update before the next iteration, without an exception
+    if not any(f.rule == "missing_scaler_update" for f in out):
+        for r in run.steps[:-1]:
+            ks = [e.kind for e in r.events if not e.detail.get("internal")]
+            if "step" in ks and "update" not in ks[ks.index("step"):]:
+                e = next(e for e in r.events if e.kind == "step")
+                add("missing_scaler_update", e, f"Step {r.step} called `scaler.step()` at {_loc(e)} but never "
+                    "`scaler.update()`: the loss scale cannot adapt.", "Call `scaler.update()` every iteration:\n"
+                    + ORDER)
+                break
+    return out

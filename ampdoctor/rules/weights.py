@@ -1,0 +1,78 @@
+"""Weight rules: fp16_master_weights (optimizer holds low-precision parameters, or GradScaler refused fp16
+gradients) and update_underflow (low-precision updates that round away: w + Δw == w)."""
+from __future__ import annotations
+
+import os
+
+from ..findings import Finding
+from . import RuleConfig, RunData, register
+
+_FP16_GRADS = "Attempting to unscale FP16 gradients"
+
+
+def _common_module(names: list[str]) -> str:
+    """The deepest module that contains all the given parameter names ('' = root)."""
+    mods = [n.rpartition(".")[0] for n in names]
+    if not mods:
+        return ""
+    parts = os.path.commonprefix([m.split(".") for m in mods])
+    return ".".join(parts)
+
+
+@register("fp16_master_weights", emits=("fp16_master_weights",))
+def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    low = [p for p in run.meta.params if p[2] in ("float16",) and p[4] is not False]
+    err_ev = next(((r, e) for r in run.steps for e in r.events if _FP16_GRADS in (e.error or "")), None)
+    if not low and err_ev is None:
+        return []
+    names = [p[0] for p in low]
+    module = _common_module(names) if names else None
+    total = sum(p[3] for p in run.meta.params) or 1
+    share = sum(p[3] for p in low) / total
+    ev = {"params": names[:50], "n_params": len(names), "share_of_elements": share,
+          "optimizer": run.meta.optimizer.get("class"), "rank_hint": 6}
+    fix = ("Keep parameters in fp32 and let autocast cast per op: do not call `model.half()` (or `.half()` on a "
+           "submodule) for training; `with torch.autocast(device, dtype=torch.float16): loss = model(x)` with a "
+           "GradScaler. For pure low-precision training keep an fp32 master copy (apex O2, DeepSpeed fp16).")
+    if err_ev is not None:
+        r, e = err_ev
+        ev.update({"file": e.file, "line": e.line, "error": e.error})
+        return [Finding("fp16_master_weights", "error", "optimizer", module, "GradScaler.unscale_", r.step,
+                        f"GradScaler refused to unscale fp16 gradients at {e.file}:{e.line}: the optimizer holds "
+                        f"fp16 parameters ({', '.join(names[:3])}{'…' if len(names) > 3 else ''}), so there is no "
+                        "fp32 master copy.", fix, ev)]
+    sev = "error" if run.has_scaler else "warning"
+    return [Finding("fp16_master_weights", sev, "optimizer", module, None, run.steps[0].step if run.steps else None,
+                    f"The optimizer updates {len(names)} fp16 parameter(s) ({share:.0%} of the weights) directly: "
+                    "no fp32 master copy, so small updates round away and Adam's state loses precision.", fix, ev)]
+
+
+@register("update_underflow", emits=("update_underflow",))
+def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    worst: dict[str, tuple] = {}
+    for r in run.steps:
+        for p in r.params:
+            if p.update_sampled <= 0:
+                continue
+            share = p.update_rounded_away / p.update_sampled
+            if share >= cfg.rounded_away_share and (p.name not in worst or share > worst[p.name][0]):
+                worst[p.name] = (share, r.step, p)
+    if not worst:
+        return []
+    by_module: dict[str, list] = {}
+    for name, v in worst.items():
+        by_module.setdefault(v[2].module, []).append(v)
+    out = []
+    for module, items in by_module.items():
+        share, step, p = max(items, key=lambda v: v[0])
+        out.append(Finding(
+            "update_underflow", "error", "optimizer", module, None, step,
+            f"{share:.0%} of sampled elements of `{p.name}` ({p.dtype}) did not change although their gradient "
+            f"was nonzero: the update is below half an ulp of the weight and rounds away (w + Δw == w); "
+            "training of this layer has silently stopped.",
+            "Keep fp32 master weights (parameters in fp32 + autocast), or raise the learning rate / use a "
+            "low-precision-aware optimizer (Kahan summation, stochastic rounding).",
+            {"params": [v[2].name for v in items], "share": share, "sampled": p.update_sampled,
+             "rounded_away": p.update_rounded_away, "dtype": p.dtype, "grad_absmax": p.grad_absmax,
+             "rank_hint": 7}))
+    return out

@@ -1,0 +1,128 @@
+"""Tensor statistics computed on the tensor's own device, without a host synchronisation.
+
+`full_stats(x, ref)` returns a float64 vector laid out as `records.STAT_FIELDS`; `light_stats` fills only the
+counts needed to tell a producer from a propagator (numel, nan, ±inf, absmax) and leaves -1 elsewhere.
+`vector_to_stats` turns a row read back on the host into a `TensorStats`. The hooks call these; the one
+device->host transfer per step happens in the watch (ampdoctor/watch.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
+
+__all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT"]
+
+NSTAT = len(STAT_FIELDS)
+_F64 = torch.float64
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _thresholds(ref: torch.dtype) -> tuple[float, float, float]:
+    """(near-max threshold, smallest normal, cast-overflow threshold) for a reference dtype."""
+    fi = torch.finfo(ref)
+    mx, tiny, near = DTYPE_LIMITS.get(str(ref).replace("torch.", ""), (fi.max, fi.tiny, fi.max / 2))
+    # A wider value rounds to inf when cast to `ref` at max + half an ulp of max.
+    ovf = mx + 2.0 ** (math.floor(math.log2(mx)) - (fi.bits - 1 - _exp_bits(ref)) - 1)
+    return near, tiny, ovf
+
+
+def _exp_bits(dt: torch.dtype) -> int:
+    return {torch.float16: 5, torch.bfloat16: 8, torch.float32: 8, torch.float64: 11}.get(dt, 8)
+
+
+_THR = {dt: _thresholds(dt) for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+def is_measurable(x) -> bool:
+    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided
+            and not x.is_meta and x.device.type != "meta")
+
+
+def ref_dtype(dt: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype whose limits apply: the tensor's own if low precision, else the autocast dtype if active."""
+    if dt in _LOW:
+        return dt
+    if autocast_dtype is not None and dt == torch.float32:
+        return autocast_dtype
+    return dt
+
+
+def full_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
+    """All of STAT_FIELDS for one tensor, as a float64 vector on x's device."""
+    x = x.detach()
+    n = x.numel()
+    if n == 0:
+        return torch.tensor([0.0, 0, 0, 0, 0, 0.0, math.inf, 0, 0, 0], dtype=_F64, device=x.device)
+    near, tiny, ovf = _THR.get(ref, _THR[torch.float32])
+    a = x.abs()
+    nan = torch.isnan(a).sum(dtype=_F64)
+    posinf = (x == math.inf).sum(dtype=_F64)
+    neginf = (x == -math.inf).sum(dtype=_F64)
+    af = torch.nan_to_num(a, nan=0.0, posinf=0.0)            # finite magnitudes; non-finite -> 0
+    zeros_all = (af == 0).sum(dtype=_F64)                     # zeros + non-finite
+    absmax = af.amax().to(_F64)
+    min_nz = af.masked_fill(af == 0, math.inf).amin().to(_F64)
+    near_max = (af >= near).sum(dtype=_F64)
+    below = (af < tiny).sum(dtype=_F64)                       # zeros + non-finite + subnormal
+    if x.dtype.itemsize > ref.itemsize or (x.dtype == torch.float32 and ref == torch.float16):
+        ovf_n = (af >= ovf).sum(dtype=_F64)
+    else:
+        ovf_n = torch.zeros((), dtype=_F64, device=x.device)
+    nonfin = nan + posinf + neginf
+    zeros = zeros_all - nonfin
+    sub = below - zeros_all
+    return torch.stack([torch.full((), n, dtype=_F64, device=x.device), nan, posinf, neginf, zeros,
+                        absmax, min_nz, near_max, sub, ovf_n])
+
+
+def light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
+    """numel, nan, +inf, -inf, zeros and finite absmax; the other fields are -1 (not measured)."""
+    x = x.detach()
+    if x.numel() == 0:
+        return torch.tensor([0.0, 0, 0, 0, 0, 0.0, -1, -1, -1, -1], dtype=_F64, device=x.device)
+    zeros = (x == 0).sum(dtype=_F64)
+    nan = torch.isnan(x).sum(dtype=_F64)
+    posinf = (x == math.inf).sum(dtype=_F64)
+    neginf = (x == -math.inf).sum(dtype=_F64)
+    absmax = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax().to(_F64)
+    m1 = torch.full((), -1.0, dtype=_F64, device=x.device)
+    return torch.stack([torch.full((), x.numel(), dtype=_F64, device=x.device), nan, posinf, neginf,
+                        zeros, absmax, m1, m1, m1, m1])
+
+
+def vector_to_stats(row, dtype: str, ref: str) -> TensorStats:
+    """Host-side: a list of NSTAT floats (one row read back) -> TensorStats. -1 means not measured."""
+    v = dict(zip(STAT_FIELDS, row))
+    def cnt(k):
+        return int(v[k]) if v[k] >= 0 else 0
+    mn = v["min_nonzero"]
+    return TensorStats(dtype=dtype, ref=ref, numel=cnt("numel"), nan=cnt("nan"), posinf=cnt("posinf"),
+                       neginf=cnt("neginf"), zeros=cnt("zeros"), absmax=float(v["absmax"]),
+                       min_nonzero=None if (mn < 0 or math.isinf(mn)) else float(mn),
+                       near_max=cnt("near_max"), subnormal=cnt("subnormal"), overflow_as_ref=cnt("overflow_as_ref"))
+
+
+def combine(stats: list[TensorStats]) -> TensorStats | None:
+    """Aggregate several tensors' statistics (counts add, absmax max, min_nonzero min)."""
+    if not stats:
+        return None
+    if len(stats) == 1:
+        return stats[0]
+    s0 = stats[0]
+    mins = [s.min_nonzero for s in stats if s.min_nonzero is not None]
+    wide = max(stats, key=lambda s: _rank(s.ref))
+    return TensorStats(dtype=s0.dtype if all(s.dtype == s0.dtype for s in stats) else "mixed", ref=wide.ref,
+                       numel=sum(s.numel for s in stats), nan=sum(s.nan for s in stats),
+                       posinf=sum(s.posinf for s in stats), neginf=sum(s.neginf for s in stats),
+                       zeros=sum(s.zeros for s in stats), absmax=max(s.absmax for s in stats),
+                       min_nonzero=min(mins) if mins else None, near_max=sum(s.near_max for s in stats),
+                       subnormal=sum(s.subnormal for s in stats),
+                       overflow_as_ref=sum(s.overflow_as_ref for s in stats))
+
+
+def _rank(ref: str) -> int:
+    # the narrowest reference wins when mixing (its limits are the ones at risk)
+    return {"float16": 3, "bfloat16": 2, "float32": 1, "float64": 0}.get(ref, 0)

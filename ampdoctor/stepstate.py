@@ -1,0 +1,485 @@
+"""The open step: what the hooks append during one optimizer step, and how it becomes a StepRecord.
+
+`StepMachine` receives every hook and monitor callback of one Watch. During a step it only appends device
+tensors (statistic vectors, the loss, the scale) and host-side call events. Just before the optimizer step
+(`presync`) everything crosses to the host in one transfer; the record is finished when the next iteration
+begins (`finalize`), so that `scaler.update()` and late calls land in the step they belong to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .monitor import caller_location, scaler_stage
+from .producers import backward_producer, forward_producer
+from .records import CallEvent, ModuleCall, ParamStat, StepRecord
+from .stats import NSTAT, full_stats, is_measurable, light_stats, ref_dtype, vector_to_stats, combine
+
+__all__ = ["StepMachine", "flatten_tensors"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def flatten_tensors(obj, out: list, depth: int = 0) -> list:
+    """Tensors inside nested tuples/lists/dicts/dataclasses (Hugging Face ModelOutput included)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        pass
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            flatten_tensors(v, out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            flatten_tensors(v, out, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            flatten_tensors(getattr(obj, f.name, None), out, depth + 1)
+    return out
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+@dataclass
+class _Call:
+    module: str
+    type: str
+    call: int
+    seq: int
+    depth: int
+    parent: int | None
+    autocast: str | None
+    grad_enabled: bool
+    rows: dict = field(default_factory=lambda: {"inp": [], "par": [], "out": [], "gout": [], "gin": []})
+    bseq: int | None = None
+
+
+@dataclass
+class _Step:
+    step: int
+    sampled: bool
+    calls: list = field(default_factory=list)
+    vecs: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+    stack: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    scale_t: object = None
+    found_inf_t: object = None
+    grad_parts: object = None
+    param_names: list = field(default_factory=list)
+    upd: list = field(default_factory=list)
+    batch: object = None
+    rng: object = None
+    autocast: str | None = None
+    micro: int = 0
+    exception: dict | None = None
+    synced: dict | None = None
+    ended: bool = False
+    bseq: int = 0
+    in_scaler_step: int = 0
+    scaled_since_update: bool = False
+    capture: str | None = None
+    vec_order: dict = field(default_factory=dict)
+
+
+class StepMachine:
+    """Hook and monitor callbacks of one Watch; see the module docstring."""
+
+    def __init__(self, watch, sinks):
+        self.w = watch
+        self.cfg = watch.config
+        self.sinks = sinks
+        self.records: list[StepRecord] = []
+        self.known_optimizers: set[int] = set()
+        self._rejected_optimizers: set[int] = set()
+        self._followup = 0
+        self._event_index = 0
+        self._captures = 0
+        self._disabled = False
+        self.suspended = False
+        self._root = watch.model
+        self._model_params = None
+        self.writer = None
+        if watch.run_dir is not None:
+            from .rundir import RunDirWriter
+            self.writer = RunDirWriter(watch.run_dir, watch.meta)
+        self.st = self._new_step(0)
+
+    # -- step lifecycle -----------------------------------------------------------------------------
+    def _new_step(self, step: int) -> _Step:
+        every = self.cfg.every
+        sampled = step % every == 0 or self._followup > 0
+        if self._followup > 0:
+            self._followup -= 1
+        return _Step(step=step, sampled=sampled)
+
+    def _begin(self) -> None:
+        """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step."""
+        if self.st.ended:
+            self.finalize()
+            self.st = self._new_step(self.st.step + 1)
+
+    def finish_open_step(self) -> None:
+        st = self.st
+        if st.ended or st.events or st.calls or st.losses or st.micro:
+            self.finalize()
+            self.st = self._new_step(st.step + 1)
+
+    def finish(self) -> None:
+        if not self._disabled:
+            self.finish_open_step()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception:
+                pass
+
+    def _fail(self, e: BaseException) -> None:
+        """An error inside ampdoctor itself: switch ampdoctor off, keep the user's training running."""
+        if not self._disabled:
+            self._disabled = True
+            warnings.warn(f"ampdoctor disabled itself after an internal error ({type(e).__name__}: {e}); "
+                          "training continues unwatched. Please report this.", RuntimeWarning, stacklevel=3)
+
+    def _event(self, kind: str, **kw) -> CallEvent:
+        f, ln = caller_location(3)
+        ev = CallEvent(kind=kind, step=self.st.step, index=self._event_index, file=f, line=ln, **kw)
+        self._event_index += 1
+        self.st.events.append(ev)
+        return ev
+
+    # -- module hooks --------------------------------------------------------------------------------
+    def forward_pre(self, module, args, kwargs):
+        if self._disabled or self.suspended:
+            return None
+        try:
+            return self._forward_pre(module, args, kwargs)
+        except Exception as e:  # never break the user's model
+            self._fail(e)
+            return None
+
+    def _forward_pre(self, module, args, kwargs):
+        st = self.st
+        if module is self._root and not st.stack:
+            self._begin()
+            st = self.st
+            if torch.is_grad_enabled():
+                st.micro += 1
+                st.batch = (args, kwargs)
+                st.rng = _rng_state()
+                st.autocast = _autocast_str()
+        if not st.sampled or len(st.calls) >= self.cfg.max_module_calls:
+            st.stack.append(None)
+            return None
+        name = self.w._names.get(id(module), "?")
+        n = st.counts.get(name, 0)
+        st.counts[name] = n + 1
+        parent = next((c.seq for c in reversed(st.stack) if c is not None), None)
+        grad = torch.is_grad_enabled()
+        c = _Call(module=name, type=type(module).__name__, call=n, seq=len(st.calls), depth=len(st.stack),
+                  parent=parent, autocast=_autocast_str(), grad_enabled=grad)
+        st.calls.append(c)
+        st.stack.append(c)
+        tensors = flatten_tensors(args, flatten_tensors(kwargs, [])) if kwargs else flatten_tensors(args, [])
+        for t in tensors:
+            if is_measurable(t):
+                self._row(c, "inp", t, light=True)
+        for t in module.parameters(recurse=False):  # NaN weights are not produced here (an earlier update was)
+            if is_measurable(t):
+                self._row(c, "par", t, light=True)
+        if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            return self._wrap_inputs(c, args, kwargs)
+        return None
+
+    def _wrap_inputs(self, c: _Call, args, kwargs):
+        """Give the module a view of each input that requires grad, so the gradient flowing out of *this*
+        module (not the sum over all consumers) can be measured. Identical tensors get one view, so
+        identity checks such as MultiheadAttention's `query is key` behave as before."""
+        memo: dict[int, torch.Tensor] = {}
+
+        def sub(x, depth=0):
+            if isinstance(x, torch.Tensor):
+                if not (x.requires_grad and is_measurable(x)):
+                    return x
+                v = memo.get(id(x))
+                if v is None:
+                    v = x.view_as(x)
+                    v.register_hook(self._grad_hook(c, "gin"))
+                    memo[id(x)] = v
+                return v
+            if depth < 2 and type(x) in (tuple, list):
+                return type(x)(sub(y, depth + 1) for y in x)
+            return x
+        new_args = tuple(sub(a) for a in args)
+        new_kwargs = {k: sub(v) for k, v in kwargs.items()} if kwargs else kwargs
+        return new_args, new_kwargs
+
+    def forward_post(self, module, args, kwargs, output):
+        if self._disabled or self.suspended:
+            return None
+        try:
+            self._forward_post(module, output)
+        except Exception as e:
+            self._fail(e)
+        return None
+
+    def _forward_post(self, module, output):
+        st = self.st
+        c = st.stack.pop() if st.stack else None
+        exc = sys.exc_info()[1]
+        if exc is not None and st.exception is None:
+            f, ln = _tb_location(exc)
+            st.exception = {"module": self.w._names.get(id(module), "?"), "type": type(exc).__name__,
+                            "message": str(exc).split("\n")[0][:500], "file": f, "line": ln,
+                            "autocast": _autocast_str()}
+        if module is self._root and not st.stack and exc is None and torch.is_grad_enabled():
+            loss = _loss_of(output)
+            if loss is not None and self.w.scaler is None:
+                st.losses.append(loss)
+        if c is None or exc is not None:
+            return
+        for t in flatten_tensors(output, []):
+            if is_measurable(t):
+                self._row(c, "out", t, light=False)
+                if t.requires_grad and c.grad_enabled:
+                    t.register_hook(self._grad_hook(c, "gout"))
+
+    def _row(self, c: _Call, slot: str, t: torch.Tensor, light: bool) -> None:
+        ac = _autocast_dtype(t.device.type)
+        ref = ref_dtype(t.dtype, ac)
+        v = light_stats(t, ref) if light else full_stats(t, ref)
+        st = self.st
+        c.rows[slot].append((len(st.vecs), _dt(t.dtype), _dt(ref)))
+        st.vecs.append(v)
+
+    def _grad_hook(self, c: _Call, slot: str):
+        st = self.st
+
+        def hook(g):
+            if self._disabled or self.st is not st or g is None or not is_measurable(g):
+                return None
+            try:
+                if c.bseq is None:
+                    c.bseq = st.bseq
+                    st.bseq += 1
+                ref = ref_dtype(g.dtype, _autocast_dtype(g.device.type) or _ac_from_str(c.autocast))
+                v = light_stats(g, ref) if slot == "gin" else full_stats(g, ref)
+                c.rows[slot].append((len(st.vecs), _dt(g.dtype), _dt(ref)))
+                st.vecs.append(v)
+            except Exception as e:
+                self._fail(e)
+            return None
+        return hook
+
+    # -- scaler / optimizer / clip monitor (called by monitor.py patches) ----------------------------------
+    def before(self, kind, args, kwargs):
+        if self._disabled:
+            return None
+        if kind == "scale":
+            self._begin()
+        st = self.st
+        opt = None
+        if kind in ("unscale_", "step"):
+            opt = args[0] if args else kwargs.get("optimizer")
+        stage = scaler_stage(self.w.scaler, opt) if opt is not None else None
+        ev = self._event(kind, stage=stage)
+        if st.in_scaler_step > 0:
+            ev.detail["internal"] = True  # e.g. the unscale_ that scaler.step() does itself
+        if kind == "scale":
+            out = args[0] if args else kwargs.get("outputs")
+            if isinstance(out, torch.Tensor) and out.numel() == 1:
+                st.losses.append(out.detach().reshape(()))
+            st.scaled_since_update = True
+        elif kind == "update":
+            st.scaled_since_update = False
+            new = args[0] if args else kwargs.get("new_scale")
+            ev.detail["has_steps"] = any(e.kind == "step" for e in st.events)
+            if new is not None:
+                ev.detail["new_scale"] = float(new) if not isinstance(new, torch.Tensor) else None
+        elif kind == "step":
+            st.in_scaler_step += 1
+            if opt is not None and id(opt) not in self.known_optimizers and self._owns(opt):
+                self.known_optimizers.add(id(opt))
+                self.w.adopt_optimizer(opt)
+        return (ev, opt)
+
+    def after(self, tok, args, kwargs, out):
+        if tok is None or self._disabled:
+            return
+        ev, opt = tok
+        st = self.st
+        sc = self.w.scaler
+        if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
+            st.scale_t = sc._scale.detach().clone()
+        if ev.kind == "step":
+            st.in_scaler_step -= 1
+            try:
+                fi = self.w.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+                if fi:
+                    st.found_inf_t = torch.stack([v.detach().double().reshape(()) for v in fi.values()]).sum()
+            except (AttributeError, KeyError, TypeError):
+                pass
+            self._presync(opt)
+            st.ended = True
+
+    def failed(self, tok, e: BaseException) -> None:
+        if tok is None:
+            return
+        ev = tok[0] if isinstance(tok, tuple) else tok
+        ev.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        if ev.kind == "step":
+            self.st.in_scaler_step = max(self.st.in_scaler_step - 1, 0)
+
+    def zero_grad(self, optimizer) -> None:
+        if self._disabled:
+            return
+        self._begin()
+        self._event("zero_grad")
+
+    def clip_before(self, kind, parameters):
+        if self._disabled:
+            return None
+        ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        mine = self._model_param_ids()
+        if not any(id(p) in mine for p in ps):
+            return None
+        sc = self.w.scaler
+        stage = None
+        scaled = False
+        if sc is not None and self.w.optimizer is not None and getattr(sc, "_enabled", True):
+            stage = scaler_stage(sc, self.w.optimizer)
+            scaled = self.st.scaled_since_update and stage in (None, "READY")
+        return self._event(kind, stage=stage, scaled=scaled)
+
+    def clip_after(self, ev, out) -> None:
+        if ev is None:
+            return
+        if isinstance(out, torch.Tensor) and out.numel() == 1:
+            ev.detail["norm_t"] = out.detach().double().reshape(())
+
+    def global_opt_pre(self, opt, args, kwargs):
+        if self._disabled:
+            return None
+        try:
+            if id(opt) not in self.known_optimizers:
+                if id(opt) in self._rejected_optimizers or not self._owns(opt):
+                    self._rejected_optimizers.add(id(opt))
+                    return None
+                self.known_optimizers.add(id(opt))
+                self.w.adopt_optimizer(opt)
+            st = self.st
+            sc = self.w.scaler
+            stage = scaler_stage(sc, opt) if sc is not None else None
+            via = st.in_scaler_step > 0
+            scaled = bool(sc is not None and not via and st.scaled_since_update and stage in (None, "READY"))
+            self._event("optimizer.step", stage=stage, scaled=scaled, detail={"via_scaler": via})
+            self._presync(opt, grads_scaled=scaled)
+            self._update_check_pre(opt)
+            if not via:
+                st.ended = True
+        except Exception as e:
+            self._fail(e)
+        return None
+
+    def global_opt_post(self, opt, args, kwargs):
+        if self._disabled or id(opt) not in self.known_optimizers:
+            return
+        try:
+            self._update_check_post(opt)
+        except Exception as e:
+            self._fail(e)
+
+    def _owns(self, opt) -> bool:
+        mine = self._model_param_ids()
+        return any(id(p) in mine for g in opt.param_groups for p in g["params"])
+
+    def _model_param_ids(self) -> set:
+        if self._model_params is None:
+            self._model_params = {id(p) for p in self.w.model.parameters()}
+        return self._model_params
+
+    # -- the one transfer per step ---------------------------------------------------------------------
+    def _presync(self, opt, grads_scaled: bool = False) -> None:
+        from .sync import presync
+        presync(self, opt, grads_scaled)
+
+    def _update_check_pre(self, opt) -> None:
+        from .sync import update_check_pre
+        update_check_pre(self, opt)
+
+    def _update_check_post(self, opt) -> None:
+        from .sync import update_check_post
+        update_check_post(self, opt)
+
+    def finalize(self) -> None:
+        from .sync import finalize
+        try:
+            finalize(self)
+        except Exception as e:
+            self._fail(e)
+
+
+def _loss_of(output):
+    """The model's own loss: a scalar output, `.loss`, or output["loss"]."""
+    t = output
+    if not isinstance(t, torch.Tensor):
+        t = getattr(output, "loss", None)
+        if t is None and isinstance(output, dict):
+            t = output.get("loss")
+    if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+        return t.detach().reshape(())
+    return None
+
+
+def _rng_state():
+    s = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def _autocast_dtype(device_type: str):
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _autocast_str() -> str | None:
+    for dev in ("cuda", "cpu"):
+        d = _autocast_dtype(dev)
+        if d is not None:
+            return f"{dev}:{_dt(d)}"
+    return None
+
+
+def _ac_from_str(s: str | None):
+    if not s:
+        return None
+    return getattr(torch, s.split(":")[1], None)
+
+
+def _tb_location(exc: BaseException) -> tuple[str | None, int | None]:
+    """The deepest traceback frame in user code (outside torch and ampdoctor)."""
+    from .monitor import _PKG_DIR, _TORCH_DIR
+    tb = exc.__traceback__
+    best = (None, None)
+    while tb is not None:
+        fn = tb.tb_frame.f_code.co_filename
+        if not (fn.startswith(_PKG_DIR) or fn.startswith(_TORCH_DIR)):
+            best = (fn, tb.tb_lineno)
+        tb = tb.tb_next
+    return best

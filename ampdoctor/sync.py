@@ -1,0 +1,233 @@
+"""The once-per-step transfer and the assembly of a StepRecord from an open step.
+
+`presync` runs just before the optimizer step (or when the scaler skipped it, or when no step came): it
+gathers the loss, the scale, found_inf, gradient norms and every statistic vector the hooks queued, moves
+them to the host in one transfer per device, and writes a capture if the step went bad. `finalize` turns
+the step into a StepRecord (producers included), stores it and hands it to the sinks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .producers import backward_producer, forward_producer
+from .records import ModuleCall, ParamStat, StepRecord
+from .stats import NSTAT, combine, vector_to_stats
+
+__all__ = ["presync", "finalize", "update_check_pre", "update_check_post"]
+
+
+def _to_host(parts: list[tuple[str, torch.Tensor]]) -> dict[str, list[float]]:
+    """One device->host copy per device for all parts (each a float64 tensor of any shape)."""
+    by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for k, t in parts:
+        by_dev.setdefault(t.device, []).append((k, t.reshape(-1).to(torch.float64)))
+    out: dict[str, list[float]] = {}
+    for dev, items in by_dev.items():
+        flat = torch.cat([t for _, t in items]).cpu().tolist() if items else []
+        i = 0
+        for k, t in items:
+            n = t.numel()
+            out[k] = flat[i:i + n]
+            i += n
+    return out
+
+
+def _model_grads(m):
+    names, grads = [], []
+    for n, p in m.w.model.named_parameters():
+        if p.grad is not None and p.grad.layout == torch.strided and p.grad.is_floating_point():
+            names.append(n)
+            grads.append(p.grad.detach())
+    return names, grads
+
+
+def presync(m, opt, grads_scaled: bool = False) -> None:
+    st = m.st
+    if st.synced is not None:
+        return
+    parts: list[tuple[str, torch.Tensor]] = []
+    if st.losses:
+        parts.append(("loss", torch.stack([x.to(torch.float64) for x in st.losses])))
+    if st.scale_t is not None:
+        parts.append(("scale", st.scale_t))
+    if st.found_inf_t is not None and isinstance(st.found_inf_t, torch.Tensor):
+        parts.append(("found_inf", st.found_inf_t))
+    names, grads = _model_grads(m)
+    st.param_names = names
+    via_scaler = st.in_scaler_step > 0
+    need_grad_check = st.sampled or m.w.scaler is None or not via_scaler
+    if grads and need_grad_check:
+        by_dt: dict = {}
+        for i, g in enumerate(grads):
+            by_dt.setdefault((g.device, g.dtype), []).append(i)
+        amax = [None] * len(grads)
+        l2 = [None] * len(grads)
+        for idx in by_dt.values():
+            gs = [grads[i] for i in idx]
+            for i, v in zip(idx, torch._foreach_norm(gs, math.inf)):
+                amax[i] = v
+            if st.sampled:
+                for i, v in zip(idx, torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16)
+                                                          else g for g in gs], 2)):
+                    l2[i] = v
+        # all per-param values on the first grad's device, one row each
+        dev = grads[0].device
+        parts.append(("g_amax", torch.stack([a.to(dev, torch.float64) for a in amax])))
+        if st.sampled:
+            parts.append(("g_l2", torch.stack([a.to(dev, torch.float64) for a in l2])))
+    for j, ev in enumerate(st.events):
+        t = ev.detail.get("norm_t")
+        if isinstance(t, torch.Tensor):
+            parts.append((f"clip{j}", t))
+    if st.vecs:
+        by_dev: dict = {}
+        for i, v in enumerate(st.vecs):
+            by_dev.setdefault(v.device, []).append(i)
+        for dev, idx in by_dev.items():
+            parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
+        st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
+    host = _to_host(parts)
+    rows: dict[int, list[float]] = {}
+    for key, vals in host.items():
+        if key.startswith("vec:"):
+            idx = st.vec_order[key[4:]] if key[4:] in st.vec_order else next(iter(st.vec_order.values()))
+            for k, i in enumerate(idx):
+                rows[i] = vals[k * NSTAT:(k + 1) * NSTAT]
+    st.vecs = []  # release device memory
+    for j, ev in enumerate(st.events):
+        if f"clip{j}" in host:
+            ev.detail["total_norm"] = host[f"clip{j}"][0]
+        ev.detail.pop("norm_t", None)
+    scale = host.get("scale", [None])[0]
+    found_inf = host.get("found_inf", [None])[0]
+    if via_scaler:
+        found_inf = 0.0
+    div = scale if (grads_scaled and scale) else 1.0
+    g_amax = [v / div for v in host.get("g_amax", [])]
+    g_l2 = [v / div for v in host.get("g_l2", [])]
+    losses = host.get("loss", [])
+    grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
+    st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
+                 "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
+    bad = (any(not math.isfinite(v) for v in losses) or (found_inf or 0) > 0 or grad_finite is False
+           or st.exception is not None)
+    if bad:
+        if not st.sampled:
+            m._followup = max(m._followup, m.cfg.bad_step_followup)
+        _maybe_capture(m, st)
+
+
+def _maybe_capture(m, st) -> None:
+    w = m.w
+    if not (w.run_dir and m.cfg.capture and m._captures < m.cfg.max_captures and st.batch is not None):
+        return
+    m._captures += 1
+    try:
+        import os
+        from .capture import write_capture
+        path = os.path.join(w.run_dir, *( [f"rank-{w.meta.rank}"] if w.meta.rank is not None and
+                                          (w.meta.world_size or 1) > 1 else []), "captures", str(st.step))
+        args, kwargs = st.batch
+        m.suspended = True
+        try:
+            st.capture = write_capture(path, w.model, args, kwargs, rng=st.rng, autocast=st.autocast,
+                                       scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
+                                       step=st.step)
+        finally:
+            m.suspended = False
+    except Exception as e:  # a capture must never break training
+        import warnings
+        warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
+                      RuntimeWarning, stacklevel=4)
+
+
+def update_check_pre(m, opt) -> None:
+    st = m.st
+    st.upd = []
+    if not st.sampled or m.cfg.update_sample <= 0:
+        return
+    names = {id(p): n for n, p in m.w.model.named_parameters()}
+    k = m.cfg.update_sample
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None and id(p) in names:
+                flat = p.detach().reshape(-1)[:k]
+                gnz = p.grad.detach().reshape(-1)[:k] != 0
+                st.upd.append([names[id(p)], p, flat.clone(), gnz, None])
+
+
+def update_check_post(m, opt) -> None:
+    for item in m.st.upd:
+        name, p, before, gnz, _ = item
+        after = p.detach().reshape(-1)[:before.numel()]
+        same = ((after == before) & gnz).sum()
+        item[4] = torch.stack([same.double(), gnz.sum().double()])
+
+
+def _stats_for(c, slot, rows):
+    lst = [vector_to_stats(rows[i], dt, ref) for i, dt, ref in c.rows[slot] if i in rows]
+    return combine(lst)
+
+
+def finalize(m) -> None:
+    st = m.st
+    if st.synced is None:
+        presync(m, None)
+    s = st.synced
+    rows = s["rows"]
+    calls = [ModuleCall(module=c.module, type=c.type, call=c.call, seq=c.seq, depth=c.depth, autocast=c.autocast,
+                        inp=_stats_for(c, "inp", rows), par=_stats_for(c, "par", rows), out=_stats_for(c, "out", rows),
+                        gout=_stats_for(c, "gout", rows), gin=_stats_for(c, "gin", rows), bseq=c.bseq,
+                        grad_enabled=c.grad_enabled) for c in st.calls]
+    parents = {c.seq: c.parent for c in st.calls}
+    upd = {}
+    done = [it for it in st.upd if it[4] is not None]
+    if done:
+        vals = torch.stack([it[4] for it in done]).cpu().tolist()
+        upd = {it[0]: v for it, v in zip(done, vals)}
+    st.upd = []
+    params = []
+    bad_param_modules = set()
+    dtypes = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in m.w.model.named_parameters()}
+    for i, name in enumerate(st.param_names):
+        amax = s["g_amax"][i] if i < len(s["g_amax"]) else None
+        l2 = s["g_l2"][i] if i < len(s["g_l2"]) else None
+        nonfin = amax is not None and not math.isfinite(amax)
+        mod = name.rpartition(".")[0]
+        if nonfin:
+            bad_param_modules.add(mod)
+        if not st.sampled and not nonfin:
+            continue
+        dt, n = dtypes.get(name, ("?", 0))
+        u = upd.get(name)
+        params.append(ParamStat(name=name, module=mod, dtype=dt, numel=n, grad_norm=l2, grad_absmax=amax,
+                                grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
+                                update_rounded_away=int(u[0]) if u else 0))
+    fwd = forward_producer(calls, parents) if calls else None
+    bwd = backward_producer(calls, parents, bad_param_modules) if calls else None
+    losses = s["losses"]
+    g_l2 = [v for v in s["g_l2"]]
+    gnorm = math.sqrt(sum(v * v for v in g_l2)) if g_l2 else None
+    found_inf = s["found_inf"]
+    rec = StepRecord(step=st.step, sampled=st.sampled, loss=losses[-1] if losses else None,
+                     loss_finite=all(math.isfinite(v) for v in losses) if losses else None,
+                     scale=s["scale"], found_inf=None if found_inf is None else found_inf > 0,
+                     skipped=bool(found_inf and found_inf > 0), grad_finite=s["grad_finite"], grad_norm=gnorm,
+                     micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
+                     modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
+                     exception=st.exception, capture=st.capture)
+    if s.get("grads_scaled"):
+        rec.events and rec.events[-1].detail.setdefault("grads_scaled", True)
+    m.records.append(rec)
+    if m.writer is not None:
+        m.writer.append(rec)
+    for sink in m.sinks:
+        try:
+            sink.on_step(m.w.meta, rec)
+        except Exception as e:
+            import warnings
+            warnings.warn(f"ampdoctor: a reporter failed on step {rec.step} ({e}); it is switched off",
+                          RuntimeWarning, stacklevel=2)
+            m.sinks = [x for x in m.sinks if x is not sink]

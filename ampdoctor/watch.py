@@ -1,0 +1,207 @@
+"""`ampdoctor.watch`: the Watch handle that owns every hook and patch on the user's model, optimizer, scaler.
+
+Hooks only measure: they append device-side statistic vectors (ampdoctor/stats.py) to the open step
+(ampdoctor/stepstate.py), which crosses to the host once, just before the optimizer step. Step boundaries
+come from the optimizer / GradScaler themselves; the user's loop needs no extra call.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+import torch.optim.optimizer as _optim
+from torch import nn
+
+from . import __version__
+from .config import WatchConfig
+from .env import collect_env
+from .errors import WatchError
+from .monitor import ClipPatch, OptimizerPatch, ScalerPatch
+from .records import RunMeta
+from .stepstate import StepMachine
+
+__all__ = ["Watch", "watch"]
+
+_WATCHED: "weakref.WeakKeyDictionary[nn.Module, Watch]" = weakref.WeakKeyDictionary()
+
+
+def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None = None,
+          config: WatchConfig | None = None, tensorboard_dir=None, writer=None) -> "Watch":
+    """Start watching `model` (and optionally its optimizer and GradScaler). Returns a `Watch`; use it as a
+    context manager or call `.close()`. See shared/CONTRACT.md."""
+    return Watch(model, optimizer=optimizer, scaler=scaler, run_dir=run_dir, every=every, config=config,
+                 tensorboard_dir=tensorboard_dir, writer=writer)
+
+
+class Watch:
+    """Owns the hooks and patches of one watched model. `close()` removes all of them and is idempotent."""
+
+    def __init__(self, model, optimizer=None, scaler=None, run_dir=None, *, every=None, config=None,
+                 tensorboard_dir=None, writer=None):
+        if not isinstance(model, nn.Module):
+            raise WatchError(f"ampdoctor.watch expects a torch.nn.Module, got {type(model).__name__}; pass the "
+                             "model itself (e.g. watch(model, optimizer=opt, scaler=scaler)).")
+        if model in _WATCHED and not _WATCHED[model].closed:
+            raise WatchError("this model is already watched by another ampdoctor.watch; close that one first "
+                             "(w.close() or leave its `with` block).")
+        if config is not None and every is not None:
+            raise WatchError("pass either every= or config=, not both")
+        self.config = config or (WatchConfig(every=every) if every is not None else WatchConfig())
+        self.model = model
+        self.run_dir = None if run_dir is None else str(run_dir)
+        params = {id(p) for p in model.parameters()}
+        if optimizer is not None:
+            if not hasattr(optimizer, "param_groups"):
+                raise WatchError(f"optimizer= expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+            if params and not any(id(p) in params for p in opt_params):
+                raise WatchError("the optimizer does not hold any of the model's parameters; pass the optimizer "
+                                 "built from this model (torch.optim.X(model.parameters(), ...)).")
+        if scaler is not None and not all(hasattr(scaler, k) for k in ("scale", "unscale_", "step", "update")):
+            raise WatchError(f"scaler= expects a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.optimizer, self.scaler = optimizer, scaler
+        self._closed = False
+        self._handles: list = []
+        self._patches: list = []
+        names = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            names.setdefault(id(m), name)
+        self._names = names
+        self.meta = self._build_meta()
+        sinks = []
+        if tensorboard_dir is not None or writer is not None:
+            from .report.tensorboard import TensorBoardSink
+            sinks.append(TensorBoardSink(logdir=tensorboard_dir, writer=writer))
+        self.machine = StepMachine(self, sinks)
+        self._install()
+        _WATCHED[model] = self
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish the open step, remove every hook and patch, close the run directory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.machine.finish()
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            for p in self._patches:
+                p.remove() if not isinstance(p, type) else p.discard(self.machine)
+            self._patches.clear()
+            ClipPatch.discard(self.machine)
+            self.machine.close()
+            if _WATCHED.get(self.model) is self:
+                del _WATCHED[self.model]
+
+    def __del__(self):  # pragma: no cover - best effort when a user forgets close()
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    # -- results ---------------------------------------------------------------------------------------
+    @property
+    def steps(self):
+        """The StepRecords finished so far (in memory)."""
+        return self.machine.records
+
+    def report(self, *, replay: bool = True):
+        """Build a Report from what was recorded so far (the open step is finished first). With `replay`,
+        a capture of the first bad step is re-run in-process with op-level instrumentation when the model
+        is still available, and its op-level findings are merged in."""
+        from .analysis import build_report
+        self.machine.finish_open_step()
+        rep = build_report(self.meta, list(self.machine.records), run_dir=self.run_dir)
+        if replay and not self._closed_model_gone():
+            from .analysis import merge_replay
+            rep = merge_replay(rep, self)
+        return rep
+
+    def _closed_model_gone(self) -> bool:
+        return self.model is None
+
+    # -- installation ----------------------------------------------------------------------------------
+    def _build_meta(self) -> RunMeta:
+        import torch.distributed as dist
+        model = self.model
+        mods = [[name, type(m).__name__, name.count(".") + 1 if name else 0]
+                for name, m in model.named_modules()]
+        opt_ids = set()
+        if self.optimizer is not None:
+            opt_ids = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        params = []
+        for name, p in model.named_parameters():
+            params.append([name, name.rpartition(".")[0], str(p.dtype).replace("torch.", ""), p.numel(),
+                           id(p) in opt_ids if self.optimizer is not None else None])
+        opt = {}
+        if self.optimizer is not None:
+            dts = sorted({str(p.dtype).replace("torch.", "") for g in self.optimizer.param_groups
+                          for p in g["params"]})
+            opt = {"class": type(self.optimizer).__name__, "param_dtypes": dts}
+        sc = {}
+        if self.scaler is not None:
+            s = self.scaler
+            sc = {"class": f"{type(s).__module__}.{type(s).__qualname__}",
+                  "enabled": bool(getattr(s, "_enabled", True)),
+                  "init_scale": float(getattr(s, "_init_scale", 0) or 0),
+                  "growth_factor": float(getattr(s, "_growth_factor", 2.0)),
+                  "backoff_factor": float(getattr(s, "_backoff_factor", 0.5)),
+                  "growth_interval": int(getattr(s, "_growth_interval", 2000)),
+                  "device": str(getattr(s, "_device", ""))}
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        rank = world = None
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        return RunMeta(ampdoctor_version=__version__, torch_version=torch.__version__,
+                       model_class=f"{type(model).__module__}.{type(model).__qualname__}", modules=mods,
+                       params=params, optimizer=opt, scaler=sc, env=collect_env(dev), every=self.config.every,
+                       rank=rank, world_size=world)
+
+    def _install(self) -> None:
+        m = self.machine
+        for mod in self.model.modules():
+            self._handles.append(mod.register_forward_pre_hook(m.forward_pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(m.forward_post, with_kwargs=True, always_call=True))
+        self._handles.append(_optim.register_optimizer_step_pre_hook(m.global_opt_pre))
+        self._handles.append(_optim.register_optimizer_step_post_hook(m.global_opt_post))
+        if self.optimizer is not None:
+            self._patches.append(OptimizerPatch(self.optimizer, m))
+            m.known_optimizers.add(id(self.optimizer))
+        if self.scaler is not None:
+            self._patches.append(ScalerPatch(self.scaler, m))
+        ClipPatch.add(m)
+
+    def adopt_optimizer(self, optimizer) -> None:
+        """Start monitoring an optimizer seen stepping on the model's parameters (optimizer= not given)."""
+        if self._closed:
+            return
+        self._patches.append(OptimizerPatch(optimizer, self.machine))
+        if self.optimizer is None:
+            self.optimizer = optimizer
+            dts = sorted({str(p.dtype).replace("torch.", "") for g in optimizer.param_groups for p in g["params"]})
+            self.meta.optimizer = {"class": type(optimizer).__name__, "param_dtypes": dts}
+
+    def adopt_scaler(self, scaler) -> None:
+        if self._closed or self.scaler is not None:
+            return
+        self.scaler = scaler
+        self._patches.append(ScalerPatch(scaler, self.machine))
+
+
+def _exc_info():
+    return sys.exc_info()
