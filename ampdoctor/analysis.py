@@ -188,25 +188,34 @@ def merge_replay(rep: Report, watch) -> Report:
         m.suspended = False
     findings = list(rep.findings)
     refined: set[int] = set()
+    fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
     for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
         if f.rule not in _OPLEVEL or f.severity == "info":
             continue
-        match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin") and
-                      g.phase == f.phase and g.severity != "info" and g.module is not None and f.module is not None
-                      and (f.module == g.module or f.module.startswith(g.module + ".") if g.module else True)),
-                     None)
-        if any(id(g) in refined and g.module == f.module and g.phase == f.phase for g in findings):
-            continue
-        if match is not None:
-            i = findings.index(match)
-            ev = dict(match.evidence)
-            ev.update({k: v for k, v in f.evidence.items() if k != "rank_hint"})
-            ev["module_level_rule"] = match.rule
-            findings[i] = Finding(f.rule, match.severity, f.phase, f.module, f.op, match.step, f.message, f.fix, ev)
-            refined.add(id(findings[i]))
-        elif not any(g.rule == f.rule and g.module == f.module for g in findings):
-            f.evidence.setdefault("rank_hint", 9)
+        if f.phase == "backward" and fwd_bad:
+            continue  # gradients of non-finite activations: consequences of the forward origin
+        if f.rule in ("overflow", "nan_origin"):
+            match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin")
+                          and g.phase == f.phase and g.severity != "info" and g.module is not None
+                          and f.module is not None and (f.module == g.module or f.module.startswith(g.module + ".")
+                                                        if g.module else True)), None)
+            if match is not None:
+                i = findings.index(match)
+                ev = dict(match.evidence)
+                ev.update({k: v for k, v in f.evidence.items() if k != "rank_hint"})
+                ev["module_level_rule"] = match.rule
+                findings[i] = Finding(f.rule, match.severity, f.phase, f.module, f.op, match.step, f.message,
+                                      f.fix, ev)
+                refined.add(id(findings[i]))
+                continue
+            if f.module is None or any(g.rule in ("overflow", "nan_origin") and g.phase == f.phase
+                                       for g in findings):
+                continue
+        if not any(g.rule == f.rule and g.module == f.module for g in findings):
+            f.evidence["rank_hint"] = 13 if f.severity == "error" else f.evidence.get("rank_hint", 30)
             f.evidence["from_replay"] = cap
+            if f.step is None:
+                f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
     rep.findings = rank(findings)
     if rr.data.get("replay"):

@@ -108,8 +108,13 @@ class StepMachine:
         self._model_params = None
         self.writer = None
         if watch.run_dir is not None:
+            import os
             from .rundir import RunDirWriter
-            self.writer = RunDirWriter(watch.run_dir, watch.meta)
+            meta = watch.meta
+            path = watch.run_dir
+            if meta.rank is not None and (meta.world_size or 1) > 1:
+                path = os.path.join(path, f"rank-{meta.rank}")
+            self.writer = RunDirWriter(path, meta)
         self.st = self._new_step(0)
 
     # -- step lifecycle -----------------------------------------------------------------------------

@@ -121,14 +121,17 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
 
 def _maybe_capture(m, st) -> None:
     w = m.w
-    if not (w.run_dir and m.cfg.capture and m._captures < m.cfg.max_captures and st.batch is not None):
+    if not (m.cfg.capture and m._captures < m.cfg.max_captures and st.batch is not None):
         return
     m._captures += 1
     try:
         import os
         from .capture import write_capture
-        path = os.path.join(w.run_dir, *( [f"rank-{w.meta.rank}"] if w.meta.rank is not None and
-                                          (w.meta.world_size or 1) > 1 else []), "captures", str(st.step))
+        if w.run_dir:
+            path = os.path.join(w.run_dir, *([f"rank-{w.meta.rank}"] if w.meta.rank is not None and
+                                             (w.meta.world_size or 1) > 1 else []), "captures", str(st.step))
+        else:  # no run directory: a temporary capture, so that w.report() can still replay it
+            path = os.path.join(_tmp_root(), f"{id(w):x}-{st.step}")
         args, kwargs = st.batch
         m.suspended = True
         try:
@@ -141,6 +144,19 @@ def _maybe_capture(m, st) -> None:
         import warnings
         warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=4)
+
+
+_TMP: list[str] = []
+
+
+def _tmp_root() -> str:
+    if not _TMP:
+        import atexit
+        import shutil
+        import tempfile
+        _TMP.append(tempfile.mkdtemp(prefix="ampdoctor-captures-"))
+        atexit.register(shutil.rmtree, _TMP[0], True)
+    return _TMP[0]
 
 
 def update_check_pre(m, opt) -> None:

@@ -177,7 +177,19 @@ def replay_only_report() -> Report:
     f = _findings()[0]
     summary = {"verdict": f"Replay: {ROOT_MODULE} overflows fp16 in aten::mm; bf16 stays finite.",
                "steps": 0, "errors": 1, "warnings": 0, "infos": 0, "model_class": "T5ForConditionalGeneration"}
-    return Report([f], summary, {"replay": _replay(), "env": _env()})
+    rp = _replay()
+    # the stage-tagged chain that ampdoctor.replay emits
+    rp["chain"] = [{"stage": "constant", "rule": "mask_value_overflow", "module": "encoder.block.0.layer.0",
+                    "op": "aten::masked_fill", "value": -3.4028234663852886e38, "line": 120},
+                   {"stage": "origin", "phase": "forward", "module": ROOT_MODULE, "op": "aten::mm", "kind": "overflow",
+                    "line": 290},
+                   {"stage": "first_nan", "phase": "forward", "module": "encoder.block.1.layer.1.layer_norm",
+                    "op": "aten::pow", "line": 250},
+                   {"stage": "loss", "finite": False}, {"stage": "grads", "nonfinite": ["lm_head.weight"], "count": 1}]
+    rp["whatif"]["float16"]["max_rel_err"] = None
+    rp["whatif"]["bfloat16"]["max_rel_err"] = 0.0031
+    rp["whatif"]["tf32"] = {"finite": False, "error": "RuntimeError: CUDA out of memory", "overflow_modules": []}
+    return Report([f], summary, {"replay": rp, "env": _env()})
 
 
 def large_report(n_layers: int = 500, n_steps: int = 1000, worst=(337, 613)) -> Report:

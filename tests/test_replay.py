@@ -238,3 +238,17 @@ def test_fixture_capture_replays_with_progress(monkeypatch):
     assert rep.data["replay"]["scale"] == 1024.0
     assert sum(os.path.getsize(os.path.join(ROOT, "fixtures/captures/t5_ffn_overflow", f))
                for f in os.listdir(os.path.join(ROOT, "fixtures/captures/t5_ffn_overflow"))) < 1 << 20
+
+
+def test_pure_fp16_model_rebuilt_from_factory(tmp_path, monkeypatch):
+    """A `.half()` model captured outside autocast: the factory's fp32 model takes the capture's dtype."""
+    monkeypatch.chdir(ROOT)
+    from fixtures.models import make_t5_overflow, t5_block_batch
+    m = make_t5_overflow().half()
+    x, labels = t5_block_batch()
+    path = save_batch(tmp_path / "half", m, x.half(), labels=labels)
+    rep = replay(path, model="fixtures.models:t5_block")
+    assert rep.summary["dtype"] == "float16" and rep.summary["note"] is None
+    f = find(rep, rule="overflow", module="ff.wo", phase="forward")
+    assert f.evidence["out_dtype"] == "float16"
+    assert rep.data["replay"]["whatif"]["bfloat16"]["finite"] is True

@@ -72,6 +72,8 @@ def test_replay_only_and_empty_report():
     html = render_html(rs.replay_only_report(), plots={})
     assert 'id="replay"' in html and 'id="whatif"' in html and 'id="layers"' not in html
     assert "bfloat16" in html and "0.0031" in html
+    assert "mask_value_overflow: value -3.403e+38" in html and "1 non-finite: lm_head.weight" in html
+    assert "RuntimeError: CUDA out of memory" in html
     from ampdoctor.findings import Report
     assert "Healthy: no problems found" in render_html(Report(), plots={})
 

@@ -56,6 +56,8 @@ def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Cal
     if isinstance(loss_fn, str):
         loss_fn = modelio.resolve(loss_fn, "--loss")
     m = modelio.build_model(cap, model)
+    if model is None or isinstance(model, str):
+        modelio.match_capture_dtype(m, cap.state_dict)   # a model we built may take the capture's dtype
     dev = torch.device(device) if device else (_device_of(m) or torch.device("cpu"))
     if model is not None and not isinstance(model, str) and _device_of(m) not in (None, dev):
         m = copy.deepcopy(m)   # never move the caller's model
@@ -133,7 +135,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
 
     findings = explain.build_findings(events=tracer.events, consts=tracer.constants, step_bad=step_bad,
                                       step=cap.step, device=devtype, forward_error=forward_error, fix=fix,
-                                      suspects=suspects, dtype=dtype_name)
+                                      suspects=suspects, dtype=dtype_name, error_module=tracer.exception_module)
     data = {"capture": cap.path, "device": str(dev), "dtype": dtype_name, "scale": scale,
             "chain": explain.chain(tracer.events, loss_finite, grads_bad, tracer.constants,
                                    forward_error),

@@ -89,7 +89,8 @@ def chain(events: list[OpEvent], loss_finite: bool | None, grads_bad: list[str],
 
 
 def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool, step: int | None, device: str,
-                   forward_error: str | None, fix: dict | None, suspects: list[dict], dtype: str) -> list[Finding]:
+                   forward_error: str | None, fix: dict | None, suspects: list[dict], dtype: str,
+                   error_module: str | None = None) -> list[Finding]:
     found: list[Finding] = []
     rank = iter(range(10, 1000))
     # constants first: they are the root cause when they fed the failure
@@ -134,7 +135,7 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
                     "role": "origin" if i == 0 else "propagator", "rank_hint": next(rank) + (0 if step_bad else 500)}
         found.append(Finding(rule, "error" if step_bad else "info", e.phase, e.module, e.op, step, msg, fx, evidence))
     if forward_error and not any(f.severity == "error" for f in found):
-        found.append(Finding("overflow" if "overflow" in forward_error else "nan_origin", "error", "forward", None,
+        found.append(Finding("overflow" if "overflow" in forward_error else "nan_origin", "error", "forward", error_module,
                              None, step, f"the replayed forward raised: {forward_error}",
                              "see the traceback of the original run; run the failing module in fp32",
                              {"rank_hint": next(rank)}))

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import BadInput
 
-__all__ = ["resolve", "build_model", "load_weights", "preserved", "set_rng", "autocast_ctx", "to_device",
+__all__ = ["resolve", "build_model", "match_capture_dtype", "load_weights", "preserved", "set_rng", "autocast_ctx", "to_device",
            "get_loss", "run_step", "floating_params"]
 
 
@@ -74,6 +74,14 @@ def build_model(capture, model: Any = None) -> torch.nn.Module:
     except Exception:
         raise BadInput(f"cannot rebuild {cls_path or 'the model'} from the capture alone; pass model= "
                        "(or --model package.module:factory)")
+
+
+def match_capture_dtype(model: torch.nn.Module, state_dict: dict) -> None:
+    """Cast a freshly built fp32 model to the capture's dtype when its weights are all fp16 or all bf16 (a pure
+    low-precision model, e.g. `.half()`), so the replay runs the ops the original ran."""
+    dts = {v.dtype for v in state_dict.values() if v.is_floating_point()}
+    if len(dts) == 1 and next(iter(dts)) in (torch.float16, torch.bfloat16):
+        model.to(next(iter(dts)))
 
 
 def load_weights(model: torch.nn.Module, state_dict: dict) -> None:

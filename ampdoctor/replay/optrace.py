@@ -27,20 +27,30 @@ __all__ = ["OpEvent", "OpTracer", "source_line"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _AMPDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_SKIP_FUNCS = {"__torch_function__", "__torch_dispatch__"}
 MAX_EVENTS = 32
+
+
+def _user_frame() -> tuple[str, int, str] | None:
+    """(file, line, function) of the first frame outside torch and ampdoctor (the user's code)."""
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_AMPDOCTOR_DIR) or fn.startswith("<frozen")):
+            return fn, f.f_lineno, f.f_code.co_name
+        f = f.f_back
+    return None
+
+
+def _fmt(fr: tuple[str, int, str] | None) -> str | None:
+    if fr is None:
+        return None
+    fn, line, name = fr
+    return f"{fn if fn.startswith('<') else os.path.relpath(fn)}:{line} in {name}"
 
 
 def source_line() -> str | None:
     """'file:line in func' of the first frame outside torch and ampdoctor (the user's code)."""
-    f = sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_AMPDOCTOR_DIR) or f.f_code.co_name in _SKIP_FUNCS
-                or fn.startswith("<frozen")):
-            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno} in {f.f_code.co_name}"
-        f = f.f_back
-    return None
+    return _fmt(_user_frame())
 
 
 @dataclass
@@ -84,7 +94,7 @@ class _FnMode(TorchFunctionMode):
         if torch.is_grad_enabled():
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.grad_fn not in self.tracer.nodes:
-                    self.tracer.nodes[t.grad_fn] = (self.tracer.module(), source_line(),
+                    self.tracer.nodes[t.grad_fn] = (self.tracer.module(), _user_frame(),
                                                     getattr(func, "__name__", str(func)))
         return out
 
@@ -184,8 +194,8 @@ class OpTracer:
         node = torch._C._current_autograd_node()
         if node is None:
             return None, None, None
-        mod, line, _ = self.nodes.get(node) or self._node_module.get(node) or (None, None, None)
-        return mod, line, node.name()
+        mod, frame, _ = self.nodes.get(node) or self._node_module.get(node) or (None, None, None)
+        return mod, _fmt(frame), node.name()
 
     # inf/NaN origin ---------------------------------------------------------------------------------
     def check_output(self, func, args, kwargs, out) -> None:

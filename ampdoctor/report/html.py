@@ -96,6 +96,38 @@ def _calls(calls: list[dict], first_bad) -> tuple[list[dict], str]:
     return out, note
 
 
+_BAD_KINDS = ("overflow", "nan", "inf", "posinf", "neginf", "constant", "exception")
+
+
+def _chain(items: list[dict]) -> list[dict]:
+    """One display row per chain stage: replay's stages (constant, exception, origin, first_nan, loss, grads),
+    or plain {phase, module, op, kind, source} items."""
+    rows = []
+    for c in items:
+        stage = c.get("stage")
+        src = c.get("source") or (f"line {c['line']}" if c.get("line") is not None else "")
+        row = {"module": c.get("module"), "op": c.get("op"), "phase": c.get("phase"), "source": src, "detail": ""}
+        if stage == "constant":
+            row.update(badge="constant", detail=f"{c.get('rule', '')}: value {fmt_num(c.get('value'))}")
+        elif stage == "exception":
+            row.update(badge="exception", detail=str(c.get("message", "")))
+        elif stage == "first_nan":
+            row.update(badge="first nan")
+        elif stage == "loss":
+            row.update(badge="loss", detail="finite" if c.get("finite") else "not finite")
+            row["cls"] = "info" if c.get("finite") else "error"
+        elif stage == "grads":
+            n = c.get("count") or 0
+            names = ", ".join(map(str, c.get("nonfinite") or []))
+            row.update(badge="grads", detail=f"{n} non-finite" + (f": {names}" if names else ""))
+            row["cls"] = "error" if n else "info"
+        else:
+            row.update(badge=str(c.get("kind") or stage or "op"))
+        row.setdefault("cls", "error" if row["badge"] in _BAD_KINDS else "warning")
+        rows.append(row)
+    return rows
+
+
 def _replay(rp: dict) -> dict | None:
     if not rp:
         return None
@@ -106,10 +138,15 @@ def _replay(rp: dict) -> dict | None:
     for mod, e in sorted(errs, key=lambda t: -(t[1] if t[1] is not None and not math.isnan(t[1]) else math.inf)):
         pct = 100 if e is None or not math.isfinite(e) else max(1, 100 * e / top)
         shadow.append({"module": mod, "text": fmt_num(e), "pct": round(pct, 1), "bad": e is None or not math.isfinite(e)})
-    whatif = [{"dtype": dt, "finite": bool(w.get("finite")), "overflow": ", ".join(w.get("overflow_modules") or [])
-               or "none", "max_err": w.get("max_rel_err_module") or "—"} for dt, w in (rp.get("whatif") or {}).items()]
+    whatif = []
+    for dt, w in (rp.get("whatif") or {}).items():
+        err = w.get("max_rel_err_module") or "—"
+        if w.get("max_rel_err") is not None:
+            err += f" ({fmt_num(w['max_rel_err'])})"
+        whatif.append({"dtype": dt, "finite": bool(w.get("finite")), "max_err": w.get("error") or err,
+                       "overflow": ", ".join(w.get("overflow_modules") or []) or "none"})
     fix = rp.get("fix") or {}
-    return {"capture": rp.get("capture") or "", "chain": rp.get("chain") or [], "shadow": shadow, "whatif": whatif,
+    return {"capture": rp.get("capture") or "", "chain": _chain(rp.get("chain") or []), "shadow": shadow, "whatif": whatif,
             "snippet": fix.get("snippet"), "fix_modules": ", ".join(fix.get("modules") or [])}
 
 
@@ -142,7 +179,7 @@ def render_html(report, plots: dict[str, bytes] | None = None) -> str:
     summary = d.get("summary") or {}
     findings = [{**f, "evidence": _evidence(f.get("evidence"))} for f in d.get("findings") or []]
     root = panels.root_finding(d)
-    verdict = summary.get("verdict") or (root or {}).get("message") or "No mixed-precision problems found."
+    verdict = summary.get("verdict") or summary.get("headline") or (root or {}).get("message") or "No mixed-precision problems found."
     stats = [(label, summary[k]) for k, label in (("steps", "steps"), ("bad_steps", "bad steps"),
                                                   ("skipped_steps", "skipped"), ("first_bad_step", "first bad step"))
              if summary.get(k) not in (None, "")]
@@ -158,7 +195,7 @@ def render_html(report, plots: dict[str, bytes] | None = None) -> str:
     sections += [(p["id"], p["title"].split(" per ")[0], True) for p in plot_rows]
     sections += [("calls", "Call sequence", calls), ("replay", "Replay", replay), ("env", "Environment", d.get("env"))]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates")),
-                             autoescape=True, trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+                             autoescape=True, trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
     return env.get_template("report.html.j2").render(
         title=summary.get("model_class") or "mixed-precision report", header=header, verdict=verdict, root=root,
         counts=panels.counts(d), stats=stats, findings=findings, layers=_layer_rows(d.get("layers") or []),

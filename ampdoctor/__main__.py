@@ -1,0 +1,4 @@
+"""`python -m ampdoctor` = the `ampdoctor` command."""
+from .cli import main
+
+raise SystemExit(main())
