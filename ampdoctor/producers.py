@@ -60,6 +60,9 @@ def forward_producer(calls: list[ModuleCall], parents: dict[int, int | None]) ->
     cands = [c for c in calls if c.seq not in tainted and _kind(c.inp, c.out)]
     if not cands:
         return None
+    if any(_kind(c.inp, c.out) == "inf" for c in cands):
+        # NaN made from an inf input (inf - inf, 0 * inf) is that inf's consequence, not a separate origin
+        cands = [c for c in cands if not (_kind(c.inp, c.out) == "nan" and _has_inf(c.inp))]
     inner = _innermost(cands, parents)
     first = min(inner, key=lambda c: c.seq)
     kind = _kind(first.inp, first.out)

@@ -133,7 +133,8 @@ class StepMachine:
 
     def finish_open_step(self) -> None:
         st = self.st
-        if st.ended or st.events or st.calls or st.losses or st.micro:
+        trained = st.ended or st.events or st.losses or st.micro or st.exception
+        if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
             self.finalize()
             self.st = self._new_step(st.step + 1)
 

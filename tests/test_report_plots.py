@@ -42,3 +42,10 @@ def test_heatmap_figure_height_is_bounded_for_large_runs():
     rep = rs.large_report(n_layers=300, n_steps=600, worst=(10, 20))
     png = render_plots(Report(data={"heatmap": rep.data["heatmap"]}))[PLOT_FILES["heatmap"]]
     assert len(png) < 1_500_000
+
+
+def test_timeline_without_scaler():
+    tl = [{"step": s, "loss": 1.0 / (s + 1), "scale": None, "skipped": False} for s in range(10)]
+    assert list(render_plots(Report(data={"timeline": tl}))) == [PLOT_FILES["timeline"]]
+    empty = [{"step": s, "loss": None, "scale": None, "skipped": False} for s in range(10)]
+    assert render_plots(Report(data={"timeline": empty})) == {}

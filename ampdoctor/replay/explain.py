@@ -5,8 +5,6 @@ producer (propagators), then warnings. `evidence["rank_hint"]` keeps that order 
 """
 from __future__ import annotations
 
-import math
-
 from ..findings import Finding
 from .constants import is_mask_like
 from .optrace import OpEvent
@@ -127,6 +125,10 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
         if rule == "overflow" and e.op.split("::")[-1] in _MASK_CAPABLE and is_mask_like(e.absmax_in):
             rule = "mask_value_overflow"
         msg, fx = _op_text(e, device)
+        if i > 0 and (e.in_has_inf or e.phase == picked[0].phase):
+            o = picked[0]
+            msg += f" (a consequence of the {o.kind} at {o.op} in `{o.module}`)"
+            fx = f"fix the origin ({o.op} in `{o.module}`, above); this op only propagates it"
         if i == 0 and fix and fix.get("found"):
             fx += f"\n\nSmallest set of modules that makes this step finite in fp32 (ampdoctor fix search):\n{fix['snippet']}"
         evidence = {"absmax_in": e.absmax_in, "out_nan": e.out_nan, "out_posinf": e.out_posinf,
@@ -150,6 +152,3 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
              "rank_hint": 600 + next(rank)}))
     return sorted(found, key=lambda f: f.sort_key())
 
-
-def finite_or_none(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else x

@@ -105,10 +105,13 @@ def _timeline(tl: list[dict]) -> bytes | None:
            if r.get("step") is not None]
     if not pts:
         return None
-    fig, ax = _subplots((11, 3.4))
     steps = [p[0] for p in pts]
     scales = [p[1] if p[1] and p[1] > 0 and math.isfinite(p[1]) else float("nan") for p in pts]
-    if any(s == s for s in scales):
+    has_scale = any(s == s for s in scales)
+    if not has_scale and all(p[2] is None for p in pts) and not any(p[3] for p in pts):
+        return None                                    # nothing to draw: no scaler, no loss seen
+    fig, ax = _subplots((11, 3.4))
+    if has_scale:
         ax.step(steps, scales, where="post", color=BLUE, lw=1.8, label="loss scale")
         ax.set_yscale("log", base=2)
     ax.set_ylabel("loss scale", color=BLUE)
@@ -117,7 +120,7 @@ def _timeline(tl: list[dict]) -> bytes | None:
         ax.axvspan(s - 0.5, s + 0.5, color=RED, alpha=0.18 if len(skipped) < 200 else 0.1, lw=0)
     if skipped:
         ax.plot([], [], color=RED, alpha=0.35, lw=6, label=f"skipped step ({len(skipped)})")
-    ax2 = ax.twinx()
+    ax2 = ax.twinx() if has_scale else ax
     losses = [p[2] for p in pts]
     fin = [(s, v) for s, v in zip(steps, losses) if v is not None and math.isfinite(v)]
     if fin:
@@ -127,11 +130,14 @@ def _timeline(tl: list[dict]) -> bytes | None:
         ax2.plot(bad, [1.0] * len(bad), "x", color=RED, ms=5, transform=ax2.get_xaxis_transform(),
                  clip_on=False, label="loss inf/nan")
     ax2.set_ylabel("loss", color="#5f6368")
-    ax2.spines["right"].set_visible(True)
     ax.set_xlabel("optimizer step")
-    ax.set_title("Loss scale over steps (skipped steps shaded)", color=INK)
+    if has_scale:
+        ax2.spines["right"].set_visible(True)
+        ax.set_title("Loss scale over steps (skipped steps shaded)", color=INK)
+    else:
+        ax.set_title("Loss over steps (no GradScaler in this run)", color=INK)
     h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels() if has_scale else ([], [])
     ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8, frameon=False, ncol=4)
     out = _png(fig)
     return out

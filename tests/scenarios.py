@@ -1,0 +1,103 @@
+"""Training loops for watch tests: healthy models that must raise no warning/error, and failing ones built
+from shared/FP16.md's patterns (not only the shipped cases). Each returns the Watch after the loop."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampdoctor
+
+
+class Block(nn.Module):
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.h = h
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
+        mask = torch.full((T, T), float("-inf"), device=x.device).triu(1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(C // self.h) + mask, dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=64, d=32, n=2, T=16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(T, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln(x))
+        if targets is None:
+            return logits
+        return {"logits": logits, "loss": F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())}
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                               nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                               nn.AdaptiveAvgPool2d(1))
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.f(x).flatten(1))
+
+
+def train(model, batch, loss_fn, *, steps=8, scaler=True, dtype=torch.float16, opt="adamw", lr=1e-3,
+          accum=1, clip=None, correct_order=True, every=1, run_dir=None, autocast=True, eval_every=0):
+    """The loop people write (shared/seed): backward -> unscale_ -> clip -> step -> update."""
+    o = torch.optim.AdamW(model.parameters(), lr=lr) if opt == "adamw" else torch.optim.SGD(model.parameters(), lr=lr)
+    sc = torch.amp.GradScaler("cpu") if scaler else None
+    w = ampdoctor.watch(model, optimizer=o, scaler=sc, run_dir=run_dir, every=every)
+    for i in range(steps):
+        o.zero_grad()
+        for _ in range(accum):
+            args = batch(i)
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                loss = loss_fn(model(*args), *args) / accum
+            (sc.scale(loss) if sc else loss).backward()
+        if sc:
+            if clip and correct_order:
+                sc.unscale_(o)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            sc.step(o)
+            sc.update()
+        else:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            o.step()
+        if eval_every and i % eval_every == 0:
+            with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                model(*batch(i))
+    w.close()
+    return w
+
+
+def gpt_batch(seed=0, B=4, T=16, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (B, T), generator=g)
+    return lambda i: (idx, torch.roll(idx, -1, 1))
+
+
+def hf_loss(out, *args):
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def mse_to_zero(out, *args):
+    return out.float().pow(2).mean()

@@ -1,0 +1,242 @@
+"""Failing training runs, watched end to end: the right rule at the right module (the producer, not a
+propagator) among the first three findings. Patterns from shared/FP16.md, including ones not in shared/cases."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampdoctor
+from scenarios import mse_to_zero, train
+
+
+def top3(w, rule, module):
+    rep = w.report()
+    got = [(f.rule, f.module) for f in rep.findings[:3]]
+    assert (rule, module) in got, [f.one_line() for f in rep.findings]
+    assert rep.exit_code == 1
+    return rep
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d=16, h=64):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaMLPModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.mlp = SwiGLU()
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.norm(self.embed(x) + self.mlp(self.embed(x))))
+
+
+def test_swiglu_product_overflow_names_the_mlp():
+    torch.manual_seed(0)
+    m = LlamaMLPModel()
+    with torch.no_grad():
+        m.mlp.gate.weight.mul_(300)
+        m.mlp.up.weight.mul_(300)
+    x = torch.randn(4, 8) * 3
+    w = train(m, lambda i: (x,), mse_to_zero, steps=3)
+    rep = top3(w, "overflow", "mlp")
+    f = next(f for f in rep.findings if f.module == "mlp")
+    assert f.phase == "forward" and f.step == 0
+    # gate and up were finite: they are not blamed
+    assert not any(g.module in ("mlp.gate", "mlp.up") and g.severity == "error" for g in rep.findings)
+
+
+class Contrastive(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(16, 16)
+        self.logit_scale = nn.Parameter(torch.tensor(12.0))
+
+    def forward(self, a, b):
+        za, zb = self.enc(a), self.enc(b)
+        return torch.exp(self.logit_scale) * (za @ zb.t())
+
+
+class CLIPLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tower = Contrastive()
+
+    def forward(self, a, b):
+        return F.cross_entropy(self.tower(a, b).float(), torch.arange(a.shape[0]))
+
+
+def test_contrastive_logit_scale_overflow():
+    torch.manual_seed(0)
+    m = CLIPLike()
+    a, b = torch.randn(8, 16), torch.randn(8, 16)
+    w = train(m, lambda i: (a, b), lambda out, *x: out, steps=3)
+    top3(w, "overflow", "tower")
+
+
+def test_clip_before_unscale_is_named_with_its_line():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(32, 8)
+    w = train(m, lambda i: (x,), mse_to_zero, steps=3, clip=1.0, correct_order=False, opt="sgd")
+    rep = w.report()
+    f = rep.findings[0]
+    assert f.rule == "clip_before_unscale" and f.severity == "error"
+    assert f.evidence["file"].endswith("scenarios.py") and f.evidence["norm_seen"] > 1000
+    # the correct order raises nothing
+    w2 = train(m, lambda i: (x,), mse_to_zero, steps=3, clip=1.0, correct_order=True, opt="sgd")
+    assert not [g for g in w2.report().findings if g.severity != "info"]
+
+
+def _loop(kind):
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sc = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
+    try:
+        for it in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(8, 4)).pow(2).mean()
+            sc.scale(loss).backward()
+            if kind == "update_before_step":
+                sc.update()
+                sc.step(opt)
+            elif kind == "forgot_update":
+                sc.step(opt)
+            elif kind == "unscale_twice":
+                sc.unscale_(opt)
+                sc.unscale_(opt)
+                sc.step(opt)
+                sc.update()
+            elif kind == "optimizer_step_on_scaled":
+                opt.step()
+                sc.update()
+    except (RuntimeError, AssertionError):
+        pass
+    return w
+
+
+@pytest.mark.parametrize("kind,rule", [("update_before_step", "scaler_misorder"),
+                                       ("forgot_update", "missing_scaler_update"),
+                                       ("unscale_twice", "scaler_misorder"),
+                                       ("optimizer_step_on_scaled", "scaler_misorder")])
+def test_scaler_call_order(kind, rule):
+    w = _loop(kind)
+    rep = w.report()  # after the user's script crashed
+    w.close()
+    assert rep.findings and rep.findings[0].rule == rule, [f.one_line() for f in rep.findings]
+    assert rep.findings[0].evidence["sequence"]
+
+
+def test_update_only_when_stepping_is_missing_update():
+    """shared/cases/missing_scaler_update variant B: update skipped together with the step."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sc = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
+    with pytest.raises(RuntimeError):
+        for it in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(8, 4)).pow(2).mean() * (1e4 if it == 0 else 1.0)
+            sc.scale(loss).backward()
+            sc.unscale_(opt)
+            gn = torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+            if gn.item() < 5.0:
+                sc.step(opt)
+                sc.update()
+    rep = w.report()
+    w.close()
+    assert rep.findings[0].rule == "missing_scaler_update"
+
+
+def test_pure_fp16_updates_round_away():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 1))
+    with torch.no_grad():
+        m[0].weight.uniform_(0.5, 2.0)
+    m = m.half()
+    x = torch.randn(64, 16).half()
+    y = (x.float() @ (m[0].weight.detach().float().t() - 0.05)).half()
+    w = train(m, lambda i: (x,), lambda out, *a: F.mse_loss(out.float(), y.float()), steps=4, scaler=False,
+              autocast=False, opt="sgd", lr=1e-3)
+    rep = w.report()
+    assert ("update_underflow", "0") in [(f.rule, f.module) for f in rep.findings[:3]], rep.findings
+    assert any(f.rule == "fp16_master_weights" for f in rep.findings)
+
+
+def test_fp16_submodule_with_gradscaler():
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2).half()
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+    m = M()
+    with pytest.raises(ValueError):
+        train(m, lambda i: (torch.randn(4, 8),), mse_to_zero, steps=2, opt="sgd")
+    w = ampdoctor.watch.__globals__["_WATCHED"].get(m)
+    rep = w.report()
+    w.close()
+    assert (rep.findings[0].rule, rep.findings[0].module) == ("fp16_master_weights", "head")
+
+
+def test_gradients_underflow_without_scaler():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    model = nn.Module()
+    model.body = m
+    model.head = nn.Linear(32, 1)
+    model.forward = lambda x: model.head(model.body(x))
+    x, y = torch.randn(4096, 32), torch.randn(4096, 1)
+    w = train(model, lambda i: (x,), lambda out, *a: 1e-4 * F.mse_loss(out.float(), y), steps=2, scaler=False,
+              opt="sgd")
+    top3(w, "underflow", "head")
+
+
+def test_persistent_nan_collapses_scale_and_names_origin(tmp_path):
+    torch.manual_seed(0)
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x, kpm):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            s = (q @ k.transpose(-1, -2) / 4).masked_fill(kpm[:, None, :], float("-inf"))
+            return self.out(torch.softmax(s, -1) @ v)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.attn, self.head = nn.Linear(4, 16), Attn(), nn.Linear(16, 1)
+
+        def forward(self, x, kpm):
+            h = self.emb(x)
+            return self.head(h + self.attn(h, kpm)).mean()
+    x = torch.randn(3, 6, 4)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[2] = True
+    w = train(M(), lambda i: (x, kpm), lambda out, *a: out, steps=14, opt="sgd", every=200, run_dir=tmp_path / "r")
+    rep = w.report()
+    got = [(f.rule, f.module) for f in rep.findings[:3]]
+    assert ("nan_origin", "attn") in got and ("loss_scale_collapse", None) in got, got
+    # the run directory holds the same verdict and a capture of the first bad step
+    rep2 = ampdoctor.diagnose(tmp_path / "r")
+    assert ("loss_scale_collapse", None) in [(f.rule, f.module) for f in rep2.findings]
+    assert (tmp_path / "r" / "captures" / "0" / "manifest.json").exists()

@@ -1,0 +1,67 @@
+"""Healthy training must produce no warning and no error (shared/CONTRACT.md; issue 3 'No false alarms')."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from scenarios import ConvNet, TinyGPT, gpt_batch, hf_loss, train
+
+
+def _no_alarm(w):
+    rep = w.report()
+    bad = [f.one_line() for f in rep.findings if f.severity in ("error", "warning")]
+    assert not bad, bad
+    assert rep.exit_code == 0
+    return rep
+
+
+def test_tiny_gpt_fp16_scaler_clip():
+    torch.manual_seed(0)
+    w = train(TinyGPT(), gpt_batch(), hf_loss, steps=10, clip=1.0, eval_every=3)
+    rep = _no_alarm(w)
+    assert rep.summary["steps"] == 10
+    assert w.steps[0].sampled and w.steps[0].modules
+
+
+def test_convnet_batchnorm_inplace_relu():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    w = train(ConvNet(), lambda i: (x,), lambda out, *a: F.cross_entropy(out.float(), y), steps=6)
+    _no_alarm(w)
+
+
+def test_mlp_gradient_accumulation():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    xs = [torch.randn(32, 16) for _ in range(4)]
+    w = train(m, lambda i: (xs[i % 4],), lambda out, *a: out.float().pow(2).mean(), steps=6, accum=3)
+    _no_alarm(w)
+    assert all(r.micro_batches == 3 for r in w.steps)
+    # one record per call: three forwards of the root per step
+    assert sum(c.module == "" for c in w.steps[0].modules) == 3
+
+
+def test_bf16_without_scaler():
+    torch.manual_seed(0)
+    w = train(TinyGPT(), gpt_batch(), hf_loss, steps=6, scaler=False, dtype=torch.bfloat16)
+    rep = _no_alarm(w)
+    ref = {c.out.ref for r in w.steps for c in r.modules if c.out is not None}
+    assert "bfloat16" in ref and "float16" not in ref
+
+
+def test_first_steps_backoff_is_info_only():
+    """shared/cases/first_step_overflow_benign: a few skipped steps while the scale settles are not a problem."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    x, y = torch.randn(256, 8) * 4, torch.randn(256, 1) * 50
+    w = train(net, lambda i: (x,), lambda out, *a: F.mse_loss(out.float(), y), steps=30, opt="sgd", every=1)
+    rep = _no_alarm(w)
+    assert any(f.rule == "skipped_steps" and f.severity == "info" for f in rep.findings)
+    assert not any(f.rule == "loss_scale_collapse" for f in rep.findings)
+    assert sum(r.skipped for r in w.steps) >= 1
+
+
+def test_default_sampling_is_healthy_and_sparse():
+    torch.manual_seed(0)
+    w = train(TinyGPT(), gpt_batch(), hf_loss, steps=5, every=None or 200)
+    _no_alarm(w)
+    assert [r.sampled for r in w.steps] == [True, False, False, False, False]
