@@ -9,8 +9,8 @@ Usage
 
 Options: --steps N (timed steps per variant, default 30), --warmup N (untimed steps per variant, default 5),
 --sync-steps N (CUDA: steps per variant counted for device->host syncs, default 4), --amp fp16|bf16|off
-(default fp16 on CUDA, off on CPU: see below), --variants a,b,... (subset), --json OUT (everything, raw times
-included), --bitwise (run the bitwise-identity check instead of the benchmark; --bitwise-steps N, default 50).
+(default fp16 on CUDA, off on CPU: see below), --variants a,b,... (subset), --threads N (torch CPU threads),
+--json OUT (everything, raw times included), --bitwise (run the bitwise-identity check instead of the benchmark; --bitwise-steps N, default 50).
 
 What it measures
 ----------------
@@ -274,6 +274,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--bitwise", action="store_true")
     p.add_argument("--bitwise-steps", type=int, default=50)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU runs)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -416,6 +417,8 @@ def bitwise_check(device: torch.device, steps: int = 50, log=print) -> dict:
     """Train the same small GPT (dropout on) `steps` fp16 steps four times: plain, plain again (the control:
     is the machine deterministic at all?), watched with every=1 and watched with the default; compare every
     loss and every final weight bit for bit."""
+    if device.type != "cuda":  # CPU kernels are deterministic already (and the switch imports inductor: ~4 s)
+        return _bitwise_check(device, steps, log)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     prev_det = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -481,6 +484,8 @@ def _bitwise_check(device, steps, log):
 def main(argv=None) -> dict:
     a = parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.bitwise:
         res = {"env": _env(torch.device(a.device)), "bitwise": bitwise_check(torch.device(a.device), a.bitwise_steps)}
     else:

