@@ -13,6 +13,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the user's usual mode
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -23,3 +24,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> str:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> str:
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -137,8 +137,8 @@ def build(model_name: str, device: torch.device, seed: int = 0):
             cfg = dict(vocab=64, d=32, heads=2, layers=1, block=16)
             B, T = 2, 16
         else:
-            cfg = dict(vocab=2048, d=256, heads=4, layers=2, block=128)
-            B, T = 8, 128
+            cfg = dict(vocab=1024, d=128, heads=4, layers=3, block=64)
+            B, T = 8, 64
         model = TinyGPT(**cfg)
         batches = []
         for _ in range(4):

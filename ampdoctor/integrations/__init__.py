@@ -87,9 +87,10 @@ def note_loss(w, loss) -> None:
     m.st.losses.append(t)
 
 
-def finish(w, run_dir: str) -> object:
+def finish(w, run_dir: str, *, merge: bool = True) -> object:
     """Close the watch and write its report. In a distributed run every rank writes
-    `run_dir/rank-<r>/report.json`, then rank 0 writes the merged `run_dir/report.json` after a barrier.
+    `run_dir/rank-<r>/report.json`, then (with `merge`) rank 0 writes the merged `run_dir/report.json` after a
+    barrier. Pass merge=False where the other ranks may never reach it (an exception on this rank).
     Returns the Report this process wrote last (the merged one on rank 0)."""
     import torch.distributed as dist
     import ampdoctor
@@ -102,6 +103,8 @@ def finish(w, run_dir: str) -> object:
         rep.save_json(os.path.join(run_dir, "report.json"))
         return rep
     rep.save_json(os.path.join(run_dir, f"rank-{rank}", "report.json"))
+    if not merge:
+        return rep
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank's steps.jsonl is closed before rank 0 reads them
     if rank == 0:
