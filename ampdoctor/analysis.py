@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+from .errors import BadInput
 from .findings import Finding, Report
 from .records import DTYPE_LIMITS, RunMeta, StepRecord
 from .rules import RuleConfig, RunData, run_rules
@@ -110,6 +111,16 @@ def diagnose_run_dir(run_dir: str) -> Report:
     """Read a run directory (all ranks) and build its Report; findings carry evidence.rank when distributed."""
     from .rundir import find_rank_dirs, read_run
     ranks = find_rank_dirs(run_dir)
+    try:
+        return _diagnose(run_dir, ranks, read_run)
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError) as e:
+        if isinstance(e, BadInput):
+            raise
+        raise BadInput(f"{run_dir}: malformed records ({type(e).__name__}: {e}); was this written by "
+                       "ampdoctor.watch?") from None
+
+
+def _diagnose(run_dir, ranks, read_run) -> Report:
     if len(ranks) == 1 and ranks[0][0] is None:
         meta, steps = read_run(ranks[0][1])
         return build_report(meta, steps, run_dir=run_dir)

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.optim.optimizer as _optim
 
 L = pytest.importorskip("lightning.pytorch")
 
@@ -71,7 +72,7 @@ def assert_healthy(rep):
 
 def assert_unhooked(module):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
-    assert not torch.optim.optimizer._global_optimizer_pre_hooks
+    assert not _optim._global_optimizer_pre_hooks
 
 
 def test_bf16_mixed_healthy(tmp_path):
