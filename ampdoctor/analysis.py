@@ -180,7 +180,10 @@ _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow")
 def merge_replay(rep: Report, watch) -> Report:
     """Re-run the first capture in-process with op-level instrumentation and fold its findings in: an op-level
     finding at the same module (or inside it) refines the module-level one (rule and op)."""
-    cap = next((c for c in rep.summary.get("captures") or []), None)
+    caps = rep.summary.get("captures") or []
+    top = next((f for f in rep.findings if f.severity == "error"), None)
+    by_step = {r.step: r.capture for r in watch.steps if r.capture}
+    cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
     if cap is None or not any(f.rule in ("overflow", "nan_origin") or f.severity == "error" for f in rep.findings):
         return rep
     try:
@@ -228,6 +231,16 @@ def merge_replay(rep: Report, watch) -> Report:
             if f.step is None:
                 f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
+    for f in list(findings):  # log(0), x/0: the zero usually is an fp16 underflow (p < 6e-8 flushed to 0)
+        if f.rule in ("overflow", "nan_origin") and "singular point" in f.message and f.phase == "forward" and \
+                not any(g.rule in ("eps_underflow", "underflow") and g.module == f.module for g in findings):
+            findings.append(Finding(
+                "underflow", "error", "forward", f.module, f.op, f.step,
+                f"An input of {f.op} in `{f.module}` is exactly 0 in the low-precision dtype — typically a "
+                "probability or difference that underflowed (softmax/sigmoid outputs below 6e-8 flush to 0 in "
+                "fp16, 1 - p rounds to 0).",
+                "Use the fused, stable form (log_softmax, logsigmoid, BCEWithLogits, logsumexp) or compute this "
+                "part in fp32.", {"rank_hint": 14, "from_replay": cap}))
     rep.findings = rank(findings)
     if rr.data.get("replay"):
         rep.data["replay"] = rr.data["replay"]

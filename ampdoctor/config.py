@@ -20,8 +20,8 @@ class WatchConfig:
     capture: bool = True
     """Write a capture of the first bad step's batch under run_dir/captures/ (needs run_dir)."""
 
-    max_captures: int = 1
-    """How many captures one run may write."""
+    max_captures: int = 2
+    """How many captures one run may write (the first forward failure, the first persistent skip)."""
 
     update_sample: int = 256
     """Elements per low-precision parameter checked for updates that round away (w + Δw == w)."""

@@ -102,6 +102,8 @@ class StepMachine:
         self._followup = 0
         self._event_index = 0
         self._captures = 0
+        self._captured_kinds: set[str] = set()
+        self._skip_streak = 0
         self._disabled = False
         self.suspended = False
         self._root = watch.model

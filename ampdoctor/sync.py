@@ -111,11 +111,20 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
-    bad = (any(not math.isfinite(v) for v in losses) or (found_inf or 0) > 0 or grad_finite is False
-           or st.exception is not None)
-    if bad:
+    bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None
+    bad_bwd = (found_inf or 0) > 0 or grad_finite is False
+    if bad_fwd or bad_bwd:
         if not st.sampled:
             m._followup = max(m._followup, m.cfg.bad_step_followup)
+    # Capture a forward failure at once; a skipped step with a finite loss only when it persists (a few
+    # skipped steps while GradScaler searches for its scale are normal and not worth copying the weights for).
+    m._skip_streak = m._skip_streak + 1 if (bad_bwd and not bad_fwd) else 0
+    if bad_fwd and "forward" not in m._captured_kinds:
+        m._captured_kinds.add("forward")
+        _maybe_capture(m, st)
+    elif bad_bwd and not bad_fwd and "backward" not in m._captured_kinds and (
+            m.w.scaler is None or m._skip_streak >= 3):
+        m._captured_kinds.add("backward")
         _maybe_capture(m, st)
 
 

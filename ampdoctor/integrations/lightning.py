@@ -83,7 +83,7 @@ class AmpDoctorLightningCallback(Callback):
         the step, after the watch's step pre-hook has already closed the iteration. Run the closure here,
         before that hook, and hand the optimizer its result; SGD/Adam-style optimizers call the closure
         exactly once at the start of step(), so the update is the same. (LBFGS re-evaluates it: left alone.)
-        Remove once the core wraps step closures itself (see docs/integrations.md)."""
+        Remove once the core wraps step closures itself."""
         w = self.watch
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer itself
         if (w is None or w.closed or closure is None or isinstance(optimizer, torch.optim.LBFGS)

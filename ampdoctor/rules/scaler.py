@@ -70,6 +70,17 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             "Fix the forward inf/NaN (see the overflow/nan_origin finding); those steps train nothing.",
             dict(ev, rank_hint=70)))
         return out
+    recovered = first_good is not None and first_good > skipped[0] or bool(later)
+    nan_made = any(r.skipped and r.backward_producer is not None and r.backward_producer.kind == "nan"
+                   for r in steps)
+    if not recovered and len(skipped) >= 3 and (nan_made or (last_scale is not None and last_scale < 1.0)):
+        out.append(Finding(
+            "skipped_steps", "error", "scaler", None, None, skipped[0],
+            f"GradScaler skipped every step since step {skipped[0]} ({len(skipped)} in a row, scale {init:g} -> "
+            f"{last_scale:g}): lowering the scale did not help, so the inf/NaN is not a scale problem.",
+            "Fix the producer of the inf/NaN (see the findings above); these steps train nothing.",
+            dict(ev, rank_hint=70)))
+        return out
     if initial and not later and len(initial) <= 16:
         out.append(Finding(
             "skipped_steps", "info", "scaler", None, None, initial[0],
