@@ -26,12 +26,21 @@ import ampdoctor  # noqa: E402
 
 
 def _ops_per_step(v, batches, loss_of, steps):
+    """(aten ops per step, device kernels per step, device busy ms per step)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
         for i in range(steps):
             v.step(batches[i % len(batches)], loss_of)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     n = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-    return n / steps
+    kern = busy = 0.0
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kern += 1
+            busy += getattr(e, "device_time", 0) or getattr(e, "cuda_time", 0) or 0
+    return n / steps, kern / steps, busy / 1e3 / steps
 
 
 def main(argv=None):
@@ -70,9 +79,12 @@ def main(argv=None):
     tp, tw = timed(plain), timed(watched)
     print(f"{a.model} {dev} amp={amp} every={a.every}: plain {tp:.2f} ms/step, watched {tw:.2f} ms/step "
           f"({tw / tp:.3f}x)")
-    op_p = _ops_per_step(plain, batches, loss_of, 3)
-    op_w = _ops_per_step(watched, batches, loss_of, 3)
+    op_p, k_p, b_p = _ops_per_step(plain, batches, loss_of, 3)
+    op_w, k_w, b_w = _ops_per_step(watched, batches, loss_of, 3)
     print(f"aten ops per step: plain {op_p:.0f}, watched {op_w:.0f} (+{op_w - op_p:.0f})")
+    if dev.type == "cuda":
+        print(f"device kernels per step: plain {k_p:.0f}, watched {k_w:.0f}; device busy ms per step: "
+              f"plain {b_p:.1f}, watched {b_w:.1f}")
     nmod = sum(1 for _ in watched.model.modules())
     print(f"modules: {nmod}")
     pr = cProfile.Profile()

@@ -31,8 +31,16 @@ def _benign_backward(run: RunData, steps: list[int]) -> bool:
     if not all(by[s].skipped and by[s].loss_finite is not False for s in steps if s in by):
         return False
     last = max(steps)
-    recovered = any(not r.skipped and r.step > last for r in run.steps)
-    return recovered and len(steps) <= 16
+    if any(not r.skipped and r.step > last for r in run.steps):
+        return len(steps) <= 16  # recovered: the scale search worked
+    # not recovered (yet): still benign while the scale is high and the run is only starting its search;
+    # NaN made in backward that survives several halvings is a real origin, not a scale problem
+    first = run.steps[0].step
+    consecutive = steps == list(range(first, first + len(steps)))
+    kind_nan = any((by[s].backward_producer or by[s].forward_producer) and
+                   (by[s].backward_producer or by[s].forward_producer).kind == "nan" for s in steps if s in by)
+    scale = by[last].scale if last in by else None
+    return consecutive and len(steps) < 10 and (scale is None or scale >= 1.0) and not (kind_nan and len(steps) >= 3)
 
 
 def _evidence(c: ModuleCall | None, phase: str, rec: StepRecord) -> dict:
