@@ -17,6 +17,10 @@ __all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "caller_location", "sca
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SITE = os.path.dirname(_TORCH_DIR)
+# trainer libraries whose frames are skipped so that a location points at the user's own script
+_LIB_DIRS = tuple(os.path.join(_SITE, n) + os.sep for n in ("transformers", "accelerate", "lightning",
+                                                              "pytorch_lightning", "lightning_fabric"))
 
 
 def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
@@ -25,6 +29,7 @@ def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
     while f is not None:
         fn = f.f_code.co_filename
         if not (fn.startswith(_PKG_DIR) or fn.startswith(_TORCH_DIR) or fn.startswith("<frozen")
+                or fn.startswith(_LIB_DIRS)
                 or "/contextlib.py" in fn or "/functools.py" in fn):
             return fn, f.f_lineno
         f = f.f_back

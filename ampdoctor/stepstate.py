@@ -87,6 +87,7 @@ class _Step:
     scaled_since_update: bool = False
     capture: str | None = None
     vec_order: dict = field(default_factory=dict)
+    fused_amp: bool = False
 
 
 class StepMachine:
@@ -386,19 +387,45 @@ class StepMachine:
                     return None
                 self.known_optimizers.add(id(opt))
                 self.w.adopt_optimizer(opt)
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+            if callable(closure) and not isinstance(opt, torch.optim.LBFGS):
+                # forward/backward run inside step(closure): do the step's work after the closure returns
+                def wrapped(_c=closure, _opt=opt):
+                    out = _c()
+                    self._opt_pre(_opt)
+                    return out
+                if len(args) > 1:
+                    return (args[0], wrapped, *args[2:]), kwargs
+                return args, dict(kwargs, closure=wrapped)
+            self._opt_pre(opt)
+        except Exception as e:
+            self._fail(e)
+        return None
+
+    def _opt_pre(self, opt) -> None:
+        if self._disabled:
+            return
+        try:
             st = self.st
             sc = self.w.scaler
             stage = scaler_stage(sc, opt) if sc is not None else None
             via = st.in_scaler_step > 0
-            scaled = bool(sc is not None and not via and st.scaled_since_update and stage in (None, "READY"))
-            self._event("optimizer.step", stage=stage, scaled=scaled, detail={"via_scaler": via})
+            fused = via and getattr(opt, "_step_supports_amp_scaling", False)
+            if fused:  # GradScaler calls a fused optimizer's step even when it skips: read its found_inf
+                fi = getattr(opt, "found_inf", None)
+                if isinstance(fi, torch.Tensor):
+                    st.found_inf_t = fi.detach().double().reshape(-1).sum()
+                st.fused_amp = True
+            scaled = bool(sc is not None and (not via or fused) and st.scaled_since_update
+                          and stage in (None, "READY"))
+            self._event("optimizer.step", stage=stage, scaled=scaled and not via,
+                        detail={"via_scaler": via, "fused": bool(fused)})
             self._presync(opt, grads_scaled=scaled)
             self._update_check_pre(opt)
             if not via:
                 st.ended = True
         except Exception as e:
             self._fail(e)
-        return None
 
     def global_opt_post(self, opt, args, kwargs):
         if self._disabled or id(opt) not in self.known_optimizers:

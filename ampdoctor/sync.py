@@ -102,8 +102,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         ev.detail.pop("norm_t", None)
     scale = host.get("scale", [None])[0]
     found_inf = host.get("found_inf", [None])[0]
-    if via_scaler:
-        found_inf = 0.0
+    if via_scaler and not st.fused_amp:
+        found_inf = 0.0  # GradScaler only calls a plain optimizer's step when no inf was found
     div = scale if (grads_scaled and scale) else 1.0
     g_amax = [v / div for v in host.get("g_amax", [])]
     g_l2 = [v / div for v in host.get("g_l2", [])]
@@ -208,7 +208,7 @@ def finalize(m) -> None:
                         grad_enabled=c.grad_enabled) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}
     upd = {}
-    done = [it for it in st.upd if it[4] is not None]
+    done = [it for it in st.upd if it[4] is not None] if not (s["found_inf"] or 0) > 0 else []  # skipped: no update
     if done:
         vals = torch.stack([it[4] for it in done]).cpu().tolist()
         upd = {it[0]: v for it, v in zip(done, vals)}

@@ -39,6 +39,8 @@ class Watch:
 
     def __init__(self, model, optimizer=None, scaler=None, run_dir=None, *, every=None, config=None,
                  tensorboard_dir=None, writer=None):
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule":
+            model = model._orig_mod  # torch.compile's wrapper: hooks belong on the module it compiles
         if not isinstance(model, nn.Module):
             raise WatchError(f"ampdoctor.watch expects a torch.nn.Module, got {type(model).__name__}; pass the "
                              "model itself (e.g. watch(model, optimizer=opt, scaler=scaler)).")
@@ -134,6 +136,28 @@ class Watch:
 
     def _closed_model_gone(self) -> bool:
         return self.model is None
+
+    # -- for trainer integrations --------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        """A new training iteration starts (e.g. a trainer's batch-start callback). The watch sees this itself
+        when the watched module's forward runs; trainers that call only submodules say it here."""
+        if not self._closed:
+            self.machine._begin()
+
+    def note_loss(self, loss) -> None:
+        """Record the loss about to be backpropagated when neither `scaler.scale` nor the model's output shows
+        it. The same tensor is not counted twice."""
+        m = self.machine
+        if self._closed or m._disabled or m.st.synced is not None:
+            return
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+            t = loss.detach().reshape(())
+            if not any(x.data_ptr() == t.data_ptr() for x in m.st.losses):
+                m.st.losses.append(t)
+
+    def owns_optimizer(self, optimizer) -> bool:
+        """Whether `optimizer` steps any of the watched model's parameters."""
+        return self.machine._owns(optimizer)
 
     # -- installation ----------------------------------------------------------------------------------
     def _build_meta(self) -> RunMeta:

@@ -94,8 +94,6 @@ def test_compile_then_watch_original_module():
     assert_full_stats(w)
 
 
-@pytest.mark.xfail(strict=True, reason="core: watch() should unwrap torch.compile's OptimizedModule (_orig_mod); "
-                   "hooks on the wrapper make Dynamo fail on `module is self._root` inside forward_pre")
 def test_compile_then_watch_wrapper():
     m, opt, sc = setup()
     compiled = torch.compile(m, backend="aot_eager")

@@ -128,9 +128,7 @@ def test_fp16_clip_without_unscale_is_found(tmp_path, fp16_on_cpu, monkeypatch):
 
 @pytest.mark.parametrize("optim", [
     "adamw_torch",
-    pytest.param("adamw_torch_fused", marks=pytest.mark.xfail(strict=True, reason=(
-        "core: a fused optimizer (_step_supports_amp_scaling) is stepped by scaler.step even when it skips; "
-        "sync.presync sets found_inf=0 whenever the optimizer stepped via the scaler, so the skip is lost"))),
+    "adamw_torch_fused",  # a fused optimizer is stepped by scaler.step even when it skips
 ])
 def test_overflow_is_logged_and_reported(tmp_path, fp16_on_cpu, optim):
     """A huge initial scale makes the first steps overflow: the scaler skips them, the callback logs it.

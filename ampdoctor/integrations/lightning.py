@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.optim.optimizer as _optim
 
 import ampdoctor
 
@@ -46,12 +45,9 @@ class AmpDoctorLightningCallback(Callback):
         self.watch = None
         self.report = None
         self._run_dir = None
-        self._closure_hook = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._close()
-        # Registered before the watch's own step pre-hook, so it runs first (global hooks run in order).
-        self._closure_hook = _optim.register_optimizer_step_pre_hook(self._run_closure_first)
         self._run_dir = self.run_dir or os.path.join(trainer.default_root_dir, "ampdoctor")
         opts = list(trainer.optimizers)
         plugin = getattr(trainer, "precision_plugin", None) or trainer.strategy.precision_plugin
@@ -78,28 +74,7 @@ class AmpDoctorLightningCallback(Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._close(merge=False)  # the report of a crashed run is the one users need most; no barrier
 
-    def _run_closure_first(self, optimizer, args, kwargs):
-        """Lightning without a GradScaler steps as `optimizer.step(closure)`: forward and backward run inside
-        the step, after the watch's step pre-hook has already closed the iteration. Run the closure here,
-        before that hook, and hand the optimizer its result; SGD/Adam-style optimizers call the closure
-        exactly once at the start of step(), so the update is the same. (LBFGS re-evaluates it: left alone.)
-        Remove once the core wraps step closures itself."""
-        w = self.watch
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer itself
-        if (w is None or w.closed or closure is None or isinstance(optimizer, torch.optim.LBFGS)
-                or not w.machine._owns(optimizer)):
-            return None
-        with torch.enable_grad():
-            result = closure()
-        done = lambda: result  # noqa: E731
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": done}
-        return (args[0], done, *args[2:]), kwargs
-
     def _close(self, merge: bool = True) -> None:
-        if self._closure_hook is not None:
-            self._closure_hook.remove()
-            self._closure_hook = None
         w, self.watch = self.watch, None
         if w is not None:
             self.report = finish(w, self._run_dir, merge=merge)
