@@ -202,6 +202,26 @@ def merge_replay(rep: Report, watch) -> Report:
         m.suspended = False
     findings = list(rep.findings)
     refined: set[int] = set()
+    ops = (rr.data.get("replay") or {}).get("ops") or []
+    for i, g in enumerate(findings):  # the op inside each module-level producer, from the replay's op events
+        if g.rule not in ("overflow", "nan_origin") or g.severity == "info" or g.module is None:
+            continue
+        ev = next((o for o in ops if o.get("phase") == g.phase and o.get("kind") in ("overflow", "nan_origin")
+                   and o.get("module") is not None and (o["module"] == g.module or
+                                                        o["module"].startswith(g.module + ".") or not g.module)),
+                  None)
+        if ev is None:
+            continue
+        rule = "overflow" if ev["kind"] == "overflow" else "nan_origin"
+        what = "produced ±inf from finite inputs" if rule == "overflow" else "produced NaN from NaN-free inputs"
+        evd = dict(g.evidence, module_level_rule=g.rule, op_line=ev.get("line"), op_out_dtype=ev.get("out_dtype"),
+                   from_replay=cap)
+        twin = next((f for f in rr.findings if f.module == ev["module"] and f.op == ev.get("op")
+                     and f.phase == g.phase and f.rule == rule), None)
+        msg = twin.message if twin else f"{ev.get('op')} in `{ev['module']}` {what} ({ev.get('line')})."
+        findings[i] = Finding(rule, g.severity, g.phase, ev["module"], ev.get("op"), g.step, msg,
+                              twin.fix if twin else g.fix, evd)
+        refined.add(id(findings[i]))
     fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
     for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
         if f.rule not in _OPLEVEL or f.severity == "info":

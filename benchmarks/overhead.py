@@ -386,7 +386,8 @@ def run_benchmark(a) -> dict:
             "steps": len(v.times), "error": v.error, "times_ms": [t * 1e3 for t in v.times]})
     res = {"env": _env(device), "model": a.model, "device": str(device), "amp": amp, "steps": a.steps,
            "warmup": a.warmup, "sync_steps": a.sync_steps if cuda else 0,
-           "command": "python benchmarks/overhead.py " + " ".join(a.argv),
+           "command": "python " + os.path.relpath(sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else __file__)
+                      + " " + " ".join(a.argv),
            "rows": rows}
     del variants
     gc.collect()

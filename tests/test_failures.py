@@ -235,8 +235,8 @@ def test_persistent_nan_collapses_scale_and_names_origin(tmp_path):
     w = train(M(), lambda i: (x, kpm), lambda out, *a: out, steps=14, opt="sgd", every=200, run_dir=tmp_path / "r")
     rep = w.report()
     got = [(f.rule, f.module) for f in rep.findings[:3]]
-    assert ("nan_origin", "attn") in got and ("loss_scale_collapse", None) in got, got
+    assert ("nan_origin", "attn") in got and ("loss_scale_collapse", "attn") in got, got
     # the run directory holds the same verdict and a capture of the first bad step
     rep2 = ampdoctor.diagnose(tmp_path / "r")
-    assert ("loss_scale_collapse", None) in [(f.rule, f.module) for f in rep2.findings]
+    assert ("loss_scale_collapse", "attn") in [(f.rule, f.module) for f in rep2.findings]
     assert (tmp_path / "r" / "captures" / "0" / "manifest.json").exists()

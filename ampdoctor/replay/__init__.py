@@ -126,6 +126,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         say("replay: dtype what-if (fp16, bf16" + (", tf32)" if devtype == "cuda" else ")"))
         table = shadow_mod.whatif(m32, args, kwargs, device=devtype, rng=cap.rng, loss_fn=loss_fn, ref=ref,
                                   scale=scale)
+    tracer.events = _low_precision_first(tracer.events)
     first = next((e.module for e in tracer.events), None)
     if first is None:
         first = next((c["module"] for c in tracer.constants), tracer.exception_module)
@@ -178,3 +179,17 @@ def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> di
     else:
         res["snippet"] = ""
     return res
+
+
+_LP = ("float16", "bfloat16")
+
+
+def _low_precision_first(events: list) -> list:
+    """Order non-finite op events for blame: forward before backward and, within a phase, ops that compute in a
+    low-precision dtype before full-precision ones (an fp32 `log(0)` that the model then masks away, as T5's
+    relative-position buckets do, is not a mixed-precision failure)."""
+    def lowp(e) -> bool:
+        return e.out_dtype in _LP or any(d in _LP for d in (e.in_dtypes or []))
+    if not any(lowp(e) for e in events):
+        return events
+    return sorted(events, key=lambda e: (e.phase != "forward", not lowp(e), e.seq))

@@ -115,9 +115,15 @@ class _DispatchMode(TorchDispatchMode):
         except Exception:
             tr.note_exception()
             raise
-        if len(tr.events) < MAX_EVENTS:
+        if len(tr.events) < MAX_EVENTS and func.overloadpacket not in _UNINITIALIZED:
             tr.check_output(func, args, kwargs, out)
         return out
+
+
+# ops whose output is uninitialised memory (it may hold any bit pattern, NaN included): never an origin
+_UNINITIALIZED = {getattr(torch.ops.aten, n) for n in ("empty", "empty_like", "empty_strided", "new_empty",
+                                                       "new_empty_strided", "resize_", "set_")
+                  if hasattr(torch.ops.aten, n)}
 
 
 class OpTracer:

@@ -162,11 +162,15 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             for phase, s in (("backward", c.gout), ("forward", c.out)):
                 if s is None or s.ref != "float16" or (phase, c.module) in done:
                     continue
+                if phase == "backward" and run.has_scaler:
+                    continue  # keeping gradients out of the subnormal range is the scaler's job (see collapse)
+                if phase == "forward" and any(k in c.type for k in ("Dropout", "Softmax", "Identity")):
+                    continue  # probabilities: tiny values are expected there
                 nz = s.nonzero_finite
                 if nz < cfg.underflow_min_nonzero or s.subnormal < 0:
                     continue
                 share = s.subnormal / nz
-                if share >= cfg.underflow_share:
+                if share >= (cfg.underflow_share if phase == "backward" else 0.5):
                     flagged.append((phase, c, s, share))
         for phase in ("backward", "forward"):
             fl = [f for f in flagged if f[0] == phase]

@@ -50,12 +50,14 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
         cause = next((r for r in steps if r.skipped and (r.forward_producer or r.backward_producer
                                                          or r.loss_finite is False)), None)
         why = ""
+        cause_module = None
         if cause is not None:
             p = cause.forward_producer or cause.backward_producer
+            cause_module = p.module if p else None
             why = (f" The inf/NaN is not transient: it comes from `{p.module}` ({p.phase})." if p else
                    " The loss itself is non-finite on these steps.")
         out.append(Finding(
-            "loss_scale_collapse", "error", "scaler", None, None, skipped[0],
+            "loss_scale_collapse", "error", "scaler", cause_module, None, skipped[0],
             f"GradScaler skipped {longest} steps in a row and the scale fell from {init:g} to "
             f"{last_scale:.3g}: every step has inf/NaN gradients, so the model has stopped learning.{why}",
             "Fix the source of the persistent inf/NaN (see the nan_origin/overflow finding above); lowering the "
@@ -63,8 +65,9 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             dict(ev, rank_hint=60)))
         return out
     if forward_bad:
+        fp = next((r.forward_producer for r in steps if r.forward_producer), None)
         out.append(Finding(
-            "skipped_steps", "error", "scaler", None, None, forward_bad[0],
+            "skipped_steps", "error", "scaler", fp.module if fp else None, None, forward_bad[0],
             f"GradScaler skipped {len(skipped)} of {len(steps)} steps; on {len(forward_bad)} of them the forward "
             "pass itself was non-finite, which no loss scale can fix.",
             "Fix the forward inf/NaN (see the overflow/nan_origin finding); those steps train nothing.",
