@@ -242,9 +242,10 @@ def merge_replay(rep: Report, watch) -> Report:
                                       f.fix, ev)
                 refined.add(id(findings[i]))
                 continue
-            if f.module is None or any(g.rule in ("overflow", "nan_origin") and g.phase == f.phase
-                                       for g in findings):
-                continue
+            bad_weights = {c.module for r in watch.steps for c in r.modules if c.par is not None and not c.par.finite}
+            if f.module is None or f.module in bad_weights or any(
+                    g.rule in ("overflow", "nan_origin") and g.phase == f.phase for g in findings):
+                continue  # (non-finite weights from an earlier update are not produced by this op)
         if not any(g.rule == f.rule and g.module == f.module for g in findings):
             f.evidence["rank_hint"] = 13 if f.severity == "error" else f.evidence.get("rank_hint", 30)
             f.evidence["from_replay"] = cap

@@ -176,7 +176,8 @@ class Watch:
         if self.optimizer is not None:
             dts = sorted({str(p.dtype).replace("torch.", "") for g in self.optimizer.param_groups
                           for p in g["params"]})
-            opt = {"class": type(self.optimizer).__name__, "param_dtypes": dts}
+            opt = {"class": type(self.optimizer).__name__, "param_dtypes": dts,
+                   "groups": _groups(self.optimizer, model)}
         sc = {}
         if self.scaler is not None:
             s = self.scaler
@@ -218,7 +219,8 @@ class Watch:
         if self.optimizer is None:
             self.optimizer = optimizer
             dts = sorted({str(p.dtype).replace("torch.", "") for g in optimizer.param_groups for p in g["params"]})
-            self.meta.optimizer = {"class": type(optimizer).__name__, "param_dtypes": dts}
+            self.meta.optimizer = {"class": type(optimizer).__name__, "param_dtypes": dts,
+                                   "groups": _groups(optimizer, self.model)}
 
     def adopt_scaler(self, scaler) -> None:
         if self._closed or self.scaler is not None:
@@ -227,5 +229,12 @@ class Watch:
         self._patches.append(ScalerPatch(scaler, self.machine))
 
 
-def _exc_info():
-    return sys.exc_info()
+def _groups(optimizer, model) -> list[dict]:
+    """Per param group: hyper-parameters that matter for precision (lr, eps) and its parameters' names/dtypes."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g in optimizer.param_groups:
+        d = {k: g[k] for k in ("lr", "eps", "weight_decay") if isinstance(g.get(k), (int, float))}
+        d["params"] = [[names.get(id(p), "?"), str(p.dtype).replace("torch.", "")] for p in g["params"]][:2000]
+        out.append(d)
+    return out

@@ -14,6 +14,11 @@ Extra variants (each patch is active only inside that variant's own steps, so va
                         version, ref dtype): a tensor seen again (output of one module = input of the next,
                         a parameter used twice, a view) is not measured again
     every1-cache-fused  both
+    default-fast        default + module hooks only on the root + `_model_grads` skipped when its result is
+                        unused (unsampled step under a GradScaler): the cheap-path changes proposed for ampdoctor
+    every1-cache-vnorm  every1-cache with light_stats reduced to one `vector_norm(x, inf)` kernel (absmax, and
+                        non-finite when any NaN/inf) + a zeros count: the two-tier idea (counts dropped here,
+                        so this one measures speed only)
 """
 from __future__ import annotations
 
@@ -72,6 +77,26 @@ def fused_light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
                         absmax, m1, m1, m1, m1])
 
 
+def vnorm_light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
+    x = x.detach()
+    if x.numel() == 0:
+        return _stats.light_stats(x, ref)
+    m1 = torch.full((), -1.0, dtype=_F64, device=x.device)
+    return torch.stack([torch.full((), x.numel(), dtype=_F64, device=x.device), m1, m1, m1,
+                        (x == 0).sum(dtype=_F64), torch.linalg.vector_norm(x, math.inf).to(_F64), m1, m1, m1, m1])
+
+
+import ampdoctor.sync as _sync  # noqa: E402
+_orig_model_grads = _sync._model_grads
+
+
+def _lazy_model_grads(m):
+    st = m.st
+    if not (st.sampled or m.w.scaler is None or not st.in_scaler_step > 0):
+        return [], []
+    return _orig_model_grads(m)
+
+
 def _cached_row(self, c, slot, t, light):
     """StepMachine._row with a per-step cache (see the module docstring)."""
     ac = _ss._autocast_dtype(t.device.type)
@@ -108,7 +133,7 @@ class ExpVariant(bench.Variant):
         every = 1 if base == "every1" else None
         self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler,
                                      **({"every": every} if every else {}))
-        if self.name == "default-roothooks":
+        if self.name in ("default-roothooks", "default-fast"):
             keep = []
             for h in self.watch._handles:
                 # RemovableHandle.hooks_dict_ref is the hooks dict of the module it belongs to
@@ -129,15 +154,19 @@ class ExpVariant(bench.Variant):
     def step(self, batch, loss_of):
         fused = "fused" in self.name
         cache = "cache" in self.name
-        saved = (_ss.full_stats, _ss.light_stats, _ss.StepMachine._row)
+        saved = (_ss.full_stats, _ss.light_stats, _ss.StepMachine._row, _sync._model_grads)
         if fused:
             _ss.full_stats, _ss.light_stats = fused_full_stats, fused_light_stats
+        if "vnorm" in self.name:
+            _ss.light_stats = vnorm_light_stats
         if cache:
             _ss.StepMachine._row = _cached_row
+        if self.name == "default-fast":
+            _sync._model_grads = _lazy_model_grads
         try:
             return super().step(batch, loss_of)
         finally:
-            _ss.full_stats, _ss.light_stats, _ss.StepMachine._row = saved
+            _ss.full_stats, _ss.light_stats, _ss.StepMachine._row, _sync._model_grads = saved
 
 
 def check(device="cpu"):
@@ -169,5 +198,5 @@ if __name__ == "__main__":
         sys.exit(0)
     bench.Variant = ExpVariant
     bench.ALL_VARIANTS = bench.ALL_VARIANTS + ("noop-hooks", "default-roothooks", "every1-fused", "every1-cache",
-                                               "every1-cache-fused")
+                                               "every1-cache-fused", "default-fast", "every1-cache-vnorm")
     bench.main()

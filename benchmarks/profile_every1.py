@@ -25,11 +25,11 @@ import overhead as bench  # noqa: E402
 import ampdoctor  # noqa: E402
 
 
-def _ops_per_step(v, batches, loss_of, steps):
+def _ops_per_step(v, batches, loss_of, steps, kernels=False):
     """(aten ops per step, device kernels per step, device busy ms per step)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=kernels) as prof:
         for i in range(steps):
             v.step(batches[i % len(batches)], loss_of)
         if torch.cuda.is_available():
@@ -40,6 +40,14 @@ def _ops_per_step(v, batches, loss_of, steps):
         if str(getattr(e, "device_type", "")).endswith("CUDA"):
             kern += 1
             busy += getattr(e, "device_time", 0) or getattr(e, "cuda_time", 0) or 0
+    if kernels:
+        ka = prof.key_averages(group_by_input_shape=True)
+        for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+            try:
+                print(ka.table(sort_by=key, row_limit=25, max_name_column_width=40, max_shapes_column_width=70))
+                break
+            except Exception:
+                continue
     return n / steps, kern / steps, busy / 1e3 / steps
 
 
@@ -52,6 +60,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--amp", default=None, choices=["fp16", "bf16", "off"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kernels", action="store_true", help="print the top ops by device time, by input shape")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -80,7 +89,7 @@ def main(argv=None):
     print(f"{a.model} {dev} amp={amp} every={a.every}: plain {tp:.2f} ms/step, watched {tw:.2f} ms/step "
           f"({tw / tp:.3f}x)")
     op_p, k_p, b_p = _ops_per_step(plain, batches, loss_of, 3)
-    op_w, k_w, b_w = _ops_per_step(watched, batches, loss_of, 3)
+    op_w, k_w, b_w = _ops_per_step(watched, batches, loss_of, 3, kernels=a.kernels)
     print(f"aten ops per step: plain {op_p:.0f}, watched {op_w:.0f} (+{op_w - op_p:.0f})")
     if dev.type == "cuda":
         print(f"device kernels per step: plain {k_p:.0f}, watched {k_w:.0f}; device busy ms per step: "

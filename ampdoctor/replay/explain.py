@@ -53,7 +53,13 @@ def _op_text(ev: OpEvent, device: str) -> tuple[str, str]:
             fix = ("run this layer in fp32 (its output exceeds the fp16 range), use bf16, or clamp as HF T5 does "
                    "(`x = torch.clamp(x, -65504 + 1000, 65504 - 1000)`):\n" + _autocast_snippet(ev.module, device))
         return msg, fix
-    if ev.kind == "overflow" and short in ("exp", "exp2", "expm1", "pow", "sinh", "cosh"):
+    if ev.kind == "overflow" and short == "pow":
+        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; in fp16 x**2 is inf "
+               "for |x| > 255.9) — a variance or norm computed in fp16")
+        fix = ("compute the statistic in fp32, as HF's RMSNorm does: `var = x.float().pow(2).mean(-1, keepdim=True)`,"
+               " or run the module in fp32:\n" + _autocast_snippet(ev.module, device))
+        return msg, fix
+    if ev.kind == "overflow" and short in ("exp", "exp2", "expm1", "sinh", "cosh"):
         msg = f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; fp16 exp(x) is inf for x > 11.09)"
         fix = ("compute it stably: torch.logsumexp(x, dim) instead of log(sum(exp(x))), F.log_softmax / "
                "F.cross_entropy for losses, or subtract the max before exp; or run it in fp32: "

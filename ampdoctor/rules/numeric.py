@@ -224,3 +224,35 @@ def exceptions(run: RunData, cfg: RuleConfig) -> list[Finding]:
             {"source": src, "file": e.get("file"), "line": e.get("line"), "exception": e.get("type"),
              "autocast": e.get("autocast"), "rank_hint": 5})]
     return []
+
+
+_ZERO_OK = ("ReLU", "Dropout", "Threshold", "Hardtanh", "Hardshrink", "Softshrink", "MaxPool", "Embedding",
+            "Identity", "Sequential", "ModuleList")
+
+
+@register("silent_zeros", emits=("overflow",))
+def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """A norm that squares in fp16 overflows internally (x² > 65504 for |x| > 256) and returns zeros, not inf:
+    inputs nonzero and large, outputs mostly exact zeros."""
+    for r in run.steps:
+        hits = []
+        for c in r.modules:
+            i, o = c.inp, c.out
+            if i is None or o is None or o.ref != "float16" or not o.finite or o.numel < 8 or c.depth == 0:
+                continue
+            if any(k in c.type for k in _ZERO_OK) or i.absmax < 256.0 or i.zeros < 0:
+                continue
+            if o.zeros / o.numel >= 0.25 and i.zeros / max(i.numel, 1) <= 0.02:
+                hits.append(c)
+        if hits:
+            c = max(hits, key=lambda c: (c.depth, -c.seq))
+            return [Finding(
+                "overflow", "error", "forward", c.module, None, r.step,
+                f"`{c.module}` ({c.type}) returned {c.out.zeros / c.out.numel:.0%} exact zeros from nonzero inputs "
+                f"up to {c.inp.absmax:.4g}: an intermediate overflowed in fp16 (e.g. x² > 65504 in a variance, "
+                "then x * rsqrt(inf) = 0) and was silently flushed to zero.",
+                "Compute the statistics in fp32 (`x.float().pow(2).mean(...)`, as HF's RMSNorm/T5LayerNorm do) or "
+                "keep the norm in fp32:\n" + AUTOCAST_OFF.format(m=c.module),
+                {"absmax_in": c.inp.absmax, "zeros_out": c.out.zeros, "numel_out": c.out.numel,
+                 "zeros_in": c.inp.zeros, "rank_hint": 15})]
+    return []

@@ -76,3 +76,26 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
              "rounded_away": p.update_rounded_away, "dtype": p.dtype, "grad_absmax": p.grad_absmax,
              "rank_hint": 7}))
     return out
+
+
+_FP16_TINY = 2.0 ** -24  # smallest fp16 subnormal: anything below half of it rounds to 0
+
+
+@register("optimizer_eps", emits=("eps_underflow",))
+def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """Adam-style eps that vanishes in fp16 optimizer state: sqrt(v) + eps == sqrt(v), so v == 0 divides by 0."""
+    out = []
+    for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
+        eps = g.get("eps")
+        low = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
+               and p[1] == "float16"]
+        if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
+            continue
+        out.append(Finding(
+            "eps_underflow", "error", "optimizer", _common_module(low), "optimizer.step", None,
+            f"{run.meta.optimizer.get('class')} uses eps={eps:g} on fp16 parameters: it rounds to 0 in fp16, so "
+            "the update divides by sqrt(v) + 0 and any parameter with v == 0 gets inf/NaN.",
+            "Keep fp32 master weights (parameters in fp32 + autocast), or use an eps that exists in fp16 "
+            "(>= 1e-4 for fp16 optimizer state, e.g. `torch.optim.Adam(params, eps=1e-4)`).",
+            {"eps": eps, "group": gi, "params": low[:20], "rank_hint": 6}))
+    return out
