@@ -240,3 +240,46 @@ def test_persistent_nan_collapses_scale_and_names_origin(tmp_path):
     rep2 = ampdoctor.diagnose(tmp_path / "r")
     assert ("loss_scale_collapse", "attn") in [(f.rule, f.module) for f in rep2.findings]
     assert (tmp_path / "r" / "captures" / "0" / "manifest.json").exists()
+
+
+class RMSNormFp16(nn.Module):
+    """Squares in the working dtype (no .float()): fp16 x**2 overflows for |x| > 256 and the row becomes 0."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_norm_squaring_in_fp16_gives_silent_zeros():
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.norm, self.head = nn.Linear(8, 32), RMSNormFp16(32), nn.Linear(32, 1)
+
+        def forward(self, x):
+            return self.head(self.norm(self.up(x)))
+    m = M()
+    with torch.no_grad():
+        m.up.weight.mul_(200)
+    x = torch.randn(16, 8)
+    w = train(m, lambda i: (x,), mse_to_zero, steps=2, scaler=False)
+    top3(w, "overflow", "norm")
+
+
+def test_adam_eps_vanishes_on_fp16_parameters():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).half()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with ampdoctor.watch(m, opt) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(4, 8).half()).float().pow(2).mean().backward()
+            opt.step()
+    rep = w.report()
+    assert (rep.findings[0].rule, rep.findings[0].module) == ("eps_underflow", "")
+    assert rep.findings[0].evidence["eps"] == 1e-8
