@@ -104,6 +104,8 @@ class StepMachine:
         self._event_index = 0
         self._captures = 0
         self._captured_kinds: set[str] = set()
+        self._detailed: list = []      # sampled records whose module details are kept in memory
+        self._last_seq: tuple = ()     # the last routine call sequence (see sync._store)
         self._skip_streak = 0
         self._disabled = False
         self.suspended = False
