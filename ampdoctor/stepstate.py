@@ -104,6 +104,9 @@ class StepMachine:
         self._event_index = 0
         self._captures = 0
         self._captured_kinds: set[str] = set()
+        self._mod_handles: list = []
+        self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
+        self.param_info = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in self.params}
         self._detailed: list = []      # sampled records whose module details are kept in memory
         self._last_seq: tuple = ()     # the last routine call sequence (see sync._store)
         self._skip_streak = 0
@@ -135,6 +138,26 @@ class StepMachine:
         if self.st.ended:
             self.finalize()
             self.st = self._new_step(self.st.step + 1)
+            self.sync_module_hooks()
+
+    # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
+    # with the root's two hooks alone (the cheapest watch is the one that is not there).
+    def sync_module_hooks(self) -> None:
+        want = self.st.sampled and not self._disabled
+        if want and not self._mod_handles:
+            for mod in self.w.model.modules():
+                if mod is self._root:
+                    continue
+                self._mod_handles.append(mod.register_forward_pre_hook(self.forward_pre, with_kwargs=True))
+                self._mod_handles.append(mod.register_forward_hook(self.forward_post, with_kwargs=True,
+                                                                   always_call=True))
+        elif not want and self._mod_handles:
+            self.remove_module_hooks()
+
+    def remove_module_hooks(self) -> None:
+        for h in self._mod_handles:
+            h.remove()
+        self._mod_handles = []
 
     def finish_open_step(self) -> None:
         st = self.st
@@ -142,6 +165,8 @@ class StepMachine:
         if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
             self.finalize()
             self.st = self._new_step(st.step + 1)
+            if not self.w.closed:
+                self.sync_module_hooks()
 
     def finish(self) -> None:
         if not self._disabled:
@@ -251,7 +276,8 @@ class StepMachine:
         exc = sys.exc_info()[1]
         if exc is not None and st.exception is None:
             f, ln = _tb_location(exc)
-            st.exception = {"module": self.w._names.get(id(module), "?"), "type": type(exc).__name__,
+            st.exception = {"module": _tb_module(exc, self.w._names, self.w._names.get(id(module), "?")),
+                            "type": type(exc).__name__,
                             "message": str(exc).split("\n")[0][:500], "file": f, "line": ln,
                             "autocast": _autocast_str()}
         if module is self._root and not st.stack and exc is None and torch.is_grad_enabled():
@@ -507,6 +533,18 @@ def _ac_from_str(s: str | None):
     if not s:
         return None
     return getattr(torch, s.split(":")[1], None)
+
+
+def _tb_module(exc: BaseException, names: dict, default: str) -> str:
+    """The innermost watched module whose forward is on the traceback (found through `self` in its frame)."""
+    tb = exc.__traceback__
+    best = default
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if obj is not None and id(obj) in names and tb.tb_frame.f_code.co_name == "forward":
+            best = names[id(obj)]
+        tb = tb.tb_next
+    return best
 
 
 def _tb_location(exc: BaseException) -> tuple[str | None, int | None]:

@@ -36,7 +36,7 @@ def _to_host(parts: list[tuple[str, torch.Tensor]]) -> dict[str, list[float]]:
 
 def _model_grads(m):
     names, grads = [], []
-    for n, p in m.w.model.named_parameters():
+    for n, p in m.params:
         if p.grad is not None and p.grad.layout == torch.strided and p.grad.is_floating_point():
             names.append(n)
             grads.append(p.grad.detach())
@@ -54,10 +54,10 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         parts.append(("scale", st.scale_t))
     if st.found_inf_t is not None and isinstance(st.found_inf_t, torch.Tensor):
         parts.append(("found_inf", st.found_inf_t))
-    names, grads = _model_grads(m)
-    st.param_names = names
     via_scaler = st.in_scaler_step > 0
     need_grad_check = st.sampled or m.w.scaler is None or not via_scaler
+    names, grads = _model_grads(m) if need_grad_check else ([], [])
+    st.param_names = names
     if grads and need_grad_check:
         by_dt: dict = {}
         for i, g in enumerate(grads):
@@ -215,7 +215,7 @@ def finalize(m) -> None:
     st.upd = []
     params = []
     bad_param_modules = set()
-    dtypes = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in m.w.model.named_parameters()}
+    dtypes = m.param_info
     for i, name in enumerate(st.param_names):
         amax = s["g_amax"][i] if i < len(s["g_amax"]) else None
         l2 = s["g_l2"][i] if i < len(s["g_l2"]) else None

@@ -98,6 +98,7 @@ class Watch:
         try:
             self.machine.finish()
         finally:
+            self.machine.remove_module_hooks()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -199,9 +200,10 @@ class Watch:
 
     def _install(self) -> None:
         m = self.machine
-        for mod in self.model.modules():
-            self._handles.append(mod.register_forward_pre_hook(m.forward_pre, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(m.forward_post, with_kwargs=True, always_call=True))
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(m.forward_pre, with_kwargs=True))
+        self._handles.append(root.register_forward_hook(m.forward_post, with_kwargs=True, always_call=True))
+        m.sync_module_hooks()  # step 0 is sampled: the other modules' hooks go on now
         self._handles.append(_optim.register_optimizer_step_pre_hook(m.global_opt_pre))
         self._handles.append(_optim.register_optimizer_step_post_hook(m.global_opt_post))
         if self.optimizer is not None:
