@@ -51,31 +51,34 @@ def ref_dtype(dt: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtyp
 
 
 def full_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
-    """All of STAT_FIELDS for one tensor, as a float64 vector on x's device."""
+    """All of STAT_FIELDS for one tensor, as a float64 vector on x's device.
+
+    One temporary the size of x (its absolute value, reused in place); counts are int64 reductions of
+    transient boolean masks, so no float64 copy of the tensor is ever made."""
     x = x.detach()
     n = x.numel()
     if n == 0:
         return torch.tensor([0.0, 0, 0, 0, 0, 0.0, math.inf, 0, 0, 0], dtype=_F64, device=x.device)
     near, tiny, ovf = _THR.get(ref, _THR[torch.float32])
     a = x.abs()
-    nan = torch.isnan(a).sum(dtype=_F64)
-    posinf = (x == math.inf).sum(dtype=_F64)
-    neginf = (x == -math.inf).sum(dtype=_F64)
-    af = torch.nan_to_num(a, nan=0.0, posinf=0.0)            # finite magnitudes; non-finite -> 0
-    zeros_all = (af == 0).sum(dtype=_F64)                     # zeros + non-finite
-    absmax = af.amax().to(_F64)
-    min_nz = af.masked_fill(af == 0, math.inf).amin().to(_F64)
-    near_max = (af >= near).sum(dtype=_F64)
-    below = (af < tiny).sum(dtype=_F64)                       # zeros + non-finite + subnormal
+    nan = torch.isnan(a).sum()
+    posinf = (x == math.inf).sum()
+    neginf = (x == -math.inf).sum()
+    a.nan_to_num_(nan=0.0, posinf=0.0)                         # finite magnitudes; non-finite -> 0
+    zeros_all = (a == 0).sum()                                 # zeros + non-finite
+    near_max = (a >= near).sum()
+    below = (a < tiny).sum()                                   # zeros + non-finite + subnormal
     if x.dtype.itemsize > ref.itemsize or (x.dtype == torch.float32 and ref == torch.float16):
-        ovf_n = (af >= ovf).sum(dtype=_F64)
+        ovf_n = (a >= ovf).sum()
     else:
-        ovf_n = torch.zeros((), dtype=_F64, device=x.device)
-    nonfin = nan + posinf + neginf
-    zeros = zeros_all - nonfin
-    sub = below - zeros_all
-    return torch.stack([torch.full((), n, dtype=_F64, device=x.device), nan, posinf, neginf, zeros,
-                        absmax, min_nz, near_max, sub, ovf_n])
+        ovf_n = torch.zeros_like(nan)
+    absmax = a.amax()
+    min_nz = a.masked_fill_(a == 0, math.inf).amin()
+    cnt = torch.stack([nan, posinf, neginf, zeros_all, near_max, below, ovf_n]).to(_F64)
+    ext = torch.stack([absmax, min_nz]).to(_F64)
+    nonfin = cnt[0] + cnt[1] + cnt[2]
+    return torch.stack([torch.full((), n, dtype=_F64, device=x.device), cnt[0], cnt[1], cnt[2],
+                        cnt[3] - nonfin, ext[0], ext[1], cnt[4], cnt[5] - cnt[3], cnt[6]])
 
 
 def light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
@@ -83,14 +86,12 @@ def light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
     x = x.detach()
     if x.numel() == 0:
         return torch.tensor([0.0, 0, 0, 0, 0, 0.0, -1, -1, -1, -1], dtype=_F64, device=x.device)
-    zeros = (x == 0).sum(dtype=_F64)
-    nan = torch.isnan(x).sum(dtype=_F64)
-    posinf = (x == math.inf).sum(dtype=_F64)
-    neginf = (x == -math.inf).sum(dtype=_F64)
+    cnt = torch.stack([(x == 0).sum(), torch.isnan(x).sum(), (x == math.inf).sum(),
+                       (x == -math.inf).sum()]).to(_F64)
     absmax = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax().to(_F64)
     m1 = torch.full((), -1.0, dtype=_F64, device=x.device)
-    return torch.stack([torch.full((), x.numel(), dtype=_F64, device=x.device), nan, posinf, neginf,
-                        zeros, absmax, m1, m1, m1, m1])
+    return torch.stack([torch.full((), x.numel(), dtype=_F64, device=x.device), cnt[1], cnt[2], cnt[3],
+                        cnt[0], absmax, m1, m1, m1, m1])
 
 
 def vector_to_stats(row, dtype: str, ref: str) -> TensorStats:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 import warnings
 from dataclasses import dataclass, field
 
@@ -87,6 +88,7 @@ class _Step:
     scaled_since_update: bool = False
     capture: str | None = None
     vec_order: dict = field(default_factory=dict)
+    seen: dict = field(default_factory=dict)
     fused_amp: bool = False
 
 
@@ -107,6 +109,10 @@ class StepMachine:
         self._mod_handles: list = []
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
         self.param_info = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in self.params}
+        self.param_modules: dict[str, int] = {}
+        for n, p in self.params:
+            mod = n.rpartition(".")[0]
+            self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
         self._detailed: list = []      # sampled records whose module details are kept in memory
         self._last_seq: tuple = ()     # the last routine call sequence (see sync._store)
         self._skip_streak = 0
@@ -231,9 +237,6 @@ class StepMachine:
         for t in tensors:
             if is_measurable(t):
                 self._row(c, "inp", t, light=True)
-        for t in module.parameters(recurse=False):  # NaN weights are not produced here (an earlier update was)
-            if is_measurable(t):
-                self._row(c, "par", t, light=True)
         if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
             return self._wrap_inputs(c, args, kwargs)
         return None
@@ -292,13 +295,29 @@ class StepMachine:
                 if t.requires_grad and c.grad_enabled:
                     t.register_hook(self._grad_hook(c, "gout"))
 
-    def _row(self, c: _Call, slot: str, t: torch.Tensor, light: bool) -> None:
-        ac = _autocast_dtype(t.device.type)
-        ref = ref_dtype(t.dtype, ac)
-        v = light_stats(t, ref) if light else full_stats(t, ref)
+    def _row(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None) -> None:
         st = self.st
-        c.rows[slot].append((len(st.vecs), _dt(t.dtype), _dt(ref)))
+        if ref is None:
+            ref = ref_dtype(t.dtype, _autocast_dtype(t.device.type))
+        # A tensor measured once this step (a module's output is the next one's input; a gradient flows
+        # into one module and out of another) is not measured again.
+        try:
+            key = (id(t), t.data_ptr(), t._version, ref)
+        except RuntimeError:  # inference tensors have no version counter; some wrappers no storage
+            key = None
+        hit = st.seen.get(key) if key is not None else None
+        if hit is not None and hit[0]() is t and (light or hit[2]):
+            c.rows[slot].append((hit[1], _dt(t.dtype), _dt(ref)))
+            return
+        v = light_stats(t, ref) if light else full_stats(t, ref)
+        idx = len(st.vecs)
+        c.rows[slot].append((idx, _dt(t.dtype), _dt(ref)))
         st.vecs.append(v)
+        if key is not None:
+            try:
+                st.seen[key] = (weakref.ref(t), idx, not light)
+            except TypeError:
+                pass
 
     def _grad_hook(self, c: _Call, slot: str):
         st = self.st
@@ -311,9 +330,7 @@ class StepMachine:
                     c.bseq = st.bseq
                     st.bseq += 1
                 ref = ref_dtype(g.dtype, _autocast_dtype(g.device.type) or _ac_from_str(c.autocast))
-                v = light_stats(g, ref) if slot == "gin" else full_stats(g, ref)
-                c.rows[slot].append((len(st.vecs), _dt(g.dtype), _dt(ref)))
-                st.vecs.append(v)
+                self._row(c, slot, g, light=slot == "gin", ref=ref)
             except Exception as e:
                 self._fail(e)
             return None

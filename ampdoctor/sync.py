@@ -12,7 +12,7 @@ import math
 import torch
 
 from .producers import backward_producer, forward_producer
-from .records import ModuleCall, ParamStat, StepRecord
+from .records import ModuleCall, ParamStat, StepRecord, TensorStats
 from .stats import NSTAT, combine, vector_to_stats
 
 __all__ = ["presync", "finalize", "update_check_pre", "update_check_post"]
@@ -77,6 +77,19 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         parts.append(("g_amax", torch.stack([a.to(dev, torch.float64) for a in amax])))
         if st.sampled:
             parts.append(("g_l2", torch.stack([a.to(dev, torch.float64) for a in l2])))
+    if st.sampled and m.params:  # are the weights themselves finite? (one multi-tensor kernel per dtype)
+        groups: dict = {}
+        for i, (_, p) in enumerate(m.params):
+            if p.is_floating_point() and p.layout == torch.strided and p.numel():
+                groups.setdefault((p.device, p.dtype), []).append(i)
+        pw = [None] * len(m.params)
+        for idx in groups.values():
+            for i, v in zip(idx, torch._foreach_norm([m.params[i][1].detach() for i in idx], math.inf)):
+                pw[i] = v
+        st.pw_index = [i for i, v in enumerate(pw) if v is not None]
+        if st.pw_index:
+            dev = pw[st.pw_index[0]].device
+            parts.append(("w_amax", torch.stack([pw[i].to(dev, torch.float64) for i in st.pw_index])))
     for j, ev in enumerate(st.events):
         t = ev.detail.get("norm_t")
         if isinstance(t, torch.Tensor):
@@ -109,7 +122,12 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     g_l2 = [v / div for v in host.get("g_l2", [])]
     losses = host.get("loss", [])
     grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
+    w_bad = {}
+    for i, v in zip(getattr(st, "pw_index", []), host.get("w_amax", [])):
+        if not math.isfinite(v):
+            w_bad[m.params[i][0].rpartition(".")[0]] = "nan" if v != v else "inf"
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
+                 "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
     bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
@@ -191,6 +209,16 @@ def update_check_post(m, opt) -> None:
         item[4] = torch.stack([same.double(), gnz.sum().double()])
 
 
+def _weights(module: str, w_bad: dict, m):
+    """Whether the module's own weights are finite (None when it has none): non-finite weights come from an
+    earlier update, so a module holding them is not the producer of what it outputs."""
+    if module not in m.param_modules:
+        return None
+    bad = w_bad.get(module)
+    return TensorStats(dtype="weights", ref="weights", numel=m.param_modules[module],
+                       nan=int(bad == "nan"), posinf=int(bad == "inf"))
+
+
 def _stats_for(c, slot, rows):
     lst = [vector_to_stats(rows[i], dt, ref) for i, dt, ref in c.rows[slot] if i in rows]
     return combine(lst)
@@ -202,8 +230,9 @@ def finalize(m) -> None:
         presync(m, None)
     s = st.synced
     rows = s["rows"]
+    w_bad = s.get("w_bad") or {}
     calls = [ModuleCall(module=c.module, type=c.type, call=c.call, seq=c.seq, depth=c.depth, autocast=c.autocast,
-                        inp=_stats_for(c, "inp", rows), par=_stats_for(c, "par", rows), out=_stats_for(c, "out", rows),
+                        inp=_stats_for(c, "inp", rows), par=_weights(c.module, w_bad, m), out=_stats_for(c, "out", rows),
                         gout=_stats_for(c, "gout", rows), gin=_stats_for(c, "gin", rows), bseq=c.bseq,
                         grad_enabled=c.grad_enabled) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}

@@ -217,3 +217,14 @@ def test_internal_error_disables_with_one_warning_and_training_continues():
     w.close()
     msgs = [str(r.message) for r in rec if "ampdoctor disabled itself" in str(r.message)]
     assert len(msgs) == 1
+
+
+def test_inference_mode_and_eval_only_watch():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ampdoctor must not disable itself
+        with ampdoctor.watch(m, every=1) as w:
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
+                m(torch.randn(3, 4))
+    assert len(w.steps) == 1 and len(w.steps[0].modules) == 4
+    assert not [f for f in w.report().findings if f.severity != "info"]
