@@ -89,6 +89,7 @@ class _Step:
     capture: str | None = None
     vec_order: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
+    pending: object = None
     fused_amp: bool = False
 
 

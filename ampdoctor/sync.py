@@ -18,20 +18,39 @@ from .stats import NSTAT, combine, vector_to_stats
 __all__ = ["presync", "finalize", "update_check_pre", "update_check_post"]
 
 
-def _to_host(parts: list[tuple[str, torch.Tensor]]) -> dict[str, list[float]]:
-    """One device->host copy per device for all parts (each a float64 tensor of any shape)."""
-    by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for k, t in parts:
-        by_dev.setdefault(t.device, []).append((k, t.reshape(-1).to(torch.float64)))
-    out: dict[str, list[float]] = {}
-    for dev, items in by_dev.items():
-        flat = torch.cat([t for _, t in items]).cpu().tolist() if items else []
-        i = 0
-        for k, t in items:
-            n = t.numel()
-            out[k] = flat[i:i + n]
-            i += n
-    return out
+class _Pending:
+    """Values on their way to the host. With a GradScaler on CUDA the copy is asynchronous (pinned memory and an
+    event): the step's one synchronisation stays GradScaler's own, and the values are read at the next iteration,
+    long after they arrived. Otherwise they are read at once."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], asynchronous: bool):
+        by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for k, t in parts:
+            by_dev.setdefault(t.device, []).append((k, t.reshape(-1).to(torch.float64)))
+        self.items = []
+        for dev, items in by_dev.items():
+            flat = torch.cat([t for _, t in items])
+            ev = None
+            if asynchronous and dev.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                flat = host
+            self.items.append((items, flat, ev))
+
+    def result(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for items, flat, ev in self.items:
+            if ev is not None:
+                ev.synchronize()
+            vals = flat.cpu().tolist()
+            i = 0
+            for k, t in items:
+                n = t.numel()
+                out[k] = vals[i:i + n]
+                i += n
+        return out
 
 
 def _model_grads(m):
@@ -45,7 +64,7 @@ def _model_grads(m):
 
 def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
-    if st.synced is not None:
+    if st.synced is not None or st.pending is not None:
         return
     parts: list[tuple[str, torch.Tensor]] = []
     if st.losses:
@@ -101,7 +120,20 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         for dev, idx in by_dev.items():
             parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
         st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
-    host = _to_host(parts)
+    asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda" and not st.sampled
+    st.pending = (_Pending(parts, asynchronous), via_scaler, grads_scaled)
+    if not asynchronous:
+        resolve(m)
+
+
+def resolve(m) -> None:
+    """Read the step's values (see _Pending), decide whether it went bad, and capture it if so."""
+    st = m.st
+    if st.pending is None:
+        return
+    pending, via_scaler, grads_scaled = st.pending
+    st.pending = None
+    host = pending.result()
     rows: dict[int, list[float]] = {}
     for key, vals in host.items():
         if key.startswith("vec:"):
@@ -226,8 +258,9 @@ def _stats_for(c, slot, rows):
 
 def finalize(m) -> None:
     st = m.st
-    if st.synced is None:
+    if st.synced is None and st.pending is None:
         presync(m, None)
+    resolve(m)
     s = st.synced
     rows = s["rows"]
     w_bad = s.get("w_bad") or {}
