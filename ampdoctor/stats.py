@@ -36,6 +36,15 @@ def _exp_bits(dt: torch.dtype) -> int:
 _THR = {dt: _thresholds(dt) for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
+def thresholds(dt: torch.dtype, ref: torch.dtype) -> tuple[float, float, float]:
+    """(near-max, smallest normal, cast-overflow) for values of dtype `dt` judged against `ref`; the overflow
+    threshold is inf when a cast to `ref` cannot overflow."""
+    near, tiny, ovf = _THR.get(ref, _THR[torch.float32])
+    if not (dt.itemsize > ref.itemsize or (dt == torch.float32 and ref == torch.float16)):
+        ovf = math.inf
+    return near, tiny, ovf
+
+
 def is_measurable(x) -> bool:
     return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided
             and not x.is_meta and x.device.type != "meta")

@@ -18,7 +18,8 @@ import torch
 from .monitor import caller_location, scaler_stage
 from .producers import backward_producer, forward_producer
 from .records import CallEvent, ModuleCall, ParamStat, StepRecord
-from .stats import NSTAT, full_stats, is_measurable, light_stats, ref_dtype, vector_to_stats, combine
+from . import fused
+from .stats import full_stats, is_measurable, light_stats, ref_dtype, thresholds
 
 __all__ = ["StepMachine", "flatten_tensors"]
 
@@ -90,6 +91,7 @@ class _Step:
     vec_order: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
     pending: object = None
+    fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
 
 
@@ -310,8 +312,15 @@ class StepMachine:
         if hit is not None and hit[0]() is t and (light or hit[2]):
             c.rows[slot].append((hit[1], _dt(t.dtype), _dt(ref)))
             return
-        v = light_stats(t, ref) if light else full_stats(t, ref)
         idx = len(st.vecs)
+        if t.is_cuda and fused.available(t):  # one Triton kernel per tensor, into the step's buffer
+            buf = st.fbuf.get(t.device)
+            if buf is None:
+                buf = st.fbuf[t.device] = fused.StatBuffer(t.device)
+            v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref)))
+            light = False
+        else:
+            v = light_stats(t, ref) if light else full_stats(t, ref)
         c.rows[slot].append((idx, _dt(t.dtype), _dt(ref)))
         st.vecs.append(v)
         if key is not None:

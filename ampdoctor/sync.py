@@ -113,6 +113,10 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         t = ev.detail.get("norm_t")
         if isinstance(t, torch.Tensor):
             parts.append((f"clip{j}", t))
+    if st.fbuf:  # rows computed by the fused kernel (ampdoctor/fused.py)
+        mats = {dev: buf.vectors() for dev, buf in st.fbuf.items()}
+        st.vecs = [mats[v[1]][v[2]] if isinstance(v, tuple) else v for v in st.vecs]
+        st.fbuf = {}
     if st.vecs:
         by_dev: dict = {}
         for i, v in enumerate(st.vecs):
