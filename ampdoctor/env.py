@@ -32,11 +32,13 @@ def collect_env(device: torch.device | str | None = None) -> dict:
     return env
 
 
-def deprecated_amp_in_use() -> list[str]:
-    """Names of deprecated AMP classes that have been instantiated or imported in this process (best effort)."""
-    import sys
+def deprecated_amp_in_use(scaler=None) -> list[str]:
+    """Deprecated AMP classes in use: a `torch.cuda.amp.GradScaler` (use `torch.amp.GradScaler("cuda")`)."""
     found = []
-    mod = sys.modules.get("torch.cuda.amp.grad_scaler")
-    if mod is not None and getattr(mod, "_ampdoctor_seen", False):
-        found.append("torch.cuda.amp.GradScaler")
+    try:
+        import torch.cuda.amp as old_amp
+        if scaler is not None and type(scaler) is getattr(old_amp, "GradScaler", None):
+            found.append("torch.cuda.amp.GradScaler")
+    except ImportError:
+        pass
     return found

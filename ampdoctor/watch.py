@@ -15,7 +15,7 @@ from torch import nn
 
 from . import __version__
 from .config import WatchConfig
-from .env import collect_env
+from .env import collect_env, deprecated_amp_in_use
 from .errors import WatchError
 from .monitor import ClipPatch, OptimizerPatch, ScalerPatch
 from .records import RunMeta
@@ -195,7 +195,10 @@ class Watch:
             rank, world = dist.get_rank(), dist.get_world_size()
         return RunMeta(ampdoctor_version=__version__, torch_version=torch.__version__,
                        model_class=f"{type(model).__module__}.{type(model).__qualname__}", modules=mods,
-                       params=params, optimizer=opt, scaler=sc, env=collect_env(dev), every=self.config.every,
+                       params=params, optimizer=opt, scaler=sc, env=dict(collect_env(dev),
+                                                                         deprecated_amp=deprecated_amp_in_use(
+                                                                             self.scaler)),
+                       every=self.config.every,
                        rank=rank, world_size=world)
 
     def _install(self) -> None:
