@@ -75,6 +75,7 @@ class StatBuffer:
         self.ext = torch.zeros((rows, 2), dtype=torch.float32, device=device)
         self.ext[:, 1] = math.inf
         self.numel: list[int] = []
+        self.factor: list[int] = []
 
     def _grow(self) -> None:
         r = self.cnt.shape[0]
@@ -91,10 +92,22 @@ class StatBuffer:
         if row >= self.cnt.shape[0]:
             self._grow()
         x = x.detach()
-        if not x.is_contiguous():
-            x = x.contiguous()
         n = x.numel()
+        factor = 1
+        if n and not x.is_contiguous():
+            # Order does not matter for these statistics: read a dense tensor's memory as it lies; measure an
+            # expanded (stride-0) tensor once and count its values as often as they repeat. No full-size copy.
+            if any(st == 0 and sz > 1 for sz, st in zip(x.shape, x.stride())):
+                base = x[tuple(slice(0, 1) if st == 0 and sz > 1 else slice(None)
+                               for sz, st in zip(x.shape, x.stride()))]
+                factor = n // max(base.numel(), 1)
+                x = base
+            if x.is_non_overlapping_and_dense():
+                x = x.as_strided((x.numel(),), (1,), x.storage_offset())
+            else:
+                x = x.contiguous()
         self.numel.append(n)
+        self.factor.append(factor)
         if n:
             near, tiny, ovf = thresholds
             block = 4096
@@ -104,9 +117,12 @@ class StatBuffer:
     def vectors(self) -> torch.Tensor:
         """All rows as float64 vectors laid out like records.STAT_FIELDS (one small kernel chain per step)."""
         k = len(self.numel)
-        c = self.cnt[:k].to(torch.float64)
+        pinned = torch.cuda.is_available()
+        host = torch.tensor([self.numel, self.factor], dtype=torch.float64, pin_memory=pinned)
+        nf = host.to(self.device, non_blocking=True)  # from pinned memory: no synchronisation
+        n = nf[0]
+        c = self.cnt[:k].to(torch.float64) * nf[1][:, None]
         e = self.ext[:k].to(torch.float64)
-        n = torch.tensor(self.numel, dtype=torch.float64, device=self.device)
         # fields: numel nan posinf neginf zeros absmax min_nonzero near_max subnormal overflow_as_ref
         return torch.stack([n, c[:, 0], c[:, 1], c[:, 2], c[:, 3], e[:, 0], e[:, 1], c[:, 4], c[:, 5], c[:, 6]],
                            dim=1)

@@ -124,7 +124,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         for dev, idx in by_dev.items():
             parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
         st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
-    asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda" and not st.sampled
+    asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda" and not st.upd
     st.pending = (_Pending(parts, asynchronous), via_scaler, grads_scaled)
     if not asynchronous:
         resolve(m)

@@ -2,7 +2,8 @@
 
     python benchmarks/experiments.py --model gpt2 --device cuda --steps 20 \
         --variants plain,default,default-roothooks,noop-hooks,every1,every1-fused,every1-cache,every1-cache-fused
-    python benchmarks/experiments.py --check      # the fused stats equal ampdoctor's, field by field
+    python benchmarks/experiments.py --check      # the candidate stats equal ampdoctor's, field by field
+    python benchmarks/experiments.py --micro [--cuda]   # per-call time / peak memory of the stats functions
 
 Extra variants (each patch is active only inside that variant's own steps, so variants do not leak):
     noop-hooks          no-op forward pre/post hooks (with_kwargs, always_call) on every module: the floor of
@@ -14,6 +15,9 @@ Extra variants (each patch is active only inside that variant's own steps, so va
                         version, ref dtype): a tensor seen again (output of one module = input of the next,
                         a parameter used twice, a view) is not measured again
     every1-cache-fused  both
+    every1-cnz          every=1 with `cnz_full_stats` / `cnz_light_stats`: counts via torch.count_nonzero (no
+                        float64 copy of each mask), fewer 0-d conversions
+    every1-cache-cnz    both cache and cnz
     default-fast        default + module hooks only on the root + `_model_grads` skipped when its result is
                         unused (unsampled step under a GradScaler): the cheap-path changes proposed for ampdoctor
     every1-cache-vnorm  every1-cache with light_stats reduced to one `vector_norm(x, inf)` kernel (absmax, and
@@ -97,6 +101,65 @@ def _lazy_model_grads(m):
     return _orig_model_grads(m)
 
 
+def cnz_full_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
+    """Same vector as ampdoctor.stats.full_stats; counts with torch.count_nonzero (int64) instead of
+    `mask.sum(dtype=float64)`, which materialises a float64 copy of every mask (8 bytes per element)."""
+    x = x.detach()
+    n = x.numel()
+    if n == 0:
+        return _stats.full_stats(x, ref)
+    near, tiny, ovf = _stats._THR.get(ref, _stats._THR[torch.float32])
+    cnt = torch.count_nonzero
+    a = x.abs()
+    af = torch.nan_to_num(a, nan=0.0, posinf=0.0)
+    z = af == 0
+    widen = x.dtype.itemsize > ref.itemsize or (x.dtype == torch.float32 and ref == torch.float16)
+    ovf_n = cnt(af >= ovf) if widen else torch.zeros((), dtype=torch.int64, device=x.device)
+    i = torch.stack([cnt(torch.isnan(a)), cnt(x == _INF), cnt(x == -_INF), cnt(z), cnt(af >= near),
+                     cnt(af < tiny), ovf_n]).to(_F64)
+    f = torch.stack([af.amax(), af.masked_fill(z, _INF).amin()]).to(_F64)
+    nonfin = i[0] + i[1] + i[2]
+    return torch.stack([torch.full((), n, dtype=_F64, device=x.device), i[0], i[1], i[2], i[3] - nonfin, f[0],
+                        f[1], i[4], i[5] - i[3], i[6]])
+
+
+def cnz_light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
+    x = x.detach()
+    if x.numel() == 0:
+        return _stats.light_stats(x, ref)
+    cnt = torch.count_nonzero
+    i = torch.stack([cnt(torch.isnan(x)), cnt(x == _INF), cnt(x == -_INF), cnt(x == 0)]).to(_F64)
+    absmax = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax().to(_F64)
+    m1 = torch.full((), -1.0, dtype=_F64, device=x.device)
+    return torch.stack([torch.full((), x.numel(), dtype=_F64, device=x.device), i[0], i[1], i[2], i[3], absmax,
+                        m1, m1, m1, m1])
+
+
+def micro(device):
+    """Per-call time and extra peak memory of the statistics functions on one large activation."""
+    import time
+    dev = torch.device(device)
+    for shape, dt in (((8, 1024, 3072), torch.float16), ((8, 1024, 768), torch.float32), ((64, 64), torch.float16)):
+        x = torch.randn(*shape, device=dev).to(dt)
+        for name, f in (("full_stats", _stats.full_stats), ("cnz_full_stats", cnz_full_stats),
+                        ("light_stats", _stats.light_stats), ("cnz_light_stats", cnz_light_stats),
+                        ("vector_norm_inf", lambda x, r: torch.linalg.vector_norm(x, math.inf))):
+            for _ in range(3):
+                f(x, torch.float16)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            for _ in range(20):
+                f(x, torch.float16)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            us = (time.perf_counter() - t) / 20 * 1e6
+            mem = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else float("nan")
+            print(f"{device} {str(tuple(shape)):18} {str(dt):14} {name:16} {us:10.1f} us/call  peak +{mem:8.1f} MiB")
+
+
 def _cached_row(self, c, slot, t, light):
     """StepMachine._row with a per-step cache (see the module docstring)."""
     ac = _ss._autocast_dtype(t.device.type)
@@ -157,6 +220,8 @@ class ExpVariant(bench.Variant):
         saved = (_ss.full_stats, _ss.light_stats, _ss.StepMachine._row, _sync._model_grads)
         if fused:
             _ss.full_stats, _ss.light_stats = fused_full_stats, fused_light_stats
+        if "cnz" in self.name:
+            _ss.full_stats, _ss.light_stats = cnz_full_stats, cnz_light_stats
         if "vnorm" in self.name:
             _ss.light_stats = vnorm_light_stats
         if cache:
@@ -186,17 +251,22 @@ def check(device="cpu"):
                 x = x.to(dev)
                 for full in (True, False):
                     a = (_stats.full_stats if full else _stats.light_stats)(x, ref).cpu()
-                    b = (fused_full_stats if full else fused_light_stats)(x, ref).cpu()
-                    assert torch.equal(a, b), (dt, ref, k, full, a.tolist(), b.tolist())
-                    n_ok += 1
-    print(f"fused stats identical to ampdoctor's on {n_ok} cases")
+                    for cand in ((fused_full_stats, cnz_full_stats) if full else (fused_light_stats, cnz_light_stats)):
+                        b = cand(x, ref).cpu()
+                        assert torch.equal(a, b), (cand.__name__, dt, ref, k, a.tolist(), b.tolist())
+                        n_ok += 1
+    print(f"fused and count_nonzero stats identical to ampdoctor's on {n_ok} cases")
 
 
 if __name__ == "__main__":
+    if "--micro" in sys.argv:
+        micro("cuda" if "--cuda" in sys.argv else "cpu")
+        sys.exit(0)
     if "--check" in sys.argv:
         check("cuda" if "--cuda" in sys.argv else "cpu")
         sys.exit(0)
     bench.Variant = ExpVariant
     bench.ALL_VARIANTS = bench.ALL_VARIANTS + ("noop-hooks", "default-roothooks", "every1-fused", "every1-cache",
-                                               "every1-cache-fused", "default-fast", "every1-cache-vnorm")
+                                               "every1-cache-fused", "default-fast", "every1-cache-vnorm", "every1-cnz",
+                                               "every1-cache-cnz")
     bench.main()

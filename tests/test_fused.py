@@ -26,6 +26,8 @@ def _cases():
     yield "empty", torch.zeros(0), torch.float16
     yield "noncontiguous", torch.randn(64, 64, generator=g).t()[::2], torch.float16
     yield "large", torch.randn(5_000_000, generator=g).half() * 3000, torch.float16
+    yield "expanded", torch.tensor([[1e-6], [7e4], [float("inf")]]).expand(3, 1000), torch.float16
+    yield "permuted", (torch.randn(8, 16, 32, generator=g) * 1e3).permute(2, 0, 1), torch.float16
 
 
 @pytest.mark.parametrize("name,x,ref", list(_cases()), ids=[c[0] for c in _cases()])
