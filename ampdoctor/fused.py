@@ -102,7 +102,7 @@ class StatBuffer:
                                for sz, st in zip(x.shape, x.stride()))]
                 factor = n // max(base.numel(), 1)
                 x = base
-            if x.is_non_overlapping_and_dense():
+            if is_dense(x):
                 x = x.as_strided((x.numel(),), (1,), x.storage_offset())
             else:
                 x = x.contiguous()
@@ -126,6 +126,18 @@ class StatBuffer:
         # fields: numel nan posinf neginf zeros absmax min_nonzero near_max subnormal overflow_as_ref
         return torch.stack([n, c[:, 0], c[:, 1], c[:, 2], c[:, 3], e[:, 0], e[:, 1], c[:, 4], c[:, 5], c[:, 6]],
                            dim=1)
+
+
+def is_dense(x: torch.Tensor) -> bool:
+    """True when x's elements fill a contiguous block of memory exactly once, in some order of dimensions
+    (e.g. a permuted contiguous tensor): then its memory can be read as one flat vector."""
+    dims = sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return True
 
 
 def triton_cdiv(a: int, b: int) -> int:
