@@ -304,12 +304,15 @@ class StepMachine:
             ref = ref_dtype(t.dtype, _autocast_dtype(t.device.type))
         # A tensor measured once this step (a module's output is the next one's input; a gradient flows
         # into one module and out of another) is not measured again.
+        # Keyed by memory, not identity: a view of the same memory (e.g. the gradient flowing out of one module
+        # and into the next) has the same values. The first tensor measured there must still be alive (so the
+        # memory was not reused) and the shared version counter unchanged (no in-place write since).
         try:
-            key = (id(t), t.data_ptr(), t._version, ref)
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, ref)
         except RuntimeError:  # inference tensors have no version counter; some wrappers no storage
             key = None
         hit = st.seen.get(key) if key is not None else None
-        if hit is not None and hit[0]() is t and (light or hit[2]):
+        if hit is not None and hit[0]() is not None and (light or hit[2]):
             c.rows[slot].append((hit[1], _dt(t.dtype), _dt(ref)))
             return
         idx = len(st.vecs)
