@@ -149,7 +149,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
                "finite": not step_bad, "loss": None if loss is None else float(loss.detach().float()),
                "errors": sum(f.severity == "error" for f in findings),
                "warnings": sum(f.severity == "warning" for f in findings), "note": note,
-               "headline": findings[0].one_line() if findings else "replayed step is finite; nothing to report"}
+               "headline": _headline(findings)}
     say("replay: done")
     return Report(findings, summary, {"replay": data})
 
@@ -193,3 +193,12 @@ def _low_precision_first(events: list) -> list:
     if not any(lowp(e) for e in events):
         return events
     return sorted(events, key=lambda e: (e.phase != "forward", not lowp(e), e.seq))
+
+
+def _headline(findings) -> str:
+    top = next((f for f in findings if f.severity in ("error", "warning")), None)
+    if top is None:
+        return "Healthy: the replayed step is finite and close to fp32; nothing to report."
+    where = f" at `{top.module}`" if top.module else ""
+    op = f" ({top.op})" if top.op else ""
+    return f"{top.rule}{where}{op}: {top.message}"
