@@ -10,6 +10,7 @@ from .config import WatchConfig  # noqa: E402
 from .errors import AmpDoctorError, BadInput, WatchError  # noqa: E402
 from .findings import Finding, Report  # noqa: E402
 from .watch import Watch, watch  # noqa: E402
+from . import replay as _replay_pkg  # noqa: E402,F401  (loaded now so that the name `replay` below stays the function)
 
 __all__ = ["watch", "Watch", "diagnose", "save_batch", "replay", "Report", "Finding", "WatchConfig",
            "AmpDoctorError", "BadInput", "WatchError", "__version__"]
