@@ -6,7 +6,6 @@ come from the optimizer / GradScaler themselves; the user's loop needs no extra 
 """
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import ampdoctor
-from ampdoctor.sync import KEEP_DETAILED, MEMORY_STEPS
+from ampdoctor.storage import KEEP_DETAILED, MEMORY_STEPS
 
 
 def test_12k_steps_bounded_memory_and_run_dir(tmp_path):

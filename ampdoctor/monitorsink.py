@@ -1,0 +1,165 @@
+"""The monitor's side of the step machine: what happens when the user's code calls the GradScaler, the
+optimizer or a clipping function (ampdoctor/monitor.py installs the patches that call these methods)."""
+from __future__ import annotations
+
+import torch
+
+from .monitor import scaler_stage
+
+__all__ = ["MonitorCallbacks"]
+
+
+class MonitorCallbacks:
+    """Mixin of StepMachine: records each call as a CallEvent and marks step boundaries."""
+
+    def before(self, kind, args, kwargs):
+        if self._disabled:
+            return None
+        if kind == "scale":
+            self._begin()
+        st = self.st
+        opt = None
+        if kind in ("unscale_", "step"):
+            opt = args[0] if args else kwargs.get("optimizer")
+        stage = scaler_stage(self.w.scaler, opt) if opt is not None else None
+        ev = self._event(kind, stage=stage)
+        if st.in_scaler_step > 0:
+            ev.detail["internal"] = True  # e.g. the unscale_ that scaler.step() does itself
+        if kind == "scale":
+            out = args[0] if args else kwargs.get("outputs")
+            if isinstance(out, torch.Tensor) and out.numel() == 1:
+                st.losses.append(out.detach().reshape(()))
+            st.scaled_since_update = True
+        elif kind == "update":
+            st.scaled_since_update = False
+            new = args[0] if args else kwargs.get("new_scale")
+            ev.detail["has_steps"] = any(e.kind == "step" for e in st.events)
+            if new is not None:
+                ev.detail["new_scale"] = float(new) if not isinstance(new, torch.Tensor) else None
+        elif kind == "step":
+            st.in_scaler_step += 1
+            if opt is not None and id(opt) not in self.known_optimizers and self._owns(opt):
+                self.known_optimizers.add(id(opt))
+                self.w.adopt_optimizer(opt)
+        return (ev, opt)
+
+    def after(self, tok, args, kwargs, out):
+        if tok is None or self._disabled:
+            return
+        ev, opt = tok
+        st = self.st
+        sc = self.w.scaler
+        if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
+            st.scale_t = sc._scale.detach().clone()
+        if ev.kind == "step":
+            st.in_scaler_step -= 1
+            try:
+                fi = self.w.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+                if fi:
+                    st.found_inf_t = torch.stack([v.detach().double().reshape(()) for v in fi.values()]).sum()
+            except (AttributeError, KeyError, TypeError):
+                pass
+            self._presync(opt)
+            st.ended = True
+
+    def failed(self, tok, e: BaseException) -> None:
+        if tok is None:
+            return
+        ev = tok[0] if isinstance(tok, tuple) else tok
+        ev.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        if ev.kind == "step":
+            self.st.in_scaler_step = max(self.st.in_scaler_step - 1, 0)
+
+    def zero_grad(self, optimizer) -> None:
+        if self._disabled:
+            return
+        self._begin()
+        self._event("zero_grad")
+
+    def clip_before(self, kind, parameters):
+        if self._disabled:
+            return None
+        ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        mine = self._model_param_ids()
+        if not any(id(p) in mine for p in ps):
+            return None
+        sc = self.w.scaler
+        stage = None
+        scaled = False
+        if sc is not None and self.w.optimizer is not None and getattr(sc, "_enabled", True):
+            stage = scaler_stage(sc, self.w.optimizer)
+            scaled = self.st.scaled_since_update and stage in (None, "READY")
+        return self._event(kind, stage=stage, scaled=scaled)
+
+    def clip_after(self, ev, out) -> None:
+        if ev is None:
+            return
+        if isinstance(out, torch.Tensor) and out.numel() == 1:
+            ev.detail["norm_t"] = out.detach().double().reshape(())
+
+    def global_opt_pre(self, opt, args, kwargs):
+        if self._disabled:
+            return None
+        try:
+            if id(opt) not in self.known_optimizers:
+                if id(opt) in self._rejected_optimizers or not self._owns(opt):
+                    self._rejected_optimizers.add(id(opt))
+                    return None
+                self.known_optimizers.add(id(opt))
+                self.w.adopt_optimizer(opt)
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+            if callable(closure) and not isinstance(opt, torch.optim.LBFGS):
+                # forward/backward run inside step(closure): do the step's work after the closure returns
+                def wrapped(_c=closure, _opt=opt):
+                    out = _c()
+                    self._opt_pre(_opt)
+                    return out
+                if len(args) > 1:
+                    return (args[0], wrapped, *args[2:]), kwargs
+                return args, dict(kwargs, closure=wrapped)
+            self._opt_pre(opt)
+        except Exception as e:
+            self._fail(e)
+        return None
+
+    def _opt_pre(self, opt) -> None:
+        if self._disabled:
+            return
+        try:
+            st = self.st
+            sc = self.w.scaler
+            stage = scaler_stage(sc, opt) if sc is not None else None
+            via = st.in_scaler_step > 0
+            fused = via and getattr(opt, "_step_supports_amp_scaling", False)
+            if fused:  # GradScaler calls a fused optimizer's step even when it skips: read its found_inf
+                fi = getattr(opt, "found_inf", None)
+                if isinstance(fi, torch.Tensor):
+                    st.found_inf_t = fi.detach().double().reshape(-1).sum()
+                st.fused_amp = True
+            scaled = bool(sc is not None and (not via or fused) and st.scaled_since_update
+                          and stage in (None, "READY"))
+            self._event("optimizer.step", stage=stage, scaled=scaled and not via,
+                        detail={"via_scaler": via, "fused": bool(fused)})
+            self._presync(opt, grads_scaled=scaled)
+            self._update_check_pre(opt)
+            if not via:
+                st.ended = True
+        except Exception as e:
+            self._fail(e)
+
+    def global_opt_post(self, opt, args, kwargs):
+        if self._disabled or id(opt) not in self.known_optimizers:
+            return
+        try:
+            self._update_check_post(opt)
+        except Exception as e:
+            self._fail(e)
+
+    def _owns(self, opt) -> bool:
+        mine = self._model_param_ids()
+        return any(id(p) in mine for g in opt.param_groups for p in g["params"])
+
+    def _model_param_ids(self) -> set:
+        if self._model_params is None:
+            self._model_params = {id(p) for p in self.w.model.parameters()}
+        return self._model_params

@@ -1,0 +1,99 @@
+"""Small tensor and context helpers shared by the hooks: nested-output flattening, autocast state, RNG
+state, the model's own loss, and where in the user's code an exception was raised."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["flatten_tensors", "dt_name", "loss_of", "rng_state", "autocast_dtype", "autocast_str",
+           "ac_from_str", "tb_module", "tb_location"]
+
+
+def flatten_tensors(obj, out: list, depth: int = 0) -> list:
+    """Tensors inside nested tuples/lists/dicts/dataclasses (Hugging Face ModelOutput included)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        pass
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            flatten_tensors(v, out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            flatten_tensors(v, out, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            flatten_tensors(getattr(obj, f.name, None), out, depth + 1)
+    return out
+
+
+def dt_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def loss_of(output):
+    """The model's own loss: a scalar output, `.loss`, or output["loss"]."""
+    t = output
+    if not isinstance(t, torch.Tensor):
+        t = getattr(output, "loss", None)
+        if t is None and isinstance(output, dict):
+            t = output.get("loss")
+    if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+        return t.detach().reshape(())
+    return None
+
+
+def rng_state():
+    s = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def autocast_dtype(device_type: str):
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def autocast_str() -> str | None:
+    for dev in ("cuda", "cpu"):
+        d = autocast_dtype(dev)
+        if d is not None:
+            return f"{dev}:{dt_name(d)}"
+    return None
+
+
+def ac_from_str(s: str | None):
+    if not s:
+        return None
+    return getattr(torch, s.split(":")[1], None)
+
+
+def tb_module(exc: BaseException, names: dict, default: str) -> str:
+    """The innermost watched module whose forward is on the traceback (found through `self` in its frame)."""
+    tb = exc.__traceback__
+    best = default
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if obj is not None and id(obj) in names and tb.tb_frame.f_code.co_name == "forward":
+            best = names[id(obj)]
+        tb = tb.tb_next
+    return best
+
+
+def tb_location(exc: BaseException) -> tuple[str | None, int | None]:
+    """The deepest traceback frame in user code (outside torch and ampdoctor)."""
+    from .monitor import _PKG_DIR, _TORCH_DIR
+    tb = exc.__traceback__
+    best = (None, None)
+    while tb is not None:
+        fn = tb.tb_frame.f_code.co_filename
+        if not (fn.startswith(_PKG_DIR) or fn.startswith(_TORCH_DIR)):
+            best = (fn, tb.tb_lineno)
+        tb = tb.tb_next
+    return best
