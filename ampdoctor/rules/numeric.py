@@ -14,6 +14,11 @@ AUTOCAST_OFF = ("with torch.autocast(device_type=\"cuda\", enabled=False):  # or
                 "    out = module(x.float())   # run {m} in fp32")
 
 
+# modules whose output is a sum of products: NaN from finite inputs there means partial sums overflowed
+_ACCUMULATING = {"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+                 "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear"}
+
+
 def _call(rec: StepRecord, module: str, call: int) -> ModuleCall | None:
     return next((c for c in rec.modules if c.module == module and c.call == call), None)
 
@@ -77,6 +82,9 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
         c = _call(r0, module, p.call)
         steps = [r.step for r in recs]
         rule = "overflow" if kind == "inf" else "nan_origin"
+        if kind == "nan" and phase == "forward" and c is not None and c.type in _ACCUMULATING \
+                and c.inp is not None and c.inp.finite:
+            rule = "overflow"  # a matmul/conv of finite values makes NaN only as inf - inf: its sums overflowed
         ev = _evidence(c, phase, r0)
         ev.update({"steps": steps[:50], "occurrences": len(steps), "rank_hint": 10 if phase == "forward" else 12})
         where = f"`{module}`" if module else "the model's top level"
@@ -88,7 +96,9 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    "skipped them and lowered the scale, as designed.")
             fix = "Nothing to do: a few skipped steps while the loss scale settles are normal."
         elif phase == "forward":
-            what = "turned finite inputs into ±inf" if kind == "inf" else "produced NaN from NaN-free inputs"
+            what = ("turned finite inputs into ±inf" if kind == "inf" else
+                    "produced NaN from finite inputs — its sums of products overflowed (inf - inf = NaN)"
+                    if rule == "overflow" else "produced NaN from NaN-free inputs")
             msg = (f"{where} ({c.type if c else '?'}) {what} in the forward pass at step {r0.step}"
                    f"{' (' + c.autocast + ' autocast)' if c and c.autocast else ''}; everything after it only "
                    "passed the non-finite values on.")
