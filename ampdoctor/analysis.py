@@ -184,7 +184,9 @@ def merge_replay(rep: Report, watch) -> Report:
     top = next((f for f in rep.findings if f.severity == "error"), None)
     by_step = {r.step: r.capture for r in watch.steps if r.capture}
     cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
-    if cap is None or not any(f.rule in ("overflow", "nan_origin") or f.severity == "error" for f in rep.findings):
+    if cap is None or not any(f.severity in ("error", "warning") for f in rep.findings):
+        # nothing wrong by the watch's own records (e.g. GradScaler's normal backoff): a replay could only add
+        # advisory constants to a healthy run
         return rep
     try:
         from .replay import replay
@@ -204,10 +206,11 @@ def merge_replay(rep: Report, watch) -> Report:
     refined: set[int] = set()
     ops = (rr.data.get("replay") or {}).get("ops") or []
     for i, g in enumerate(findings):  # the op inside each module-level producer, from the replay's op events
-        if g.rule not in ("overflow", "nan_origin") or g.severity == "info" or g.module is None:
+        unlocated = bool(g.evidence.get("unlocated"))
+        if g.rule not in ("overflow", "nan_origin") or g.severity == "info" or (g.module is None and not unlocated):
             continue
-        ev = next((o for o in ops if o.get("phase") == g.phase and o.get("kind") in ("overflow", "nan_origin")
-                   and o.get("module") is not None and (o["module"] == g.module or
+        ev = next((o for o in ops if (o.get("phase") == g.phase or unlocated) and o.get("kind") in ("overflow", "nan_origin")
+                   and o.get("module") is not None and (unlocated or o["module"] == g.module or
                                                         o["module"].startswith(g.module + ".") or not g.module)),
                   None)
         if ev is None:
@@ -219,7 +222,8 @@ def merge_replay(rep: Report, watch) -> Report:
         twin = next((f for f in rr.findings if f.module == ev["module"] and f.op == ev.get("op")
                      and f.phase == g.phase and f.rule == rule), None)
         msg = twin.message if twin else f"{ev.get('op')} in `{ev['module']}` {what} ({ev.get('line')})."
-        findings[i] = Finding(rule, g.severity, g.phase, ev["module"], ev.get("op"), g.step, msg,
+        evd.pop("unlocated", None)
+        findings[i] = Finding(rule, g.severity, ev.get("phase") or g.phase, ev["module"], ev.get("op"), g.step, msg,
                               twin.fix if twin else g.fix, evd)
         refined.add(id(findings[i]))
     fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)

@@ -207,6 +207,7 @@ class StepRecord:
     found_inf: bool | None = None
     skipped: bool = False
     grad_finite: bool | None = None
+    output_finite: bool | None = None
     grad_norm: float | None = None
     micro_batches: int = 0
     autocast: str | None = None
@@ -220,7 +221,7 @@ class StepRecord:
 
     @property
     def bad(self) -> bool:
-        return bool(self.skipped or self.loss_finite is False or self.grad_finite is False
+        return bool(self.skipped or self.loss_finite is False or self.grad_finite is False or self.output_finite is False
                     or self.forward_producer or self.backward_producer or self.exception)
 
     def to_dict(self) -> dict:

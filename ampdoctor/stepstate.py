@@ -57,6 +57,9 @@ class _Step:
     upd: list = field(default_factory=list)
     batch: object = None
     rng: object = None
+    batches: list = field(default_factory=list)
+    out_ok: list = field(default_factory=list)
+    output_finite: bool | None = None
     autocast: str | None = None
     micro: int = 0
     exception: dict | None = None
@@ -201,6 +204,8 @@ class StepMachine(MonitorCallbacks):
                 st.micro += 1
                 st.batch = (args, kwargs)
                 st.rng = rng_state()
+                st.batches.append((args, kwargs, st.rng))
+                del st.batches[:-8]  # the last few micro-batches (accumulation, or a loop that skips bad ones)
                 st.autocast = autocast_str()
         if not st.sampled or len(st.calls) >= self.cfg.max_module_calls:
             st.stack.append(None)
@@ -268,6 +273,11 @@ class StepMachine(MonitorCallbacks):
             loss = loss_of(output)
             if loss is not None and self.w.scaler is None:
                 st.losses.append(loss)
+            # every step: is the model's output finite? (one reduction, read with the step's other values)
+            outs = [t for t in flatten_tensors(output, [])[:4] if is_measurable(t) and t.numel()]
+            if outs:
+                ok = torch.stack([torch.isfinite(t).all() for t in outs]).all()
+                st.out_ok.append((ok, len(st.batches) - 1))
         if c is None or exc is not None:
             return
         for t in flatten_tensors(output, []):

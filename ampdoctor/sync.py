@@ -72,6 +72,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         parts.append(("loss", torch.stack([x.to(torch.float64) for x in st.losses])))
     if st.scale_t is not None:
         parts.append(("scale", st.scale_t))
+    if st.out_ok:
+        parts.append(("out_ok", torch.stack([ok.to(torch.float64) for ok, _ in st.out_ok])))
     if st.found_inf_t is not None and isinstance(st.found_inf_t, torch.Tensor):
         parts.append(("found_inf", st.found_inf_t))
     via_scaler = st.in_scaler_step > 0
@@ -166,7 +168,15 @@ def resolve(m) -> None:
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
-    bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None
+    out_ok = host.get("out_ok", [])
+    st.output_finite = all(v == 1.0 for v in out_ok) if out_ok else None
+    if st.output_finite is False:  # capture the first micro-batch whose output went non-finite
+        k = st.out_ok[out_ok.index(0.0)][1]
+        if 0 <= k < len(st.batches):
+            a, kw, rng = st.batches[k]
+            st.batch, st.rng = (a, kw), rng
+    st.out_ok = []
+    bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
     if bad_fwd or bad_bwd:
         if not st.sampled:
@@ -309,7 +319,7 @@ def finalize(m) -> None:
                      skipped=bool(found_inf and found_inf > 0), grad_finite=s["grad_finite"], grad_norm=gnorm,
                      micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
-                     exception=st.exception, capture=st.capture)
+                     exception=st.exception, capture=st.capture, output_finite=st.output_finite)
     if s.get("grads_scaled"):
         rec.events and rec.events[-1].detail.setdefault("grads_scaled", True)
     for sink in m.sinks:  # sinks see the full record; storage keeps a slim one for routine steps

@@ -283,3 +283,25 @@ def test_adam_eps_vanishes_on_fp16_parameters():
     rep = w.report()
     assert (rep.findings[0].rule, rep.findings[0].module) == ("eps_underflow", "")
     assert rep.findings[0].evidence["eps"] == 1e-8
+
+
+def test_transient_overflow_on_an_unsampled_step_is_located_by_replay():
+    """Default sampling, no scaler, a loop that skips a non-finite batch: the output check catches step 7,
+    its micro-batch is captured, and w.report() replays it to name the layer and op."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    with ampdoctor.watch(m, opt) as w:
+        for i in range(10):
+            opt.zero_grad()
+            x = torch.randn(4, 8) * (1e5 if i == 7 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            if not torch.isfinite(loss):
+                continue
+            loss.backward()
+            opt.step()
+    rep = w.report()
+    f = rep.findings[0]
+    assert (f.rule, f.module, f.step) == ("overflow", "0", 7), [g.one_line() for g in rep.findings]
+    assert f.op is not None

@@ -115,7 +115,27 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    "in fp32:\n" + AUTOCAST_OFF.format(m=module or "the model"))
         out.append(Finding(rule, sev, phase, module, None, r0.step, msg, fix, ev))
     out.extend(_outside_model(run))
+    if not groups and not out:
+        out.extend(_unlocated(run))
     return out
+
+
+def _unlocated(run: RunData) -> list[Finding]:
+    """A step whose loss (or, without a scaler, whose gradients) went non-finite on a step without per-layer
+    statistics: say so, so that the step's capture is replayed to locate the op."""
+    for r in run.steps:
+        if r.loss_finite is False or r.output_finite is False or (not run.has_scaler and r.grad_finite is False):
+            inf = r.loss is not None and math.isinf(r.loss)
+            where = ("loss" if r.loss_finite is False else "model's output" if r.output_finite is False
+                     else "gradients")
+            return [Finding(
+                "overflow" if inf else "nan_origin", "error", "backward" if where == "gradients" else "forward", None,
+                None, r.step, f"The {where} became non-finite at step {r.step}, a step without per-layer statistics; "
+                "replay its capture (`ampdoctor replay`) or watch with every=1 to name the layer.",
+                "Run `w.report()` in the training process (it replays the capture), or `ampdoctor replay "
+                "RUN_DIR/captures/<step> --model pkg.mod:factory`.",
+                {"loss": r.loss, "capture": r.capture, "unlocated": True, "rank_hint": 11})]
+    return []
 
 
 def _outside_model(run: RunData) -> list[Finding]:
