@@ -47,8 +47,11 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
           "timeline": [[r.step, r.scale, bool(r.skipped)] for r in steps][:400]}
     collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
     if collapse:
-        cause = next((r for r in steps if r.skipped and (r.forward_producer or r.backward_producer
-                                                         or r.loss_finite is False)), None)
+        # the persistent cause: a forward producer first, then NaN made in backward, then any producer
+        cause = (next((r for r in steps if r.skipped and r.forward_producer), None)
+                 or next((r for r in steps if r.skipped and r.backward_producer
+                          and r.backward_producer.kind == "nan"), None)
+                 or next((r for r in steps if r.skipped and (r.backward_producer or r.loss_finite is False)), None))
         why = ""
         cause_module = None
         if cause is not None:
