@@ -10,13 +10,19 @@ from ..findings import Finding
 from ..records import DTYPE_LIMITS, ModuleCall, StepRecord
 from . import RuleConfig, RunData, register
 
-AUTOCAST_OFF = ("with torch.autocast(device_type=\"cuda\", enabled=False):  # or \"cpu\"\n"
+AUTOCAST_OFF = ("with torch.autocast(device_type=\"{dev}\", enabled=False):\n"
                 "    out = module(x.float())   # run {m} in fp32")
 
 
 # modules whose output is a sum of products: NaN from finite inputs there means partial sums overflowed
 _ACCUMULATING = {"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
                  "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear"}
+
+
+def _dev(run: RunData) -> str:
+    """The autocast device of the run ("cuda" unless it ran on the CPU)."""
+    ac = next((r.autocast for r in run.steps if r.autocast), None)
+    return ac.split(":")[0] if ac else ("cpu" if (run.meta.env or {}).get("device", "cpu") == "cpu" else "cuda")
 
 
 def _call(rec: StepRecord, module: str, call: int) -> ModuleCall | None:
@@ -103,7 +109,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    f"{' (' + c.autocast + ' autocast)' if c and c.autocast else ''}; everything after it only "
                    "passed the non-finite values on.")
             fix = ("Keep this module in fp32 or rescale before the operation that overflows, e.g.\n"
-                   + AUTOCAST_OFF.format(m=module or "the model") +
+                   + AUTOCAST_OFF.format(m=module or "the model", dev=_dev(run)) +
                    "\nRun `ampdoctor replay` on the capture to see the exact op. bf16 has fp32's range.")
         else:
             what = "turned a finite incoming gradient into ±inf" if kind == "inf" else \
@@ -112,7 +118,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    f"{', on every step' if len(steps) > 2 else ''}; the forward was finite.")
             fix = ("Find the op whose derivative is unbounded here (log/log1p/sqrt/div/pow near 0, norms of tiny "
                    "vectors) and guard it with an epsilon representable in the working dtype, or run the module "
-                   "in fp32:\n" + AUTOCAST_OFF.format(m=module or "the model"))
+                   "in fp32:\n" + AUTOCAST_OFF.format(m=module or "the model", dev=_dev(run)))
         out.append(Finding(rule, sev, phase, module, None, r0.step, msg, fix, ev))
     out.extend(_outside_model(run))
     if not groups and not out:
@@ -173,7 +179,7 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     f"`{c.module}` ({c.type}) output reached {o.absmax:.4g}, {head:.2f} bits below the "
                     f"{o.ref} maximum ({mx:g}); a slightly larger input will overflow to inf.",
                     "Rescale (e.g. scale q before q@kᵀ, clamp, or normalise earlier) or keep this module in fp32:\n"
-                    + AUTOCAST_OFF.format(m=c.module),
+                    + AUTOCAST_OFF.format(m=c.module, dev=_dev(run)),
                     {"absmax_out": o.absmax, "headroom_bits": head, "near_max": o.near_max,
                      "overflow_as_ref": o.overflow_as_ref, "ref": o.ref, "rank_hint": 30})
     return list(seen.values())
@@ -282,7 +288,7 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 f"up to {c.inp.absmax:.4g}: an intermediate overflowed in fp16 (e.g. x² > 65504 in a variance, "
                 "then x * rsqrt(inf) = 0) and was silently flushed to zero.",
                 "Compute the statistics in fp32 (`x.float().pow(2).mean(...)`, as HF's RMSNorm/T5LayerNorm do) or "
-                "keep the norm in fp32:\n" + AUTOCAST_OFF.format(m=c.module),
+                "keep the norm in fp32:\n" + AUTOCAST_OFF.format(m=c.module, dev=_dev(run)),
                 {"absmax_in": c.inp.absmax, "zeros_out": c.out.zeros, "numel_out": c.out.numel,
                  "zeros_in": c.inp.zeros, "rank_hint": 15})]
     return []
