@@ -225,7 +225,7 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    "`init_scale`, check for a collapsed scale, or switch to bf16.")
             if phase == "forward":
                 fix = "Rescale these activations or keep the module in fp32 / use bf16:\n" + AUTOCAST_OFF.format(
-                    m=c.module)
+                    m=c.module, dev=_dev(run))
             out.append(Finding(
                 "underflow", "error" if phase == "backward" else "warning", phase, c.module, None, r.step,
                 f"{share:.0%} of the nonzero {'gradients flowing into' if phase == 'backward' else 'outputs of'} "
