@@ -142,3 +142,11 @@ def test_healthy_records_give_nothing():
                                 ev("clip_grad_norm_", i, 2, stage="UNSCALED", scaled=False),
                                 ev("step", i, 3, stage="UNSCALED"), ev("update", i, 4)]) for i in range(5)]
     assert build_report(meta(), steps).findings == []
+
+
+def test_forward_underflow_is_a_warning_with_a_runnable_fix():
+    tiny = ModuleCall("scale_down", "Linear", 0, 0, 1, inp=ts(), out=ts(subnormal=80), autocast="cpu:float16")
+    rep = build_report(meta(), [StepRecord(0, sampled=True, autocast="cpu:float16", modules=[tiny])])
+    f = rep.findings[0]
+    assert (f.rule, f.severity, f.phase, f.module) == ("underflow", "warning", "forward", "scale_down")
+    assert 'device_type="cpu"' in f.fix
