@@ -136,3 +136,32 @@ def combine(stats: list[TensorStats]) -> TensorStats | None:
 def _rank(ref: str) -> int:
     # the narrowest reference wins when mixing (its limits are the ones at risk)
     return {"float16": 3, "bfloat16": 2, "float32": 1, "float64": 0}.get(ref, 0)
+
+
+# CPU fast path: the same functions compiled by torch.compile (Inductor fuses each into one or two loops over the
+# tensor, ~5x faster than eager on CPU and bit-for-bit equal, see tests/test_stats.py). Compiling costs seconds
+# once per process (and per dtype pair), so a watch uses it only for dense sampling (every <= 10) on the CPU;
+# any failure falls back to the eager functions for good.
+_COMPILED: dict = {}
+
+
+def compiled(kind: str):
+    """The compiled `full_stats` / `light_stats`, or the eager one when compiling is not possible here."""
+    fn = _COMPILED.get(kind)
+    if fn is None:
+        eager = full_stats if kind == "full" else light_stats
+        try:
+            comp = torch.compile(eager, dynamic=True)
+        except Exception:
+            comp = None
+
+        def fn(x, ref, _comp=comp, _eager=eager):
+            if _COMPILED.get("broken") or _comp is None:
+                return _eager(x, ref)
+            try:
+                return _comp(x, ref)
+            except Exception:  # no C++ toolchain, an unsupported case: eager from now on
+                _COMPILED["broken"] = True
+                return _eager(x, ref)
+        _COMPILED[kind] = fn
+    return fn

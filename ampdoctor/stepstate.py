@@ -18,7 +18,7 @@ from . import fused
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
-from .stats import full_stats, is_measurable, light_stats, ref_dtype, thresholds
+from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
 from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, loss_of, rng_state,
                       tb_location, tb_module)
 
@@ -91,6 +91,8 @@ class StepMachine(MonitorCallbacks):
         self._captures = 0
         self._captured_kinds: set[str] = set()
         self._mod_handles: list = []
+        cs = self.cfg.compile_stats
+        self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
         self.param_info = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in self.params}
         self.param_modules: dict[str, int] = {}
@@ -310,6 +312,8 @@ class StepMachine(MonitorCallbacks):
                 buf = st.fbuf[t.device] = fused.StatBuffer(t.device)
             v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref)))
             light = False
+        elif self._compile_stats and t.device.type == "cpu":
+            v = compiled("light" if light else "full")(t, ref)
         else:
             v = light_stats(t, ref) if light else full_stats(t, ref)
         c.rows[slot].append((idx, dt_name(t.dtype), dt_name(ref)))

@@ -1,0 +1,28 @@
+"""Statistics of one tensor: hand-computed values, and the compiled CPU path equal to the eager reference."""
+import math
+
+import pytest
+import torch
+
+from ampdoctor.stats import compiled, full_stats, light_stats, vector_to_stats
+
+ADV = torch.tensor([0.0, -0.0, 1e-9, -3e-7, 6e-5, 3e4, -4e4, 7e4, 1e6, float("inf"), -float("inf"), float("nan"),
+                    65504.0, 65519.0, 65520.0, 2.0 ** -14, 2.0 ** -24])
+
+
+def test_hand_computed_fp32_as_fp16():
+    s = vector_to_stats(full_stats(ADV, torch.float16).tolist(), "float32", "float16")
+    assert (s.nan, s.posinf, s.neginf, s.zeros) == (1, 1, 1, 2)
+    assert s.absmax == 1e6 and math.isclose(s.min_nonzero, 1e-9, rel_tol=1e-6)
+    assert s.near_max == 6          # |x| >= 2^15: -4e4, 7e4, 1e6, 65504, 65519, 65520 (3e4 is below)
+    assert s.overflow_as_ref == 3   # >= 65520 rounds to inf in fp16: 7e4, 1e6, 65520
+    assert s.subnormal == 4         # 1e-9, 3e-7, 6e-5 (< 2^-14 = 6.1035e-5), 2^-24
+
+
+@pytest.mark.parametrize("x,ref", [(ADV, torch.float16), (ADV.half(), torch.float16), (ADV.bfloat16(), torch.bfloat16),
+                                   (ADV * 1e34, torch.bfloat16), (ADV, torch.float32), (torch.zeros(0), torch.float16),
+                                   (torch.randn(64, 64).t(), torch.float16), (torch.zeros(100), torch.float16)])
+def test_compiled_cpu_path_equals_eager(x, ref):
+    for kind, eager in (("full", full_stats), ("light", light_stats)):
+        got, want = compiled(kind)(x, ref), eager(x, ref)
+        assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0)), (kind, got, want)
