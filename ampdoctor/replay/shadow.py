@@ -19,7 +19,8 @@ __all__ = ["Recorder", "fp32_model", "rel_err", "run_dtype", "precision_suspects
 
 
 def _floats(tree) -> list[torch.Tensor]:
-    return [t.detach().float() for t in tree_flatten(tree)[0]
+    # a copy: a later in-place op (ReLU(inplace=True) after BatchNorm) must not change what was recorded
+    return [t.detach().to(torch.float32, copy=True) for t in tree_flatten(tree)[0]
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
 
 
