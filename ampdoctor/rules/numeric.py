@@ -170,8 +170,8 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
             if o is None or not o.finite or c.module in seen or c.module in bad_modules or o.ref == "float32":
                 continue
             mx = DTYPE_LIMITS.get(o.ref, DTYPE_LIMITS["float32"])[0]
-            if o.dtype == "float32" and o.absmax >= 1e30:
-                continue  # an fp32 mask constant, not an activation (mask rules handle those)
+            if o.dtype != o.ref and o.absmax >= 1e30:
+                continue  # an fp32 mask constant (finfo.min) among the outputs, not an activation
             head = math.log2(mx / o.absmax) if o.absmax > 0 else math.inf
             if head < cfg.near_max_bits or o.overflow_as_ref > 0:
                 seen[c.module] = Finding(
