@@ -1,0 +1,57 @@
+"""The data of one open step: each module call's queued statistic rows, and everything else the hooks and the
+monitor gather until the step's one transfer to the host (ampdoctor/sync.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["_Call", "_Step"]
+
+
+@dataclass
+class _Call:
+    module: str
+    type: str
+    call: int
+    seq: int
+    depth: int
+    parent: int | None
+    autocast: str | None
+    grad_enabled: bool
+    rows: dict = field(default_factory=lambda: {"inp": [], "par": [], "out": [], "gout": [], "gin": []})
+    bseq: int | None = None
+
+
+@dataclass
+class _Step:
+    step: int
+    sampled: bool
+    calls: list = field(default_factory=list)
+    vecs: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+    stack: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    scale_t: object = None
+    found_inf_t: object = None
+    grad_parts: object = None
+    param_names: list = field(default_factory=list)
+    upd: list = field(default_factory=list)
+    batch: object = None
+    rng: object = None
+    batches: list = field(default_factory=list)
+    out_ok: list = field(default_factory=list)
+    output_finite: bool | None = None
+    autocast: str | None = None
+    micro: int = 0
+    exception: dict | None = None
+    synced: dict | None = None
+    ended: bool = False
+    bseq: int = 0
+    in_scaler_step: int = 0
+    scaled_since_update: bool = False
+    capture: str | None = None
+    vec_order: dict = field(default_factory=dict)
+    seen: dict = field(default_factory=dict)
+    pending: object = None
+    fbuf: dict = field(default_factory=dict)
+    fused_amp: bool = False
