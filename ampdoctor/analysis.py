@@ -180,28 +180,35 @@ _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow")
 def merge_replay(rep: Report, watch) -> Report:
     """Re-run the first capture in-process with op-level instrumentation and fold its findings in: an op-level
     finding at the same module (or inside it) refines the module-level one (rule and op)."""
+    m = watch.machine
+    m.suspended = True  # the watch's own hooks must not record the replay's forward
+    try:
+        return merge_capture_replay(rep, watch.steps, watch.model)
+    finally:
+        m.suspended = False
+
+
+def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=None, *, strict: bool = False) -> Report:
+    """`merge_replay` for any model (e.g. `ampdoctor report RUN_DIR --model pkg.mod:factory`). With `strict`, a
+    replay that fails raises (BadInput); otherwise it only warns and the report stands as it was."""
     caps = rep.summary.get("captures") or []
     top = next((f for f in rep.findings if f.severity == "error"), None)
-    by_step = {r.step: r.capture for r in watch.steps if r.capture}
+    by_step = {r.step: r.capture for r in steps if r.capture}
     cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
     if cap is None or not any(f.severity in ("error", "warning") for f in rep.findings):
         # nothing wrong by the watch's own records (e.g. GradScaler's normal backoff): a replay could only add
         # advisory constants to a healthy run
         return rep
+    from .replay import replay
     try:
-        from .replay import replay
-    except ImportError:
-        return rep
-    m = watch.machine
-    m.suspended = True
-    try:
-        rr = replay(cap, model=watch.model, shadow=False, whatif=False, fix_search=False)
+        rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=False)
     except Exception as e:  # replay is a bonus here; the watch report stands on its own
+        if strict:
+            raise BadInput(f"replaying {cap} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+                from None
         warnings.warn(f"ampdoctor: in-process replay of {cap} failed ({type(e).__name__}: {e})", RuntimeWarning,
                       stacklevel=3)
         return rep
-    finally:
-        m.suspended = False
     findings = list(rep.findings)
     refined: set[int] = set()
     ops = (rr.data.get("replay") or {}).get("ops") or []
@@ -246,7 +253,7 @@ def merge_replay(rep: Report, watch) -> Report:
                                       f.fix, ev)
                 refined.add(id(findings[i]))
                 continue
-            bad_weights = {c.module for r in watch.steps for c in r.modules if c.par is not None and not c.par.finite}
+            bad_weights = {c.module for r in steps for c in r.modules if c.par is not None and not c.par.finite}
             if f.module is None or f.module in bad_weights or any(
                     g.rule in ("overflow", "nan_origin") and g.phase == f.phase for g in findings):
                 continue  # (non-finite weights from an earlier update are not produced by this op)

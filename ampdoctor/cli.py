@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--tensorboard", help="write TensorBoard scalars under DIR")
     r.add_argument("--rules", help="comma-separated rule ids to run (default: all)")
     r.add_argument("--no-html", action="store_true", help="do not write the HTML report")
+    r.add_argument("--model", help="pkg.module:factory: replay the run's capture with this model to name the op")
+    r.add_argument("--loss", help="pkg.module:fn, loss_fn(output, *args, **kwargs) -> scalar (with --model)")
     q = sub.add_parser("replay", help="re-run a capture with op-level instrumentation")
     q.add_argument("capture")
     q.add_argument("--model", help="pkg.module:factory that builds the model (when the capture has no HF config)")
@@ -54,6 +56,18 @@ def _resolve(spec: str, what: str):
     except (ImportError, AttributeError) as e:
         raise BadInput(f"cannot import {spec!r} for --{what}: {e}") from None
     return obj
+
+
+def _build(spec: str):
+    """--model pkg.mod:factory -> an nn.Module (the factory is called with no arguments)."""
+    import torch.nn as nn
+    model = _resolve(spec, "model")
+    if not isinstance(model, nn.Module) and callable(model):
+        try:
+            model = model()
+        except Exception as e:
+            raise BadInput(f"--model factory {spec} failed: {type(e).__name__}: {e}") from None
+    return model
 
 
 def _default_out(path: str) -> str:
@@ -89,6 +103,13 @@ def _cmd_report(args) -> int:
         report = build_report(meta, steps, run_dir=args.run_dir, config=cfg)
     else:
         report = diagnose_run_dir(args.run_dir)
+    if args.model:
+        from .analysis import merge_capture_replay
+        from .rundir import find_rank_dirs, read_run
+        model = _build(args.model)
+        loss = _resolve(args.loss, "loss") if args.loss else None
+        steps = [s for _, path in find_rank_dirs(args.run_dir) for s in read_run(path)[1]]
+        report = merge_capture_replay(report, steps, model, loss, strict=True)
     if args.tensorboard:
         from .report.tensorboard import write_tensorboard
         from .rundir import find_rank_dirs, read_run
@@ -105,12 +126,7 @@ def _cmd_replay(args) -> int:
     from .replay import replay
     if not os.path.exists(args.capture):
         raise BadInput(f"{args.capture}: no such capture")
-    model = _resolve(args.model, "model") if args.model else None
-    if model is not None and callable(model) and not hasattr(model, "state_dict"):
-        try:
-            model = model()
-        except Exception as e:
-            raise BadInput(f"--model factory {args.model} failed: {type(e).__name__}: {e}") from None
+    model = _build(args.model) if args.model else None
     loss = _resolve(args.loss, "loss") if args.loss else None
     kw = dict(shadow=False, whatif=False, fix_search=False) if args.quick else {}
     report = replay(args.capture, model=model, loss_fn=loss, progress=lambda s: print(s, file=sys.stderr), **kw)

@@ -109,3 +109,32 @@ def test_doctor_and_help(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     assert cli("doctor", "--deepspeed", tmp_path / "bad.json").returncode == 2
     assert cli("--help").returncode == 0
+
+
+def test_report_with_model_replays_the_capture_to_name_the_op(tmp_path):
+    """A transient overflow on an unsampled step, no scaler: on disk the layer is unknown; with --model the
+    capture is replayed and the finding names the layer and the op."""
+    import ampdoctor
+    torch.manual_seed(0)
+    m = __import__("fixtures.models", fromlist=["mlp"]).mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    rd = tmp_path / "run"
+    with ampdoctor.watch(m, opt, run_dir=rd):
+        for i in range(6):
+            opt.zero_grad()
+            x = torch.randn(4, 8) * (1e5 if i == 4 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            if torch.isfinite(loss):
+                loss.backward()
+                opt.step()
+    p = cli("report", rd, "--json", tmp_path / "plain.json", "--no-html")
+    assert p.returncode == 1
+    assert json.loads((tmp_path / "plain.json").read_text())["findings"][0]["module"] is None
+    p = cli("report", rd, "--model", "fixtures.models:mlp", "--json", tmp_path / "r.json", "--no-html")
+    assert p.returncode == 1, p.stderr
+    f = json.loads((tmp_path / "r.json").read_text())["findings"][0]
+    assert (f["rule"], f["module"], f["step"]) == ("overflow", "0", 4) and f["op"]
+    p = cli("report", rd, "--model", "fixtures.models:t5_block", "--no-html")
+    assert p.returncode == 2 and ("does not match" in p.stderr or "replaying" in p.stderr), p.stderr
+    assert p.stderr.strip().count("\n") == 0
