@@ -161,5 +161,5 @@ class MonitorCallbacks:
 
     def _model_param_ids(self) -> set:
         if self._model_params is None:
-            self._model_params = {id(p) for p in self.w.model.parameters()}
+            self._model_params = {id(p) for _, p in self.params}  # the parameter list cached at watch start
         return self._model_params
