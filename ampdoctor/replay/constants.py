@@ -17,7 +17,7 @@ LOW_DTYPES = (torch.float16, torch.bfloat16)
 # Ops where a huge constant is a mask/fill value (a huge constant in mul/div is judged by the op's output).
 MASK_OPS = {"masked_fill", "masked_fill_", "fill", "fill_", "full", "full_like", "new_full", "scalar_tensor",
             "where", "add", "add_", "sub", "sub_", "rsub", "clamp", "clamp_", "clamp_min", "clamp_max",
-            "index_fill", "index_fill_", "constant_pad_nd", "fill_diagonal_"}
+            "index_fill", "index_fill_", "constant_pad_nd", "fill_diagonal_", "mul", "mul_"}
 # Ops where a tiny constant is an epsilon guard (or 1 - eps a saturation guard).
 EPS_OPS = {"clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "add", "add_", "sub", "sub_",
            "rsub", "where", "masked_fill", "masked_fill_", "full", "fill", "fill_", "scalar_tensor", "full_like"}
@@ -48,6 +48,9 @@ def _scalars(func, args, kwargs):
     out = []
     for i, a in enumerate(func._schema.arguments):
         v = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu" and v.is_floating_point() \
+                and v.dtype in (torch.float64, torch.float32):
+            v = float(v)  # a Python number reaches dispatch as a 0-dim CPU tensor (a "wrapped number")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or a.name == "alpha":
             continue
         t = str(a.type)
