@@ -305,3 +305,33 @@ def test_transient_overflow_on_an_unsampled_step_is_located_by_replay():
     f = rep.findings[0]
     assert (f.rule, f.module, f.step) == ("overflow", "0", 7), [g.one_line() for g in rep.findings]
     assert f.op is not None
+
+
+def test_fp32_min_mask_cast_to_fp16_is_named_as_mask_value_overflow():
+    """finfo(float32).min as an additive mask in an fp16 attention (applied twice): it silently becomes -inf,
+    a fully padded row turns softmax into NaN."""
+    import math
+
+    class Attn(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.qkv, self.d = nn.Linear(d, 3 * d), d
+
+        def forward(self, x, mask):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            s = q @ k.transpose(-1, -2) / math.sqrt(self.d)
+            add = (1 - mask[:, None, :].to(s.dtype)) * torch.finfo(torch.float32).min
+            return torch.softmax(s + add + add, -1) @ v
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.head = Attn(), nn.Linear(16, 1)
+
+        def forward(self, x, mask):
+            return self.head(self.attn(x, mask)).float().pow(2).mean()
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 16), torch.ones(2, 5)
+    mask[1] = 0
+    w = train(M(), lambda i: (x, mask), lambda out, *a: out, steps=3, opt="sgd")
+    top3(w, "mask_value_overflow", "attn")
