@@ -24,25 +24,30 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", parser_class=_Parser)
     r = sub.add_parser("report", help="diagnose a run directory written by ampdoctor.watch(run_dir=...)")
     r.add_argument("run_dir")
-    r.add_argument("--out", help="write index.html and plots under DIR (default reports/<name>/)")
-    r.add_argument("--json", help="write the report as JSON to FILE")
+    _model_args(r, "builds the model to replay the run's capture with, naming the op")
+    _output_args(r)
     r.add_argument("--tensorboard", help="write TensorBoard scalars under DIR")
     r.add_argument("--rules", help="comma-separated rule ids to run (default: all)")
-    r.add_argument("--no-html", action="store_true", help="do not write the HTML report")
-    r.add_argument("--model", help="pkg.module:factory: replay the run's capture with this model to name the op")
-    r.add_argument("--loss", help="pkg.module:fn, loss_fn(output, *args, **kwargs) -> scalar (with --model)")
     q = sub.add_parser("replay", help="re-run a capture with op-level instrumentation")
     q.add_argument("capture")
-    q.add_argument("--model", help="pkg.module:factory that builds the model (when the capture has no HF config)")
-    q.add_argument("--loss", help="pkg.module:fn, loss_fn(output, *args, **kwargs) -> scalar")
-    q.add_argument("--out", help="write index.html and plots under DIR (default reports/<name>/)")
-    q.add_argument("--json", help="write the report as JSON to FILE")
-    q.add_argument("--no-html", action="store_true")
+    _model_args(q, "builds the model (when the capture has no Hugging Face config)")
+    _output_args(q)
     q.add_argument("--quick", action="store_true", help="op-level origin only (no shadow, what-if, fix search)")
     d = sub.add_parser("doctor", help="check the environment (GPU, TF32, bf16) and optionally a DeepSpeed config")
     d.add_argument("--deepspeed", help="a DeepSpeed JSON config whose fp16/bf16 block to check")
     d.add_argument("--json", help="write the findings as JSON to FILE")
     return p
+
+
+def _model_args(p: argparse.ArgumentParser, model_help: str) -> None:
+    p.add_argument("--model", help=f"pkg.module:factory that {model_help}")
+    p.add_argument("--loss", help="pkg.module:fn, loss_fn(output, *args, **kwargs) -> scalar")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", help="write index.html and plots under DIR (default reports/<name>/)")
+    p.add_argument("--json", help="write the report as JSON to FILE")
+    p.add_argument("--no-html", action="store_true", help="do not write the HTML report")
 
 
 def _resolve(spec: str, what: str):

@@ -28,7 +28,6 @@ def collect_env(device: torch.device | str | None = None) -> dict:
         env["device"] = torch.cuda.get_device_name(idx)
         env["compute_capability"] = list(torch.cuda.get_device_capability(idx))
         env["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
-    env["deprecated_amp"] = deprecated_amp_in_use()
     return env
 
 

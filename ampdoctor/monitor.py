@@ -148,7 +148,7 @@ class ClipPatch:
                     continue
                 orig = originals.setdefault(name, getattr(fn, "__wrapped_by_ampdoctor__", fn))
                 cls._saved.append((mod, name, fn))
-                setattr(mod, name, cls._wrapper(name.rstrip("_") + ("_" if name.endswith("_") else ""), orig))
+                setattr(mod, name, cls._wrapper(name, orig))
 
     @classmethod
     def _wrapper(cls, kind: str, orig: Callable) -> Callable:

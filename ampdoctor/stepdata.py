@@ -36,9 +36,9 @@ class _Step:
     grad_parts: object = None
     param_names: list = field(default_factory=list)
     upd: list = field(default_factory=list)
-    batch: object = None
-    rng: object = None
-    batches: list = field(default_factory=list)
+    batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
+    bad_batch: int = -1                                # index into batches of the first non-finite output
+    pw_index: list = field(default_factory=list)       # params whose weights were checked at presync
     out_ok: list = field(default_factory=list)
     output_finite: bool | None = None
     autocast: str | None = None

@@ -18,6 +18,7 @@ from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
 from .stepdata import _Call, _Step
+from .sync import finalize, presync, update_check_post, update_check_pre
 from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
 from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, loss_of, rng_state,
                       tb_location, tb_module)
@@ -49,7 +50,8 @@ class StepMachine(MonitorCallbacks):
             mod = n.rpartition(".")[0]
             self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
         self._detailed: list = []      # sampled records whose module details are kept in memory
-        self._last_seq: tuple = ()     # the last routine call sequence (see sync._store)
+        self._last_seq: tuple = ()     # the last routine call sequence (see storage.store)
+        self._routine_count = 0        # routine steps stored so far (see storage.store)
         self._skip_streak = 0
         self._disabled = False
         self.suspended = False
@@ -153,9 +155,7 @@ class StepMachine(MonitorCallbacks):
             st = self.st
             if torch.is_grad_enabled():
                 st.micro += 1
-                st.batch = (args, kwargs)
-                st.rng = rng_state()
-                st.batches.append((args, kwargs, st.rng))
+                st.batches.append((args, kwargs, rng_state()))
                 del st.batches[:-8]  # the last few micro-batches (accumulation, or a loop that skips bad ones)
                 st.autocast = autocast_str()
         if not st.sampled or len(st.calls) >= self.cfg.max_module_calls:
@@ -292,19 +292,15 @@ class StepMachine(MonitorCallbacks):
 
     # -- the one transfer per step ---------------------------------------------------------------------
     def _presync(self, opt, grads_scaled: bool = False) -> None:
-        from .sync import presync
         presync(self, opt, grads_scaled)
 
     def _update_check_pre(self, opt) -> None:
-        from .sync import update_check_pre
         update_check_pre(self, opt)
 
     def _update_check_post(self, opt) -> None:
-        from .sync import update_check_post
         update_check_post(self, opt)
 
     def finalize(self) -> None:
-        from .sync import finalize
         try:
             finalize(self)
         except Exception as e:

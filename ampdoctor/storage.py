@@ -27,7 +27,8 @@ def store(m, rec: StepRecord) -> None:
     routine = _routine(m, rec)
     if routine:
         rec.events = []
-    n = m._routine_count = getattr(m, "_routine_count", 0) + routine
+    m._routine_count += routine
+    n = m._routine_count
     stride = 1 if n < 10_000 else 10 if n < 100_000 else 100
     if m.writer is not None and (not routine or n % stride == 0):
         m.writer.append(rec)

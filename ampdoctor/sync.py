@@ -63,6 +63,23 @@ def _model_grads(m):
     return names, grads
 
 
+def _norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
+    """Per-tensor norms (inf: abs-max, NaN-propagating) as one float64 vector on the first tensor's device:
+    one multi-tensor kernel per (device, dtype) group; low-precision tensors' L2 norms are taken in fp32."""
+    by: dict = {}
+    for i, t in enumerate(tensors):
+        by.setdefault((t.device, t.dtype), []).append(i)
+    out: list = [None] * len(tensors)
+    for idx in by.values():
+        ts = [tensors[i] for i in idx]
+        if ord != math.inf:
+            ts = [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in ts]
+        for i, v in zip(idx, torch._foreach_norm(ts, ord)):
+            out[i] = v
+    dev = tensors[0].device
+    return torch.stack([v.to(dev, torch.float64) for v in out])
+
+
 def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
     if st.synced is not None or st.pending is not None:
@@ -80,38 +97,15 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     need_grad_check = st.sampled or m.w.scaler is None or not via_scaler
     names, grads = _model_grads(m) if need_grad_check else ([], [])
     st.param_names = names
-    if grads and need_grad_check:
-        by_dt: dict = {}
-        for i, g in enumerate(grads):
-            by_dt.setdefault((g.device, g.dtype), []).append(i)
-        amax = [None] * len(grads)
-        l2 = [None] * len(grads)
-        for idx in by_dt.values():
-            gs = [grads[i] for i in idx]
-            for i, v in zip(idx, torch._foreach_norm(gs, math.inf)):
-                amax[i] = v
-            if st.sampled:
-                for i, v in zip(idx, torch._foreach_norm([g.float() if g.dtype in (torch.float16, torch.bfloat16)
-                                                          else g for g in gs], 2)):
-                    l2[i] = v
-        # all per-param values on the first grad's device, one row each
-        dev = grads[0].device
-        parts.append(("g_amax", torch.stack([a.to(dev, torch.float64) for a in amax])))
+    if grads:
+        parts.append(("g_amax", _norms(grads, math.inf)))
         if st.sampled:
-            parts.append(("g_l2", torch.stack([a.to(dev, torch.float64) for a in l2])))
-    if st.sampled and m.params:  # are the weights themselves finite? (one multi-tensor kernel per dtype)
-        groups: dict = {}
-        for i, (_, p) in enumerate(m.params):
-            if p.is_floating_point() and p.layout == torch.strided and p.numel():
-                groups.setdefault((p.device, p.dtype), []).append(i)
-        pw = [None] * len(m.params)
-        for idx in groups.values():
-            for i, v in zip(idx, torch._foreach_norm([m.params[i][1].detach() for i in idx], math.inf)):
-                pw[i] = v
-        st.pw_index = [i for i, v in enumerate(pw) if v is not None]
+            parts.append(("g_l2", _norms(grads, 2)))
+    if st.sampled and m.params:  # are the weights themselves finite?
+        st.pw_index = [i for i, (_, p) in enumerate(m.params)
+                       if p.is_floating_point() and p.layout == torch.strided and p.numel()]
         if st.pw_index:
-            dev = pw[st.pw_index[0]].device
-            parts.append(("w_amax", torch.stack([pw[i].to(dev, torch.float64) for i in st.pw_index])))
+            parts.append(("w_amax", _norms([m.params[i][1].detach() for i in st.pw_index], math.inf)))
     for j, ev in enumerate(st.events):
         t = ev.detail.get("norm_t")
         if isinstance(t, torch.Tensor):
@@ -127,7 +121,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         for dev, idx in by_dev.items():
             parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
         st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
-    asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda" and not st.upd
+    asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
     st.pending = (_Pending(parts, asynchronous), via_scaler, grads_scaled)
     if not asynchronous:
         resolve(m)
@@ -162,7 +156,7 @@ def resolve(m) -> None:
     losses = host.get("loss", [])
     grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
     w_bad = {}
-    for i, v in zip(getattr(st, "pw_index", []), host.get("w_amax", [])):
+    for i, v in zip(st.pw_index, host.get("w_amax", [])):
         if not math.isfinite(v):
             w_bad[m.params[i][0].rpartition(".")[0]] = "nan" if v != v else "inf"
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
@@ -171,10 +165,7 @@ def resolve(m) -> None:
     out_ok = host.get("out_ok", [])
     st.output_finite = all(v == 1.0 for v in out_ok) if out_ok else None
     if st.output_finite is False:  # capture the first micro-batch whose output went non-finite
-        k = st.out_ok[out_ok.index(0.0)][1]
-        if 0 <= k < len(st.batches):
-            a, kw, rng = st.batches[k]
-            st.batch, st.rng = (a, kw), rng
+        st.bad_batch = st.out_ok[out_ok.index(0.0)][1]
     st.out_ok = []
     bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
@@ -195,7 +186,7 @@ def resolve(m) -> None:
 
 def _maybe_capture(m, st) -> None:
     w = m.w
-    if not (m.cfg.capture and m._captures < m.cfg.max_captures and st.batch is not None):
+    if not (m.cfg.capture and m._captures < m.cfg.max_captures and st.batches):
         return
     m._captures += 1
     try:
@@ -206,10 +197,11 @@ def _maybe_capture(m, st) -> None:
                                              (w.meta.world_size or 1) > 1 else []), "captures", str(st.step))
         else:  # no run directory: a temporary capture, so that w.report() can still replay it
             path = os.path.join(_tmp_root(), f"{id(w):x}-{st.step}")
-        args, kwargs = st.batch
+        k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else -1  # else the last micro-batch
+        args, kwargs, rng = st.batches[k]
         m.suspended = True
         try:
-            st.capture = write_capture(path, w.model, args, kwargs, rng=st.rng, autocast=st.autocast,
+            st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
                                        step=st.step)
         finally:

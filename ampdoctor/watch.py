@@ -129,13 +129,10 @@ class Watch:
         from .analysis import build_report
         self.machine.finish_open_step()
         rep = build_report(self.meta, list(self.machine.records), run_dir=self.run_dir)
-        if replay and not self._closed_model_gone():
+        if replay:
             from .analysis import merge_replay
             rep = merge_replay(rep, self)
         return rep
-
-    def _closed_model_gone(self) -> bool:
-        return self.model is None
 
     # -- for trainer integrations --------------------------------------------------------------------
     def begin_iteration(self) -> None:
