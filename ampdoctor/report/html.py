@@ -144,7 +144,7 @@ def _replay(rp: dict) -> dict | None:
         if w.get("max_rel_err") is not None:
             err += f" ({fmt_num(w['max_rel_err'])})"
         whatif.append({"dtype": dt, "finite": bool(w.get("finite")), "max_err": w.get("error") or err,
-                       "overflow": ", ".join(w.get("overflow_modules") or []) or "none"})
+                       "overflow": ", ".join(m or "(root)" for m in w.get("overflow_modules") or []) or "none"})
     fix = rp.get("fix") or {}
     return {"capture": rp.get("capture") or "", "chain": _chain(rp.get("chain") or []), "shadow": shadow, "whatif": whatif,
             "snippet": fix.get("snippet"), "fix_modules": ", ".join(fix.get("modules") or [])}
