@@ -2,12 +2,13 @@
 data panels the reporters draw; merge the ranks of a distributed run; fold in an in-process replay."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
 from .errors import BadInput
 from .findings import Finding, Report
-from .records import DTYPE_LIMITS, RunMeta, StepRecord
+from .records import DTYPE_LIMITS, ParamStat, RunMeta, StepRecord
 from .rules import RuleConfig, RunData, run_rules
 
 __all__ = ["build_report", "diagnose_run_dir", "merge_replay", "rank"]
@@ -124,12 +125,46 @@ def _diagnose(run_dir, ranks, read_run) -> Report:
     if len(ranks) == 1 and ranks[0][0] is None:
         meta, steps = read_run(ranks[0][1])
         return build_report(meta, steps, run_dir=run_dir)
-    reports = []
-    for r, path in ranks:
-        meta, steps = read_run(path)
-        rep = build_report(meta, steps, run_dir=path)
-        reports.append((r, rep, steps))
+    runs = [(r, path, *read_run(path)) for r, path in ranks]
+    _combine_shards([steps for _, _, _, steps in runs])
+    reports = [(r, build_report(meta, steps, run_dir=path), steps) for r, path, meta, steps in runs]
     return _merge_ranks(run_dir, reports)
+
+
+def _combine_shards(per_rank: list[list[StepRecord]]) -> None:
+    """FSDP2: each rank recorded its own shard of a sharded parameter's gradient (ParamStat.sharded). Where
+    every rank sampled the step, replace the shard values by the parameter's global ones (L2: root of the sum
+    of squares; abs-max: the largest, NaN first) on every rank's record, and the step's total norm with them.
+    A rank without a ParamStat for the parameter held an empty shard."""
+    by_step: dict[int, list[StepRecord]] = {}
+    for steps in per_rank:
+        for s in steps:
+            by_step.setdefault(s.step, []).append(s)
+    for step, recs in by_step.items():
+        if len(recs) != len(per_rank) or not all(s.sampled for s in recs):
+            continue
+        shards: dict[str, list[ParamStat]] = {}
+        for s in recs:
+            for p in s.params:
+                if p.sharded:
+                    shards.setdefault(p.name, []).append(p)
+        if not shards:
+            continue
+        for ps in shards.values():
+            l2 = [p.grad_norm for p in ps]
+            amax = [p.grad_absmax for p in ps if p.grad_absmax is not None]
+            g = math.sqrt(sum(v * v for v in l2)) if None not in l2 else None
+            a = next((v for v in amax if v != v), max(amax)) if amax else None
+            bad = max(p.grad_nonfinite for p in ps)
+            for p in ps:
+                p.grad_norm, p.grad_absmax, p.grad_nonfinite = g, a, bad
+            for s in recs:
+                if not any(p.name == ps[0].name for p in s.params):
+                    s.params.append(dataclasses.replace(ps[0]))
+        for s in recs:
+            norms = [p.grad_norm for p in s.params if p.grad_norm is not None]
+            if norms:
+                s.grad_norm = math.sqrt(sum(v * v for v in norms))
 
 
 def _merge_ranks(run_dir, reports) -> Report:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .monitor import scaler_stage
+from .sync import grads_after_unscale
+from .tensors import local
 
 __all__ = ["MonitorCallbacks"]
 
@@ -51,6 +53,8 @@ class MonitorCallbacks:
         sc = self.w.scaler
         if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
             st.scale_t = sc._scale.detach().clone()
+        if ev.kind == "unscale_" and opt is not None and self._owns(opt):
+            grads_after_unscale(self, opt)
         if ev.kind == "step":
             st.in_scaler_step -= 1
             try:
@@ -95,7 +99,7 @@ class MonitorCallbacks:
         if ev is None:
             return
         if isinstance(out, torch.Tensor) and out.numel() == 1:
-            ev.detail["norm_t"] = out.detach().double().reshape(())
+            ev.detail["norm_t"] = local(out.detach()).double().reshape(())  # FSDP2: a replicated DTensor
 
     def global_opt_pre(self, opt, args, kwargs):
         if self._disabled:

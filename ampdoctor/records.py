@@ -133,6 +133,7 @@ class ParamStat:
     weight_absmax: float | None = None
     update_sampled: int = 0
     update_rounded_away: int = 0
+    sharded: bool = False  # a DTensor (FSDP2): the gradient values are this rank's shard's (merged by diagnose)
 
     def to_dict(self) -> dict:
         return asdict(self)

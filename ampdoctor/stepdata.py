@@ -33,7 +33,7 @@ class _Step:
     events: list = field(default_factory=list)
     scale_t: object = None
     found_inf_t: object = None
-    grad_parts: object = None
+    grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (sync.grads_after_unscale)
     param_names: list = field(default_factory=list)
     upd: list = field(default_factory=list)
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches

@@ -20,8 +20,8 @@ from .records import CallEvent, StepRecord
 from .stepdata import _Call, _Step
 from .sync import finalize, presync, update_check_post, update_check_pre
 from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
-from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, loss_of, rng_state,
-                      tb_location, tb_module)
+from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
+                      module_type, rng_state, tb_location, tb_module)
 
 __all__ = ["StepMachine", "flatten_tensors"]
 
@@ -45,6 +45,7 @@ class StepMachine(MonitorCallbacks):
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
         self.param_info = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in self.params}
+        self.sharded = {n for n, p in self.params if is_sharded(p)}  # FSDP2: norms are per-shard until merged
         self.param_modules: dict[str, int] = {}
         for n, p in self.params:
             mod = n.rpartition(".")[0]
@@ -166,7 +167,7 @@ class StepMachine(MonitorCallbacks):
         st.counts[name] = n + 1
         parent = next((c.seq for c in reversed(st.stack) if c is not None), None)
         grad = torch.is_grad_enabled()
-        c = _Call(module=name, type=type(module).__name__, call=n, seq=len(st.calls), depth=len(st.stack),
+        c = _Call(module=name, type=module_type(type(module)), call=n, seq=len(st.calls), depth=len(st.stack),
                   parent=parent, autocast=autocast_str(), grad_enabled=grad)
         st.calls.append(c)
         st.stack.append(c)
@@ -227,7 +228,10 @@ class StepMachine(MonitorCallbacks):
             # every step: is the model's output finite? (one reduction, read with the step's other values)
             outs = [t for t in flatten_tensors(output, [])[:4] if is_measurable(t) and t.numel()]
             if outs:
-                ok = torch.stack([torch.isfinite(t).all() for t in outs]).all()
+                # a sum is non-finite when any value is (inf - inf = NaN); in a wider dtype it cannot overflow,
+                # and unlike isfinite(t).all() it allocates nothing the size of the output (e.g. the logits)
+                ok = torch.isfinite(torch.stack([t.sum(dtype=torch.float32 if t.dtype == torch.float16
+                                                         else torch.float64) for t in outs])).all()
                 st.out_ok.append((ok, len(st.batches) - 1))
         if c is None or exc is not None:
             return

@@ -14,9 +14,10 @@ import torch
 from .producers import backward_producer, forward_producer
 from .records import ModuleCall, ParamStat, StepRecord, TensorStats
 from .storage import store
+from .tensors import local
 from .stats import NSTAT, combine, vector_to_stats
 
-__all__ = ["presync", "finalize", "update_check_pre", "update_check_post"]
+__all__ = ["presync", "finalize", "update_check_pre", "update_check_post", "grads_after_unscale"]
 
 
 class _Pending:
@@ -55,11 +56,14 @@ class _Pending:
 
 
 def _model_grads(m):
+    """The parameters' gradients as this rank holds them (a DTensor's local shard; see tensors.local)."""
     names, grads = [], []
     for n, p in m.params:
         if p.grad is not None and p.grad.layout == torch.strided and p.grad.is_floating_point():
-            names.append(n)
-            grads.append(p.grad.detach())
+            g = local(p.grad.detach())
+            if g.numel():
+                names.append(n)
+                grads.append(g)
     return names, grads
 
 
@@ -80,6 +84,22 @@ def _norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
     return torch.stack([v.to(dev, torch.float64) for v in out])
 
 
+def grads_after_unscale(m, opt) -> None:
+    """On a sampled step, queue the gradients' norms right after `scaler.unscale_(opt)`: what the model
+    produced, before clipping rescales it (read at presync with everything else). Only when `opt` holds every
+    gradient of the model; otherwise presync measures them before the optimizer step."""
+    st = m.st
+    if not st.sampled or st.grad_parts is not None:
+        return
+    names, grads = _model_grads(m)
+    if not grads:
+        return
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    if any(id(p) not in held for n, p in m.params if p.grad is not None):
+        return
+    st.grad_parts = (names, _norms(grads, math.inf), _norms(grads, 2))
+
+
 def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
     if st.synced is not None or st.pending is not None:
@@ -95,17 +115,21 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         parts.append(("found_inf", st.found_inf_t))
     via_scaler = st.in_scaler_step > 0
     need_grad_check = st.sampled or m.w.scaler is None or not via_scaler
-    names, grads = _model_grads(m) if need_grad_check else ([], [])
-    st.param_names = names
-    if grads:
-        parts.append(("g_amax", _norms(grads, math.inf)))
-        if st.sampled:
-            parts.append(("g_l2", _norms(grads, 2)))
+    if st.grad_parts is not None:  # measured right after unscale_ (already unscaled)
+        st.param_names, amax, l2 = st.grad_parts
+        parts += [("g_amax", amax), ("g_l2", l2)]
+    else:
+        names, grads = _model_grads(m) if need_grad_check else ([], [])
+        st.param_names = names
+        if grads:
+            parts.append(("g_amax", _norms(grads, math.inf)))
+            if st.sampled:
+                parts.append(("g_l2", _norms(grads, 2)))
     if st.sampled and m.params:  # are the weights themselves finite?
         st.pw_index = [i for i, (_, p) in enumerate(m.params)
-                       if p.is_floating_point() and p.layout == torch.strided and p.numel()]
+                       if p.is_floating_point() and p.layout == torch.strided and local(p).numel()]
         if st.pw_index:
-            parts.append(("w_amax", _norms([m.params[i][1].detach() for i in st.pw_index], math.inf)))
+            parts.append(("w_amax", _norms([local(m.params[i][1].detach()) for i in st.pw_index], math.inf)))
     for j, ev in enumerate(st.events):
         t = ev.detail.get("norm_t")
         if isinstance(t, torch.Tensor):
@@ -150,7 +174,7 @@ def resolve(m) -> None:
     found_inf = host.get("found_inf", [None])[0]
     if via_scaler and not st.fused_amp:
         found_inf = 0.0  # GradScaler only calls a plain optimizer's step when no inf was found
-    div = scale if (grads_scaled and scale) else 1.0
+    div = scale if (grads_scaled and scale and st.grad_parts is None) else 1.0
     g_amax = [v / div for v in host.get("g_amax", [])]
     g_l2 = [v / div for v in host.get("g_l2", [])]
     losses = host.get("loss", [])
@@ -189,6 +213,13 @@ def _maybe_capture(m, st) -> None:
     if not (m.cfg.capture and m._captures < m.cfg.max_captures and st.batches):
         return
     m._captures += 1
+    if m.sharded:  # a collective from one rank (to gather the weights) would hang the others
+        import warnings
+        warnings.warn(f"ampdoctor: step {st.step} went bad, but the model's parameters are sharded (FSDP2/"
+                      "DTensor), so no capture was written: a capture holds the whole model. To replay it, load a "
+                      "full checkpoint into an unsharded model and call ampdoctor.save_batch.",
+                      RuntimeWarning, stacklevel=4)
+        return
     try:
         import os
         from .capture import write_capture
@@ -235,15 +266,15 @@ def update_check_pre(m, opt) -> None:
     for g in opt.param_groups:
         for p in g["params"]:
             if p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None and id(p) in names:
-                flat = p.detach().reshape(-1)[:k]
-                gnz = p.grad.detach().reshape(-1)[:k] != 0
+                flat = local(p.detach()).reshape(-1)[:k]
+                gnz = local(p.grad.detach()).reshape(-1)[:k] != 0
                 st.upd.append([names[id(p)], p, flat.clone(), gnz, None])
 
 
 def update_check_post(m, opt) -> None:
     for item in m.st.upd:
         name, p, before, gnz, _ = item
-        after = p.detach().reshape(-1)[:before.numel()]
+        after = local(p.detach()).reshape(-1)[:before.numel()]
         same = ((after == before) & gnz).sum()
         item[4] = torch.stack([same.double(), gnz.sum().double()])
 
@@ -298,7 +329,7 @@ def finalize(m) -> None:
         u = upd.get(name)
         params.append(ParamStat(name=name, module=mod, dtype=dt, numel=n, grad_norm=l2, grad_absmax=amax,
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
-                                update_rounded_away=int(u[0]) if u else 0))
+                                update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded))
     fwd = forward_producer(calls, parents) if calls else None
     bwd = backward_producer(calls, parents, bad_param_modules) if calls else None
     losses = s["losses"]

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["flatten_tensors", "dt_name", "loss_of", "rng_state", "autocast_dtype", "autocast_str",
+__all__ = ["flatten_tensors", "local", "is_sharded", "module_type", "dt_name", "loss_of", "rng_state", "autocast_dtype", "autocast_str",
            "ac_from_str", "tb_module", "tb_location"]
 
 
@@ -26,6 +26,32 @@ def flatten_tensors(obj, out: list, depth: int = 0) -> list:
         for f in dataclasses.fields(obj):
             flatten_tensors(getattr(obj, f.name, None), out, depth + 1)
     return out
+
+
+def is_sharded(t) -> bool:
+    """A DTensor (FSDP2, tensor parallel): this rank holds only part of it."""
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the tensor itself otherwise). ampdoctor measures local shards only: a
+    collective inside the training step could hang a run whose ranks sample different steps."""
+    return t.to_local() if is_sharded(t) else t
+
+
+_TYPES: dict = {}
+
+
+def module_type(cls: type, qualified: bool = False) -> str:
+    """A module class's name as the user wrote it: FSDP2's `fully_shard` swaps a module's class for a generated
+    subclass (`FSDPLinear`); that is reported as the user's class (`Linear`)."""
+    key = (cls, qualified)
+    if key not in _TYPES:
+        c = cls
+        if c.__module__.startswith("torch.distributed.fsdp") and c.__name__.startswith("FSDP") and len(c.__mro__) > 2:
+            c = c.__mro__[2] if c.__mro__[1].__name__ == "FSDPModule" else c.__mro__[1]
+        _TYPES[key] = f"{c.__module__}.{c.__qualname__}" if qualified else c.__name__
+    return _TYPES[key]
 
 
 def dt_name(d: torch.dtype) -> str:

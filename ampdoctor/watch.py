@@ -19,6 +19,7 @@ from .errors import WatchError
 from .monitor import ClipPatch, OptimizerPatch, ScalerPatch
 from .records import RunMeta
 from .stepstate import StepMachine
+from .tensors import module_type
 
 __all__ = ["Watch", "watch"]
 
@@ -160,7 +161,7 @@ class Watch:
     def _build_meta(self) -> RunMeta:
         import torch.distributed as dist
         model = self.model
-        mods = [[name, type(m).__name__, name.count(".") + 1 if name else 0]
+        mods = [[name, module_type(type(m)), name.count(".") + 1 if name else 0]
                 for name, m in model.named_modules()]
         opt_ids = set()
         if self.optimizer is not None:
@@ -190,7 +191,7 @@ class Watch:
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
         return RunMeta(ampdoctor_version=__version__, torch_version=torch.__version__,
-                       model_class=f"{type(model).__module__}.{type(model).__qualname__}", modules=mods,
+                       model_class=module_type(type(model), qualified=True), modules=mods,
                        params=params, optimizer=opt, scaler=sc, env=dict(collect_env(dev),
                                                                          deprecated_amp=deprecated_amp_in_use(
                                                                              self.scaler)),

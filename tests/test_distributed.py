@@ -17,10 +17,14 @@ import torch.nn.functional as F
 
 import ampdoctor
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
-
 WORLD = 2
+# gloo on CPU in CI; AMPDOCTOR_TEST_BACKEND=nccl runs the same test on two GPUs (recorded in benchmarks/RESULTS.md)
+BACKEND = os.environ.get("AMPDOCTOR_TEST_BACKEND", "gloo")
+DEV = "cuda" if BACKEND == "nccl" else "cpu"
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_backend_available(BACKEND)
+    or (DEV == "cuda" and torch.cuda.device_count() < WORLD), reason=f"torch.distributed with {BACKEND} is not available")
 STEPS = 4
 BAD_STEP = 1
 
@@ -42,21 +46,24 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, run_dir: str, case: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(Net())  # syncs rank 0's weights to every rank
+        dev = torch.device(DEV, rank) if DEV == "cuda" else torch.device("cpu")
+        if DEV == "cuda":
+            torch.cuda.set_device(dev)
+        model = torch.nn.parallel.DistributedDataParallel(Net().to(dev))  # syncs rank 0's weights to every rank
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         init = 2.0 ** 16 if (case != "diverge" or rank == 0) else 2.0 ** 10  # e.g. a stale scaler checkpoint
-        scaler = torch.amp.GradScaler("cpu", init_scale=init)
+        scaler = torch.amp.GradScaler(DEV, init_scale=init)
         w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, run_dir=run_dir, every=1)
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(STEPS):
             opt.zero_grad()
-            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+            x, y = torch.randn(4, 8, generator=g).to(dev), torch.randn(4, 1, generator=g).to(dev)
             if case == "inf" and rank == 1 and step == BAD_STEP:
                 x = x * 1e6  # only rank 1's batch overflows fp16 in fc1
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(DEV, dtype=torch.float16):
                 loss = F.mse_loss(model(x).float(), y)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
