@@ -7,5 +7,5 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 AMPDOCTOR_TEST_BACKEND=nccl python -m pytest -q -p no:cacheprovider tests/test_distributed.py tests/test_fsdp.py 2>&1 | tail -15
 python -m pytest -q -p no:cacheprovider tests/test_fused.py 2>&1 | tail -2
-python benchmarks/memory_peak.py --model gpt2 --variants plain,default,every1 2>&1 | tail -32
+python benchmarks/memory_peak.py --model gpt2 --variants plain,every1 --steps 6 2>&1 | tail -40
 python benchmarks/overhead.py --model gpt2 --device cuda --steps 16 --warmup 3 --variants plain,default,every1 2>&1 | tail -7

@@ -2,9 +2,9 @@
 
     python benchmarks/memory_peak.py --model gpt2 --variants plain,default,every1
 
-For each variant (own model copy, own AdamW + GradScaler, as in overhead.py) runs warm-up steps, then one step
-under `torch.cuda.memory._record_memory_history`. Replays the allocator trace to find the moment of the
-step's peak and the blocks alive then; prints the peak above the step's start, and the live bytes at the peak
+Variants (own model copy, own AdamW + GradScaler, as in overhead.py) run interleaved; after warm-up every step
+is recorded with `torch.cuda.memory._record_memory_history`. For each variant's highest step, replays the
+allocator trace to find the moment of the step's peak and the blocks alive then; prints the peak above the step's start, and the live bytes at the peak
 grouped by the innermost frame outside torch (e.g. `modeling_gpt2.py:123` or `ampdoctor/fused.py:108`), so the
 difference between plain and a watched variant names the allocation sites that grew.
 """
@@ -26,7 +26,7 @@ def _site(frames) -> str:
         fn = f.get("filename", "")
         if "/torch/" in fn and "/ampdoctor/" not in fn:
             continue
-        if fn.startswith("??") or fn.endswith(".cpp") or fn.endswith(".h") or "<" in fn:
+        if not fn or fn.startswith("??") or fn.endswith(".cpp") or fn.endswith(".h") or "<" in fn:
             continue
         return f"{'/'.join(fn.split('/')[-2:])}:{f.get('line')} {f.get('name')}"
     return "(torch internal)"
@@ -52,41 +52,80 @@ def live_at_peak(trace: list[dict], start: int) -> tuple[int, dict[str, int]]:
     return peak, by
 
 
+def _patched(name: str):
+    """Experiment variants of every1: `every1-noviews` (no per-module input views, so no `gin`),
+    `every1-nogradhooks` (gradient hooks that measure nothing), `every1-gc` (gc.collect() before the step)."""
+    import contextlib
+    import gc
+
+    from ampdoctor.stepstate import StepMachine
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = {}
+        if name.endswith("-noviews"):
+            saved["_wrap_inputs"] = StepMachine._wrap_inputs
+            StepMachine._wrap_inputs = lambda self, c, args, kwargs: None
+        if name.endswith("-nogradhooks"):
+            saved["_grad_hook"] = StepMachine._grad_hook
+            StepMachine._grad_hook = lambda self, c, slot: (lambda g: None)
+        if name.endswith("-gc"):
+            gc.collect()
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                setattr(StepMachine, k, v)
+    return ctx()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt2")
     ap.add_argument("--variants", default="plain,default,every1")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--top", type=int, default=12)
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     base, batches, loss_of = build(a.model, dev)
-    results = {}
-    for name in a.variants.split(","):
-        v = Variant(name, copy.deepcopy(base), dev, torch.float16)
+    variants = [Variant(name, copy.deepcopy(base), dev, torch.float16) for name in a.variants.split(",")]
+    for v in variants:  # every1-<experiment>: the every1 watch, patched during its own steps (see _patched)
+        v.exp, v.name = v.name, ("every1" if v.name.startswith("every1-") else v.name)
+    for v in variants:
         v.install()
-        for i in range(a.warmup):
+    results: dict = {}
+    per_step: dict = {v.exp: [] for v in variants}
+    for i in range(a.warmup + a.steps):  # interleaved, as in overhead.py
+        for v in variants:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            rec = i >= a.warmup
+            patch = _patched(v.exp)
+            patch.__enter__()
+            if rec:
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             v.step(batches[i % len(batches)], loss_of)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        v.step(batches[a.warmup % len(batches)], loss_of)
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        peak_api = torch.cuda.max_memory_allocated() - start
-        trace = snap["device_traces"][torch.cuda.current_device()]
-        peak, by = live_at_peak(trace, start)
-        results[name] = (peak_api, peak, by)
-        v.remove()
-        del v
-        torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            patch.__exit__(None, None, None)
+            peak_api = torch.cuda.max_memory_allocated() - start
+            if rec:
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                per_step[v.exp].append(peak_api)
+                if v.exp not in results or peak_api > results[v.exp][0]:
+                    trace = snap["device_traces"][torch.cuda.current_device()]
+                    peak, by = live_at_peak(trace, start)
+                    results[v.exp] = (peak_api, peak, by)
+    for v in variants:
+        print(f"{v.exp:18} per-step peak over start (MiB): "
+              + " ".join(f"{x / 2**20:.0f}" for x in per_step[v.exp]))
     plain = results.get("plain")
-    print(f"\n{'variant':10} {'peak over start (MiB)':>22} {'delta vs plain':>15}")
+    print(f"\n{'variant':18} {'peak over start (MiB)':>22} {'delta vs plain':>15}")
     for name, (peak_api, peak, by) in results.items():
         d = (peak_api - plain[0]) / 2**20 if plain else 0.0
-        print(f"{name:10} {peak_api / 2**20:22.1f} {d:+15.1f}")
+        print(f"{name:18} {peak_api / 2**20:22.1f} {d:+15.1f}")
     if plain:
         for name, (_, _, by) in results.items():
             if name == "plain":
