@@ -184,25 +184,9 @@ class StepMachine(MonitorCallbacks):
         module (not the sum over all consumers) can be measured. Identical tensors get one view, so
         identity checks such as MultiheadAttention's `query is key` behave as before."""
         memo: dict[int, torch.Tensor] = {}
-
-        def sub(x, depth=0):
-            if isinstance(x, torch.Tensor):
-                if not (x.requires_grad and is_measurable(x)):
-                    return x
-                v = memo.get(id(x))
-                if v is None:
-                    # expand_as, not view_as: its backward hands the gradient on as the same tensor (sum_to of an
-                    # unchanged shape), where view_as's hands on an alias, which the consumer's gradient buffer
-                    # cannot accumulate into in place: +180-270 MiB at GPT-2's peak (benchmarks/memory_peak.py)
-                    v = x.expand_as(x)
-                    v.register_hook(self._grad_hook(c, "gin"))
-                    memo[id(x)] = v
-                return v
-            if depth < 2 and type(x) in (tuple, list):
-                return type(x)(sub(y, depth + 1) for y in x)
-            return x
-        new_args = tuple(sub(a) for a in args)
-        new_kwargs = {k: sub(v) for k, v in kwargs.items()} if kwargs else kwargs
+        hook = self._grad_hook(c, "gin")
+        new_args = tuple(_view_of(a, memo, hook) for a in args)
+        new_kwargs = {k: _view_of(v, memo, hook) for k, v in kwargs.items()} if kwargs else kwargs
         return new_args, new_kwargs
 
     def forward_post(self, module, args, kwargs, output):
@@ -312,3 +296,21 @@ class StepMachine(MonitorCallbacks):
             finalize(self)
         except Exception as e:
             self._fail(e)
+
+
+def _view_of(x, memo: dict, hook, depth: int = 0):
+    """x with each measurable tensor that requires grad replaced by a hooked view of it (see _wrap_inputs).
+    A plain function, not a closure calling itself: such a closure is a reference cycle, and its views (and
+    so the module's inputs) would stay alive until Python's cyclic GC ran (+250 MiB at GPT-2's peak)."""
+    if isinstance(x, torch.Tensor):
+        if not (x.requires_grad and is_measurable(x)):
+            return x
+        v = memo.get(id(x))
+        if v is None:
+            v = x.view_as(x)
+            v.register_hook(hook)
+            memo[id(x)] = v
+        return v
+    if depth < 2 and type(x) in (tuple, list):
+        return type(x)(_view_of(y, memo, hook, depth + 1) for y in x)
+    return x
