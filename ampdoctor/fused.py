@@ -15,6 +15,8 @@ import torch
 __all__ = ["available", "StatBuffer"]
 
 _KERNEL = None
+_BLOCK = 1024          # values per program and iteration
+_MAX_PROGRAMS = 1024   # grid cap (a few waves on an H100/H200's 132 SMs)
 
 
 def available(t: torch.Tensor) -> bool:
@@ -38,30 +40,45 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def stats_kernel(x_ptr, n, cnt_ptr, ext_ptr, tiny, near, ovf, BLOCK: tl.constexpr):
+    def stats_kernel(x_ptr, n, iters, cnt_ptr, ext_ptr, tiny, near, ovf, BLOCK: tl.constexpr):
+        # A capped grid of programs, each striding over the tensor with per-lane accumulators: a large tensor
+        # costs one read and a few atomics per program, not per block of 1024 values.
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        isnan = (x != x) & m
-        posinf = (x == float("inf")) & m
-        neginf = (x == float("-inf")) & m
-        fin = m & (a < float("inf")) & (x == x)
-        af = tl.where(fin, a, 0.0)
-        zeros = fin & (af == 0.0)
-        nearc = fin & (af >= near)
-        sub = fin & (af > 0.0) & (af < tiny)
-        ovfc = fin & (af >= ovf)
-        tl.atomic_add(cnt_ptr + 0, tl.sum(isnan.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 1, tl.sum(posinf.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 2, tl.sum(neginf.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 3, tl.sum(zeros.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 4, tl.sum(nearc.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 5, tl.sum(sub.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 6, tl.sum(ovfc.to(tl.int64), axis=0))
-        tl.atomic_max(ext_ptr + 0, tl.max(af, axis=0))
-        tl.atomic_min(ext_ptr + 1, tl.min(tl.where(fin & (af > 0.0), af, float("inf")), axis=0))
+        nprog = tl.num_programs(0)
+        c_nan = tl.zeros([BLOCK], tl.int32)
+        c_pinf = tl.zeros([BLOCK], tl.int32)
+        c_ninf = tl.zeros([BLOCK], tl.int32)
+        c_zero = tl.zeros([BLOCK], tl.int32)
+        c_near = tl.zeros([BLOCK], tl.int32)
+        c_sub = tl.zeros([BLOCK], tl.int32)
+        c_ovf = tl.zeros([BLOCK], tl.int32)
+        amax = tl.zeros([BLOCK], tl.float32)
+        amin = tl.full([BLOCK], float("inf"), tl.float32)
+        for i in range(0, iters):
+            offs = (pid + i * nprog).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            fin = m & (a < float("inf")) & (x == x)
+            af = tl.where(fin, a, 0.0)
+            c_nan += ((x != x) & m).to(tl.int32)
+            c_pinf += ((x == float("inf")) & m).to(tl.int32)
+            c_ninf += ((x == float("-inf")) & m).to(tl.int32)
+            c_zero += (fin & (af == 0.0)).to(tl.int32)
+            c_near += (fin & (af >= near)).to(tl.int32)
+            c_sub += (fin & (af > 0.0) & (af < tiny)).to(tl.int32)
+            c_ovf += (fin & (af >= ovf)).to(tl.int32)
+            amax = tl.maximum(amax, af)
+            amin = tl.minimum(amin, tl.where(fin & (af > 0.0), af, float("inf")))
+        tl.atomic_add(cnt_ptr + 0, tl.sum(c_nan.to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 1, tl.sum(c_pinf.to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 2, tl.sum(c_ninf.to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 3, tl.sum(c_zero.to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 4, tl.sum(c_near.to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 5, tl.sum(c_sub.to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 6, tl.sum(c_ovf.to(tl.int64), axis=0))
+        tl.atomic_max(ext_ptr + 0, tl.max(amax, axis=0))
+        tl.atomic_min(ext_ptr + 1, tl.min(amin, axis=0))
 
     return stats_kernel
 
@@ -110,8 +127,10 @@ class StatBuffer:
         self.factor.append(factor)
         if n:
             near, tiny, ovf = thresholds
-            block = 4096
-            _kernel()[(triton_cdiv(n, block),)](x, n, self.cnt[row], self.ext[row], tiny, near, ovf, BLOCK=block)
+            blocks = triton_cdiv(n, _BLOCK)
+            grid = min(blocks, _MAX_PROGRAMS)
+            _kernel()[(grid,)](x, n, triton_cdiv(blocks, grid), self.cnt[row], self.ext[row], tiny, near, ovf,
+                               BLOCK=_BLOCK)
         return row
 
     def vectors(self) -> torch.Tensor:

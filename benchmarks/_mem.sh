@@ -1,3 +1,4 @@
 export PYTHONPATH=$PWD
-python benchmarks/memory_peak.py --model gpt2 --variants plain,every1,every1-noviews --steps 4 --top 5 2>&1 | grep -v "^ *[+-]0.0" | tail -20
-python benchmarks/overhead.py --model gpt2 --device cuda --steps 16 --warmup 3 --variants plain,default,every1 2>&1 | tail -5
+python -m pytest -q -p no:cacheprovider tests/test_fused.py 2>&1 | tail -2
+python benchmarks/memory_peak.py --model gpt2 --variants plain,every1,every1-nokernel --steps 8 --no-history 2>&1 | grep median
+python benchmarks/overhead.py --model gpt2 --device cuda --steps 16 --warmup 3 --variants plain,default,every1,anomaly,hf 2>&1 | tail -7

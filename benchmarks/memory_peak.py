@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -71,11 +73,27 @@ def _patched(name: str):
             StepMachine._grad_hook = lambda self, c, slot: (lambda g: None)
         if name.endswith("-gc"):
             gc.collect()
+        if name.endswith("-nokernel"):  # the hooks' Python work only: rows are queued, no kernel launched
+            from ampdoctor import fused
+            saved_add = fused.StatBuffer.add
+
+            def add(self, x, thresholds):
+                self.numel.append(x.numel())
+                self.factor.append(1)
+                if len(self.numel) > self.cnt.shape[0]:
+                    self._grow()
+                return len(self.numel) - 1
+            fused.StatBuffer.add = add
+            saved["__add"] = saved_add
         try:
             yield
         finally:
             for k, v in saved.items():
-                setattr(StepMachine, k, v)
+                if k == "__add":
+                    from ampdoctor import fused
+                    fused.StatBuffer.add = v
+                else:
+                    setattr(StepMachine, k, v)
     return ctx()
 
 
@@ -86,6 +104,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--no-history", action="store_true", help="time the steps only (no allocator trace)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     base, batches, loss_of = build(a.model, dev)
@@ -96,18 +115,22 @@ def main(argv=None):
         v.install()
     results: dict = {}
     per_step: dict = {v.exp: [] for v in variants}
+    times: dict = {v.exp: [] for v in variants}
     for i in range(a.warmup + a.steps):  # interleaved, as in overhead.py
         for v in variants:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
-            rec = i >= a.warmup
+            rec = i >= a.warmup and not a.no_history
             patch = _patched(v.exp)
             patch.__enter__()
             if rec:
                 torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            t0 = time.perf_counter()
             v.step(batches[i % len(batches)], loss_of)
             torch.cuda.synchronize()
+            if i >= a.warmup:
+                times[v.exp].append(time.perf_counter() - t0)
             patch.__exit__(None, None, None)
             peak_api = torch.cuda.max_memory_allocated() - start
             if rec:
@@ -119,8 +142,13 @@ def main(argv=None):
                     peak, by = live_at_peak(trace, start)
                     results[v.exp] = (peak_api, peak, by)
     for v in variants:
-        print(f"{v.exp:18} per-step peak over start (MiB): "
+        print(f"{v.exp:18} median step {statistics.median(times[v.exp]) * 1e3:8.2f} ms")
+    for v in variants:
+        if per_step[v.exp]:
+            print(f"{v.exp:18} per-step peak over start (MiB): "
               + " ".join(f"{x / 2**20:.0f}" for x in per_step[v.exp]))
+    if not results:
+        return
     plain = results.get("plain")
     print(f"\n{'variant':18} {'peak over start (MiB)':>22} {'delta vs plain':>15}")
     for name, (peak_api, peak, by) in results.items():
