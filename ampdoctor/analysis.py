@@ -39,7 +39,13 @@ def _summary(meta, steps, findings, run_dir) -> dict:
         op = f" ({top.op})" if top.op else ""
         st = f", step {top.step}" if top.step is not None else ""
         verdict = f"{top.rule}{where}{op}{st}: {top.message}"
-    bad = [r for r in steps if r.bad]
+    # a step whose only trouble is a forward producer that later ops absorbed (see rules.numeric._absorbed:
+    # e.g. an additive -inf mask) went fine
+    absorbed = {f.module for f in findings if f.evidence.get("absorbed")}
+    bad = [r for r in steps if r.skipped or r.grad_finite is False or r.backward_producer is not None
+           or r.forward_bad and not (r.forward_producer is not None and r.forward_producer.module in absorbed
+                                     and r.loss_finite is not False and r.output_finite is not False
+                                     and not r.exception)]
     return {"verdict": verdict, "steps": len(steps), "bad_steps": len(bad),
             "skipped_steps": sum(r.skipped for r in steps), "first_bad_step": bad[0].step if bad else None,
             "errors": sum(f.severity == "error" for f in findings),

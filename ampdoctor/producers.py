@@ -63,11 +63,21 @@ def forward_producer(calls: list[ModuleCall], parents: dict[int, int | None]) ->
     if any(_kind(c.inp, c.out) == "inf" for c in cands):
         # NaN made from an inf input (inf - inf, 0 * inf) is that inf's consequence, not a separate origin
         cands = [c for c in cands if not (_kind(c.inp, c.out) == "nan" and _has_inf(c.inp))]
+    # A call that emits only -inf is often meant to (an additive attention mask): an overflow or NaN made
+    # elsewhere in the step is the better origin
+    strong = [c for c in cands if not _mask_like(c.out)]
+    if strong:
+        cands = strong
     inner = _innermost(cands, parents)
     first = min(inner, key=lambda c: c.seq)
     kind = _kind(first.inp, first.out)
     return Producer(module=first.module, call=first.call, phase="forward", kind=kind,
-                    detail={"seq": first.seq, "type": first.type, "candidates": len(cands)})
+                    detail={"seq": first.seq, "type": first.type, "candidates": len(cands),
+                            "mask_like": _mask_like(first.out)})
+
+
+def _mask_like(out: TensorStats | None) -> bool:
+    return out is not None and out.neginf > 0 and out.posinf == 0 and out.nan == 0
 
 
 def backward_producer(calls: list[ModuleCall], parents: dict[int, int | None],

@@ -221,6 +221,15 @@ class StepRecord:
     capture: str | None = None
 
     @property
+    def forward_bad(self) -> bool:
+        """The forward pass went non-finite where it matters: the loss or the outputs, a crash, or an inf/NaN
+        producer — except one that emitted only -inf (an additive mask) while the loss and outputs stayed finite."""
+        if self.loss_finite is False or self.output_finite is False or self.exception:
+            return True
+        p = self.forward_producer
+        return p is not None and not p.detail.get("mask_like")
+
+    @property
     def bad(self) -> bool:
         return bool(self.skipped or self.loss_finite is False or self.grad_finite is False or self.output_finite is False
                     or self.forward_producer or self.backward_producer or self.exception)

@@ -335,3 +335,15 @@ def test_fp32_min_mask_cast_to_fp16_is_named_as_mask_value_overflow():
     mask[1] = 0
     w = train(M(), lambda i: (x, mask), lambda out, *a: out, steps=3, opt="sgd")
     top3(w, "mask_value_overflow", "attn")
+
+
+def test_an_overflow_behind_a_minus_inf_mask_module_is_still_named():
+    from test_healthy import MaskModuleModel
+    torch.manual_seed(0)
+    m = MaskModuleModel()
+    with torch.no_grad():
+        m.mlp.weight.mul_(200000.0)  # fp16 overflow in mlp's forward, after the mask module emitted its -inf
+    x = torch.randn(2, 6, 8) * 4
+    w = train(m, lambda i: (x,), mse_to_zero, steps=3)
+    rep = top3(w, "overflow", "mlp")
+    assert not any(f.module == "attn.mask" and f.severity == "error" for f in rep.findings)

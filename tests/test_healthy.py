@@ -65,3 +65,42 @@ def test_default_sampling_is_healthy_and_sparse():
     w = train(TinyGPT(), gpt_batch(), hf_loss, steps=5, every=None or 200)
     _no_alarm(w)
     assert [r.sampled for r in w.steps] == [True, False, False, False, False]
+
+
+class _CausalMask(nn.Module):
+    """An additive causal mask built by a module of its own: -inf above the diagonal, by design."""
+
+    def forward(self, x):
+        T = x.shape[1]
+        return torch.full((T, T), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
+
+
+class _MaskedAttn(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv, self.mask, self.o = nn.Linear(d, 3 * d), _CausalMask(), nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(x.shape[-1], -1)
+        s = q @ k.transpose(-1, -2) / 4 + self.mask(x)
+        return self.o(torch.softmax(s, -1) @ v)
+
+
+class MaskModuleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn, self.mlp, self.head = nn.Linear(8, 16), _MaskedAttn(), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.mlp(self.attn(self.emb(x))))
+
+
+def test_a_mask_module_emitting_minus_inf_is_not_an_error():
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8)
+    w = train(MaskModuleModel(), lambda i: (x,), lambda o, *a: o.float().pow(2).mean(), steps=6)
+    rep = w.report()
+    assert not [f.one_line() for f in rep.findings if f.severity in ("error", "warning")]
+    assert rep.exit_code == 0 and rep.summary["first_bad_step"] is None
+    info = [f for f in rep.findings if f.module == "attn.mask"]
+    assert info and info[0].severity == "info" and info[0].evidence["absorbed"]

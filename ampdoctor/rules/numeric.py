@@ -54,6 +54,17 @@ def _benign_backward(run: RunData, steps: list[int]) -> bool:
     return consecutive and len(steps) < 10 and (scale is None or scale >= 1.0) and not (kind_nan and len(steps) >= 3)
 
 
+def _absorbed(recs: list[StepRecord]) -> bool:
+    """Non-finite forward values that never reached the loss or the outputs: no step of the group had a
+    non-finite loss, output or crash, and either the values were only -inf (a mask: what the backward does is
+    the backward's business) or at least one step was stepped with finite gradients."""
+    if any(r.loss_finite is False or r.output_finite is False or r.exception for r in recs):
+        return False
+    if all(not r.forward_bad for r in recs):  # only -inf (a mask), and the forward ended finite
+        return True
+    return any(not r.skipped and r.grad_finite is not False and (r.loss_finite or r.output_finite) for r in recs)
+
+
 def _evidence(c: ModuleCall | None, phase: str, rec: StepRecord) -> dict:
     ev: dict = {"call": c.call if c else None, "type": c.type if c else None}
     if c is None:
@@ -82,6 +93,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
             if p is not None:
                 groups.setdefault((p.phase, p.module, p.kind), []).append(r)
     out = []
+    outside = _outside_model(run)
     for (phase, module, kind), recs in groups.items():
         r0 = recs[0]
         p = r0.forward_producer if phase == "forward" else r0.backward_producer
@@ -95,7 +107,17 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
         ev.update({"steps": steps[:50], "occurrences": len(steps), "rank_hint": 10 if phase == "forward" else 12})
         where = f"`{module}`" if module else "the model's top level"
         sev = "error"
-        if phase == "backward" and _benign_backward(run, steps):
+        if phase == "forward" and (_absorbed(recs) or p.detail.get("mask_like") and outside):
+            sev = "info"
+            ev["rank_hint"] = 40
+            ev["absorbed"] = True
+            msg = (f"{where} ({c.type if c else '?'}) emits {'-inf' if p.detail.get('mask_like') else 'inf/NaN'} "
+                   f"from finite inputs (first at step {r0.step}), but later ops absorb it: the loss and the "
+                   "outputs stayed finite" + (" — an additive -inf mask before a softmax does this "
+                                                        "by design." if p.detail.get("mask_like") else "."))
+            fix = ("Nothing to do while the loss stays finite. A row that is masked entirely turns softmax into NaN; "
+                   "a large finite negative value representable in the dtype (torch.finfo(dtype).min) avoids that.")
+        elif phase == "backward" and _benign_backward(run, steps):
             sev = "info"
             ev["rank_hint"] = 40
             msg = (f"The loss-scaled backward overflowed in {where} on {len(steps)} early step(s); GradScaler "
@@ -120,7 +142,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    "vectors) and guard it with an epsilon representable in the working dtype, or run the module "
                    "in fp32:\n" + AUTOCAST_OFF.format(m=module or "the model", dev=_dev(run)))
         out.append(Finding(rule, sev, phase, module, None, r0.step, msg, fix, ev))
-    out.extend(_outside_model(run))
+    out.extend(outside)
     if not groups and not out:
         out.extend(_unlocated(run))
     return out
@@ -144,12 +166,17 @@ def _unlocated(run: RunData) -> list[Finding]:
     return []
 
 
+def _only_neginf(s) -> bool:
+    return s.neginf > 0 and s.posinf == 0 and s.nan == 0
+
+
 def _outside_model(run: RunData) -> list[Finding]:
     """Loss non-finite on a sampled step although no module produced inf/NaN: the loss computation outside
     the watched model is the producer."""
     for r in run.steps:
-        if r.loss_finite is False and r.sampled and r.modules and r.forward_producer is None \
-                and not any(c.out is not None and not c.out.finite for c in r.modules):
+        p = r.forward_producer
+        if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \
+                and not any(c.out is not None and not c.out.finite and not _only_neginf(c.out) for c in r.modules):
             return [Finding("nan_origin", "error", "forward", None, None, r.step,
                             "The loss became non-finite outside the watched model (in the loss computation) while "
                             "every module's output was finite.",
@@ -191,7 +218,7 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out: list[Finding] = []
     done: set[tuple[str, str]] = set()
     for r in run.steps:
-        if r.forward_producer is not None or (run.has_scaler and r.scale is not None and r.scale < 1.0):
+        if r.forward_bad or (run.has_scaler and r.scale is not None and r.scale < 1.0):
             continue  # gradients of NaN activations, or of a collapsed scale: consequences, reported elsewhere
         flagged = []
         for c in r.modules:

@@ -41,21 +41,21 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     initial = [s for s in skipped if first_good is None or s < first_good]
     later = [s for s in skipped if first_good is not None and s > first_good]
     out = []
-    forward_bad = [r.step for r in steps if r.skipped and (r.loss_finite is False or r.forward_producer)]
+    forward_bad = [r.step for r in steps if r.skipped and r.forward_bad]
     ev = {"skipped": len(skipped), "steps": len(steps), "longest_streak": longest, "init_scale": init,
           "last_scale": last_scale, "skipped_steps": skipped[:100],
           "timeline": [[r.step, r.scale, bool(r.skipped)] for r in steps][:400]}
     collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
     if collapse:
         # the persistent cause: a forward producer first, then NaN made in backward, then any producer
-        cause = (next((r for r in steps if r.skipped and r.forward_producer), None)
+        cause = (next((r for r in steps if r.skipped and r.forward_bad and r.forward_producer), None)
                  or next((r for r in steps if r.skipped and r.backward_producer
                           and r.backward_producer.kind == "nan"), None)
                  or next((r for r in steps if r.skipped and (r.backward_producer or r.loss_finite is False)), None))
         why = ""
         cause_module = None
         if cause is not None:
-            p = cause.forward_producer or cause.backward_producer
+            p = (cause.forward_producer if cause.forward_bad else None) or cause.backward_producer
             cause_module = p.module if p else None
             why = (f" The inf/NaN is not transient: it comes from `{p.module}` ({p.phase})." if p else
                    " The loss itself is non-finite on these steps.")
@@ -68,7 +68,7 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             dict(ev, rank_hint=60)))
         return out
     if forward_bad:
-        fp = next((r.forward_producer for r in steps if r.forward_producer), None)
+        fp = next((r.forward_producer for r in steps if r.forward_bad and r.forward_producer), None)
         out.append(Finding(
             "skipped_steps", "error", "scaler", fp.module if fp else None, None, forward_bad[0],
             f"GradScaler skipped {len(skipped)} of {len(steps)} steps; on {len(forward_bad)} of them the forward "
