@@ -138,10 +138,46 @@ def _rank(ref: str) -> int:
     return {"float16": 3, "bfloat16": 2, "float32": 1, "float64": 0}.get(ref, 0)
 
 
-# CPU fast path: the same functions compiled by torch.compile (Inductor fuses each into one or two loops over the
-# tensor, ~5x faster than eager on CPU and bit-for-bit equal, see tests/test_stats.py). Compiling costs seconds
-# once per process (and per dtype pair), so a watch uses it only for dense sampling (every <= 10) on the CPU;
-# any failure falls back to the eager functions for good.
+def _full_c(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
+    """`full_stats` written for torch.compile: the same numbers, counted in int32 (callers keep numel < 2**31)
+    and without in-place ops, so Inductor fuses every reduction into one vectorised loop (2x faster on CPU)."""
+    x = x.detach()
+    n = x.numel()
+    if n == 0:
+        return torch.tensor([0.0, 0, 0, 0, 0, 0.0, math.inf, 0, 0, 0], dtype=_F64, device=x.device)
+    near, tiny, ovf = _THR.get(ref, _THR[torch.float32])
+    i32 = torch.int32
+    a = x.abs()
+    af = torch.nan_to_num(a, nan=0.0, posinf=0.0)
+    widening = x.dtype.itemsize > ref.itemsize or (x.dtype == torch.float32 and ref == torch.float16)
+    cnt = torch.stack([torch.isnan(a).to(i32).sum(dtype=i32), (x == math.inf).to(i32).sum(dtype=i32),
+                       (x == -math.inf).to(i32).sum(dtype=i32), (af == 0).to(i32).sum(dtype=i32),
+                       (af >= near).to(i32).sum(dtype=i32), (af < tiny).to(i32).sum(dtype=i32),
+                       (af >= ovf).to(i32).sum(dtype=i32) if widening else torch.zeros((), dtype=i32)]).to(_F64)
+    ext = torch.stack([af.amax(), torch.where(af == 0, math.inf, af).amin()]).to(_F64)
+    nonfin = cnt[0] + cnt[1] + cnt[2]
+    return torch.stack([torch.full((), n, dtype=_F64, device=x.device), cnt[0], cnt[1], cnt[2],
+                        cnt[3] - nonfin, ext[0], ext[1], cnt[4], cnt[5] - cnt[3], cnt[6]])
+
+
+def _light_c(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
+    """`light_stats` written for torch.compile (see _full_c)."""
+    x = x.detach()
+    if x.numel() == 0:
+        return torch.tensor([0.0, 0, 0, 0, 0, 0.0, -1, -1, -1, -1], dtype=_F64, device=x.device)
+    i32 = torch.int32
+    cnt = torch.stack([(x == 0).to(i32).sum(dtype=i32), torch.isnan(x).to(i32).sum(dtype=i32),
+                       (x == math.inf).to(i32).sum(dtype=i32), (x == -math.inf).to(i32).sum(dtype=i32)]).to(_F64)
+    absmax = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax().to(_F64)
+    m1 = torch.full((), -1.0, dtype=_F64, device=x.device)
+    return torch.stack([torch.full((), x.numel(), dtype=_F64, device=x.device), cnt[1], cnt[2], cnt[3],
+                        cnt[0], absmax, m1, m1, m1, m1])
+
+
+# CPU fast path: the same statistics compiled by torch.compile (_full_c/_light_c: Inductor fuses each into one
+# loop over the tensor, ~5-8x faster than eager on CPU and bit-for-bit equal, see tests/test_stats.py). Compiling
+# costs seconds once per process (and per dtype pair), so a watch uses it only for dense sampling (every <= 10)
+# on the CPU; any failure falls back to the eager functions for good.
 _COMPILED: dict = {}
 
 
@@ -151,12 +187,12 @@ def compiled(kind: str):
     if fn is None:
         eager = full_stats if kind == "full" else light_stats
         try:
-            comp = torch.compile(eager, dynamic=True)
+            comp = torch.compile(_full_c if kind == "full" else _light_c, dynamic=True)
         except Exception:
             comp = None
 
         def fn(x, ref, _comp=comp, _eager=eager):
-            if _COMPILED.get("broken") or _comp is None:
+            if _COMPILED.get("broken") or _comp is None or x.numel() >= 2 ** 31:
                 return _eager(x, ref)
             try:
                 return _comp(x, ref)

@@ -39,6 +39,7 @@ class _Step:
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
     bad_batch: int = -1                                # index into batches of the first non-finite output
     pw_index: list = field(default_factory=list)       # params whose weights were checked at presync
+    w_deferred: bool = False                           # CPU: weights checked in resolve, on bad steps only
     out_ok: list = field(default_factory=list)
     output_finite: bool | None = None
     autocast: str | None = None

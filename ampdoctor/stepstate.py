@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from . import fused
+from . import cpustats, fused
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
@@ -252,6 +252,9 @@ class StepMachine(MonitorCallbacks):
                 buf = st.fbuf[t.device] = fused.StatBuffer(t.device)
             v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref)))
             light = False
+        elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/cpustats.py)
+            v = cpustats.stats(t, ref)
+            light = False
         elif self._compile_stats and t.device.type == "cpu":
             v = compiled("light" if light else "full")(t, ref)
         else:
@@ -275,7 +278,7 @@ class StepMachine(MonitorCallbacks):
                     c.bseq = st.bseq
                     st.bseq += 1
                 ref = ref_dtype(g.dtype, autocast_dtype(g.device.type) or ac_from_str(c.autocast))
-                self._row(c, slot, g, light=slot == "gin", ref=ref)
+                self._row(c, slot, g, light=False, ref=ref)
             except Exception as e:
                 self._fail(e)
             return None

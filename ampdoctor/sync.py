@@ -100,6 +100,11 @@ def grads_after_unscale(m, opt) -> None:
     st.grad_parts = (names, _norms(grads, math.inf), _norms(grads, 2))
 
 
+def _weight_amax(m, st) -> torch.Tensor:
+    """Abs-max of each checked parameter (NaN-propagating): are the weights themselves finite?"""
+    return _norms([local(m.params[i][1].detach()) for i in st.pw_index], math.inf)
+
+
 def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
     if st.synced is not None or st.pending is not None:
@@ -128,8 +133,10 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     if st.sampled and m.params:  # are the weights themselves finite?
         st.pw_index = [i for i, (_, p) in enumerate(m.params)
                        if p.is_floating_point() and p.layout == torch.strided and local(p).numel()]
-        if st.pw_index:
-            parts.append(("w_amax", _norms([local(m.params[i][1].detach()) for i in st.pw_index], math.inf)))
+        # on the CPU nothing is gained by queueing: the weights are checked in resolve, on bad steps only
+        st.w_deferred = all(m.params[i][1].device.type == "cpu" for i in st.pw_index)
+        if st.pw_index and not st.w_deferred:
+            parts.append(("w_amax", _weight_amax(m, st)))
     for j, ev in enumerate(st.events):
         t = ev.detail.get("norm_t")
         if isinstance(t, torch.Tensor):
@@ -179,15 +186,19 @@ def resolve(m) -> None:
     g_l2 = [v / div for v in host.get("g_l2", [])]
     losses = host.get("loss", [])
     grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
+    out_ok = host.get("out_ok", [])
+    st.output_finite = all(v == 1.0 for v in out_ok) if out_ok else None
+    w_amax = host.get("w_amax", [])
+    if st.w_deferred and st.pw_index and (grad_finite is False or st.output_finite is False or (found_inf or 0) > 0
+                                          or any(not math.isfinite(v) for v in losses)):
+        w_amax = _weight_amax(m, st).tolist()
     w_bad = {}
-    for i, v in zip(st.pw_index, host.get("w_amax", [])):
+    for i, v in zip(st.pw_index, w_amax):
         if not math.isfinite(v):
             w_bad[m.params[i][0].rpartition(".")[0]] = "nan" if v != v else "inf"
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
-    out_ok = host.get("out_ok", [])
-    st.output_finite = all(v == 1.0 for v in out_ok) if out_ok else None
     if st.output_finite is False:  # capture the first micro-batch whose output went non-finite
         st.bad_batch = st.out_ok[out_ok.index(0.0)][1]
     st.out_ok = []

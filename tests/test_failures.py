@@ -347,3 +347,52 @@ def test_an_overflow_behind_a_minus_inf_mask_module_is_still_named():
     w = train(m, lambda i: (x,), mse_to_zero, steps=3)
     rep = top3(w, "overflow", "mlp")
     assert not any(f.module == "attn.mask" and f.severity == "error" for f in rep.findings)
+
+
+def test_weights_overflowed_by_an_update_blame_the_update_not_the_layer():
+    """A learning rate that overflows pure-fp16 weights: at the next step the layer holding inf weights outputs
+    inf, but it did not make it from finite values; the optimizer step before did."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    x = (torch.randn(4, 8) * 4).half()
+    w = train(m, lambda i: (x,), mse_to_zero, steps=3, scaler=False, autocast=False, opt="sgd", lr=6e4)
+    rep = top3(w, "overflow", "0")
+    f = next(f for f in rep.findings if f.module == "0")
+    assert f.phase == "optimizer" and f.step == 1 and f.evidence["previous_step"] == 0
+    assert not any(g.phase == "forward" and g.severity == "error" for g in rep.findings)
+
+
+def test_fp16_sum_in_the_loss_outside_the_model_is_an_overflow_there():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(256, 8) * 10
+    w = train(m, lambda i: (x,), lambda o, *a: (o.half() * 30).pow(2).sum(), steps=3)
+    rep = top3(w, "overflow", None)
+    f = rep.findings[0]
+    assert (f.rule, f.module, f.phase) == ("overflow", None, "forward") and f.evidence["loss"] == float("inf")
+    # the NaN gradients of an inf loss are its consequence, not a backward origin inside the model
+    assert not any(g.phase == "backward" and g.severity == "error" for g in rep.findings)
+
+
+def test_fixed_manual_loss_scale_overflowing_the_output_gradient_is_named():
+    """No GradScaler: `(loss * 65536).backward()`; the loss is finite but its gradient, cast to the fp16 output,
+    is inf before any module's backward runs."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        m[2].weight.mul_(50)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(32, 8) * 5
+    with ampdoctor.watch(m, optimizer=opt, every=1) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            (loss * 65536).backward()
+            for p in m.parameters():
+                p.grad /= 65536
+            opt.step()
+    rep = top3(w, "overflow", None)
+    f = next(f for f in rep.findings if f.module is None and f.rule == "overflow")
+    assert f.phase == "backward" and f.step == 0
+    assert not any(g.module in ("0", "2") and g.phase == "backward" and g.severity == "error" for g in rep.findings)

@@ -26,3 +26,26 @@ def test_compiled_cpu_path_equals_eager(x, ref):
     for kind, eager in (("full", full_stats), ("light", light_stats)):
         got, want = compiled(kind)(x, ref), eager(x, ref)
         assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0)), (kind, got, want)
+
+
+@pytest.mark.parametrize("x,ref", [(ADV, torch.float16), (ADV.half(), torch.float16), (ADV.bfloat16(), torch.bfloat16),
+                                   (ADV * 1e34, torch.bfloat16), (ADV, torch.float32), (ADV.double(), torch.float16),
+                                   (ADV.double() * 1e300, torch.float32), (torch.zeros(0), torch.float16),
+                                   (torch.randn(64, 64).t(), torch.float16), (torch.randn(8, 64, 128)[:, ::2], torch.float16),
+                                   (torch.zeros(100), torch.float16), (torch.randn(300_001) * 3e4, torch.float16),
+                                   (torch.randn(300_001).half() * 1e-4, torch.float16),
+                                   (torch.randn(200_000).bfloat16() * 1e37, torch.bfloat16)])
+def test_c_cpu_path_equals_eager(x, ref):
+    """ampdoctor/cpustats.py (one C pass, in chunks of 2^16 values) == the eager reference."""
+    from ampdoctor import cpustats
+    if not cpustats.available():
+        pytest.skip("no C compiler here")
+    big = x.clone().reshape(-1)
+    if big.numel() > 1000:  # plant non-finite values and subnormals in different chunks
+        big[::99_991] = float("nan")
+        big[7::70_001] = float("inf")
+        big[11::50_021] = -float("inf")
+        big[13::40_009] = 0.0
+        x = big.reshape(x.shape) if x.is_contiguous() else x
+    got, want = cpustats.stats(x, ref), full_stats(x, ref)
+    assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0)), (got, want)

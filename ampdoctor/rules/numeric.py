@@ -90,8 +90,10 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     groups: dict[tuple, list[StepRecord]] = {}
     for r in run.steps:
         for p in (r.forward_producer, r.backward_producer):
-            if p is not None:
-                groups.setdefault((p.phase, p.module, p.kind), []).append(r)
+            if p is None or (p.phase == "backward" and (r.loss_finite is False or r.output_finite is False
+                                                        or _output_grad_nonfinite(r))):
+                continue  # the backward of a non-finite loss/output/output gradient: a consequence
+            groups.setdefault((p.phase, p.module, p.kind), []).append(r)
     out = []
     outside = _outside_model(run)
     for (phase, module, kind), recs in groups.items():
@@ -144,8 +146,33 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
         out.append(Finding(rule, sev, phase, module, None, r0.step, msg, fix, ev))
     out.extend(outside)
     if not groups and not out:
-        out.extend(_unlocated(run))
+        out.extend(_bad_weights(run) or _unlocated(run))
     return out
+
+
+def _bad_weights(run: RunData) -> list[Finding]:
+    """Weights that were already non-finite when a step began: no module of the step produced the inf/NaN (a
+    module holding bad weights is not blamed for its output); the optimizer step before wrote them."""
+    prev = None
+    for r in run.steps:
+        bad = [c for c in r.modules if c.par is not None and not c.par.finite]
+        if bad:
+            c = min(bad, key=lambda c: c.seq)
+            kind = "NaN" if c.par.nan else "inf"
+            before = f"step {prev.step}'s update" if prev is not None else "an update before the watch began"
+            grads = ("" if prev is None or prev.grad_finite is None else
+                     " with finite gradients" if prev.grad_finite else " with non-finite gradients")
+            return [Finding(
+                "nan_origin" if kind == "NaN" else "overflow", "error", "optimizer", c.module, None, r.step,
+                f"The weights of `{c.module}` ({c.type}) were already {kind} when step {r.step} began: "
+                f"{before}{grads} wrote them. The modules after it only passed the values on.",
+                "Look at that update: a NaN/inf gradient stepped without a GradScaler (use "
+                "`clip_grad_norm_(..., error_if_nonfinite=True)` or skip such steps), a learning rate that "
+                "overflows fp16 weights, or Adam's eps vanishing in fp16 parameters (keep fp32 master weights).",
+                {"type": c.type, "weights": "nan" if c.par.nan else "inf", "modules": [b.module for b in bad][:20],
+                 "previous_step": prev.step if prev is not None else None, "rank_hint": 12})]
+        prev = r
+    return []
 
 
 def _unlocated(run: RunData) -> list[Finding]:
@@ -170,19 +197,43 @@ def _only_neginf(s) -> bool:
     return s.neginf > 0 and s.posinf == 0 and s.nan == 0
 
 
+def _output_grad_nonfinite(r: StepRecord) -> bool:
+    """The gradient arriving at the model's output is non-finite although the forward ended finite."""
+    root = next((c for c in r.modules if c.depth == 0), None)
+    return (root is not None and root.gout is not None and not root.gout.finite and r.loss_finite is not False
+            and r.output_finite is not False and (root.out is None or root.out.finite) and not r.forward_bad)
+
+
 def _outside_model(run: RunData) -> list[Finding]:
-    """Loss non-finite on a sampled step although no module produced inf/NaN: the loss computation outside
-    the watched model is the producer."""
+    """The loss computation outside the watched model as the producer: the loss went non-finite although every
+    module's output was finite (forward), or the gradient reaching the model's output was already non-finite
+    although the loss was finite (backward: the loss's own backward, e.g. a manual loss scale too large for fp16
+    or an fp16 cast of the loss gradient)."""
+    out_bwd = [r for r in run.steps if _output_grad_nonfinite(r)]
+    benign = bool(out_bwd) and _benign_backward(run, [r.step for r in out_bwd])  # GradScaler's normal backoff
     for r in run.steps:
         p = r.forward_producer
         if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \
                 and not any(c.out is not None and not c.out.finite and not _only_neginf(c.out) for c in r.modules):
-            return [Finding("nan_origin", "error", "forward", None, None, r.step,
-                            "The loss became non-finite outside the watched model (in the loss computation) while "
-                            "every module's output was finite.",
+            inf = r.loss is not None and math.isinf(r.loss)
+            return [Finding("overflow" if inf else "nan_origin", "error", "forward", None, None, r.step,
+                            f"The loss became {'inf' if inf else 'NaN'} outside the watched model (in the loss "
+                            "computation) while every module's output was finite.",
                             "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
-                            "(logsumexp, log_softmax, BCEWithLogits).",
+                            "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.",
                             {"loss": r.loss, "rank_hint": 11})]
+        if _output_grad_nonfinite(r) and not benign:
+            root = next(c for c in r.modules if c.depth == 0)
+            nan = root.gout.nan > 0 and root.gout.posinf + root.gout.neginf == 0
+            return [Finding("nan_origin" if nan else "overflow", "error", "backward", None, None, r.step,
+                            f"The gradient reaching the model's output was already {'NaN' if nan else 'inf'} at "
+                            f"step {r.step}, with a finite loss: the loss computation's own backward, outside the "
+                            "watched model, overflowed (e.g. a hand-made loss scale too large for fp16, or the "
+                            "loss gradient cast to fp16).",
+                            "Use torch.amp.GradScaler (it backs off when the scaled gradients overflow) instead of "
+                            "a fixed multiplier, and compute the loss from `out.float()`.",
+                            {"loss": r.loss, "loss_scale": r.scale, "nonfinite_in": root.gout.nonfinite,
+                             "rank_hint": 13})]
     return []
 
 
