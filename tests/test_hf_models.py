@@ -48,7 +48,13 @@ def bert():
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "t5", "bert", "gpt2-bf16"])
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "bert", "gpt2-bf16", "llama"])
 def test_healthy_hf_models_raise_nothing(name):
     torch.manual_seed(0)
     ids = _ids()
@@ -59,6 +65,8 @@ def test_healthy_hf_models_raise_nothing(name):
                    dtype=torch.bfloat16 if name.endswith("bf16") else torch.float16)
     elif name == "t5":
         rep = _run(t5(), {"input_ids": ids, "attention_mask": am, "labels": ids})
+    elif name == "llama":
+        rep = _run(llama(), {"input_ids": ids, "attention_mask": am, "labels": ids})
     else:
         rep = _run(bert(), {"input_ids": ids, "attention_mask": am, "labels": torch.tensor([0, 1, 0, 1])})
     assert not [f.one_line() for f in rep.findings if f.severity != "info"]
@@ -84,3 +92,18 @@ def test_gpt2_mlp_projection_overflow():
     ids = _ids()
     rep = _run(m, {"input_ids": ids, "labels": ids}, steps=2)
     assert ("overflow", "transformer.h.1.mlp.c_proj") in [(f.rule, f.module) for f in rep.findings[:3]]
+
+
+def test_llama_swiglu_product_overflow_names_the_mlp_not_its_activation():
+    """`act_fn(gate_proj(x)) * up_proj(x)` overflows inside LlamaMLP.forward: the MLP is the producer (op: mul);
+    its SiLU returning zeros for large negative inputs is correct arithmetic, not a silent overflow."""
+    torch.manual_seed(0)
+    m = llama()
+    with torch.no_grad():
+        m.model.layers[1].mlp.gate_proj.weight.mul_(1500)
+        m.model.layers[1].mlp.up_proj.weight.mul_(1500)
+    ids = _ids()
+    rep = _run(m, {"input_ids": ids, "labels": ids}, steps=2)
+    f = rep.findings[0]
+    assert (f.rule, f.module, f.phase, f.op) == ("overflow", "model.layers.1.mlp", "forward", "aten::mul")
+    assert not any(g.module == "model.layers.1.mlp.act_fn" for g in rep.findings)

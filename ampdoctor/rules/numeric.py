@@ -340,6 +340,7 @@ def exceptions(run: RunData, cfg: RuleConfig) -> list[Finding]:
     return []
 
 
+_ACTIVATION = re.compile(r"LU|Act|Mish|Swish|Softmax|Sigmoid|Tanh|Softplus|Gate|Pool")
 _ZERO_OK = ("ReLU", "Dropout", "Threshold", "Hardtanh", "Hardshrink", "Softshrink", "MaxPool", "Embedding",
             "Identity", "Sequential", "ModuleList")
 
@@ -356,6 +357,8 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue
             if any(k in c.type for k in _ZERO_OK) or i.absmax < 256.0 or i.zeros < 0:
                 continue
+            if "Norm" not in c.type and (c.par is None or _ACTIVATION.search(c.type)):
+                continue  # a parameter-free module or an activation (SiLU/GELU of large negatives is 0)
             if o.zeros / o.numel >= 0.25 and i.zeros / max(i.numel, 1) <= 0.02:
                 hits.append(c)
         if hits:
