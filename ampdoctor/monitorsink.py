@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .monitor import scaler_stage
-from .sync import grads_after_unscale
+from .sync import found_inf_all, grads_after_unscale
 from .tensors import local
 
 __all__ = ["MonitorCallbacks"]
@@ -25,6 +25,8 @@ class MonitorCallbacks:
             opt = args[0] if args else kwargs.get("optimizer")
         stage = scaler_stage(self.w.scaler, opt) if opt is not None else None
         ev = self._event(kind, stage=stage)
+        if opt is not None:  # several optimizers may share one scaler (one step each, one update)
+            ev.detail["opt"] = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
         if st.in_scaler_step > 0:
             ev.detail["internal"] = True  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
@@ -36,6 +38,7 @@ class MonitorCallbacks:
             st.scaled_since_update = False
             new = args[0] if args else kwargs.get("new_scale")
             ev.detail["has_steps"] = any(e.kind == "step" for e in st.events)
+            found_inf_all(self)
             if new is not None:
                 ev.detail["new_scale"] = float(new) if not isinstance(new, torch.Tensor) else None
         elif kind == "step":

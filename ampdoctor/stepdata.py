@@ -56,3 +56,4 @@ class _Step:
     pending: object = None
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
+    late: object = None  # values queued after presync (sync.found_inf_all), read at finalize

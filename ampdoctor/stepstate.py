@@ -35,6 +35,7 @@ class StepMachine(MonitorCallbacks):
         self.sinks = sinks
         self.records: list[StepRecord] = []
         self.known_optimizers: set[int] = set()
+        self.opt_numbers: dict[int, int] = {}  # id(optimizer) -> 0, 1, ... in order of first scaler call
         self._rejected_optimizers: set[int] = set()
         self._followup = 0
         self._event_index = 0

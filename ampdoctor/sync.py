@@ -17,7 +17,7 @@ from .storage import store
 from .tensors import local
 from .stats import NSTAT, combine, vector_to_stats
 
-__all__ = ["presync", "finalize", "update_check_pre", "update_check_post", "grads_after_unscale"]
+__all__ = ["presync", "finalize", "update_check_pre", "update_check_post", "grads_after_unscale", "found_inf_all"]
 
 
 class _Pending:
@@ -103,6 +103,18 @@ def grads_after_unscale(m, opt) -> None:
 def _weight_amax(m, st) -> torch.Tensor:
     """Abs-max of each checked parameter (NaN-propagating): are the weights themselves finite?"""
     return _norms([local(m.params[i][1].detach()) for i in st.pw_index], math.inf)
+
+
+def found_inf_all(m) -> None:
+    """At scaler.update() with several optimizers on one scaler: whether any of them found inf this iteration
+    (presync ran at the first scaler.step and saw only that optimizer's). Queued like presync's values."""
+    states = getattr(m.w.scaler, "_per_optimizer_states", None)
+    if m.st.synced is None and m.st.pending is None or not states or len(states) < 2:
+        return
+    fi = [v.detach().double().reshape(()) for s in states.values() for v in s.get("found_inf_per_device", {}).values()]
+    if fi:
+        m.st.late = _Pending([("found_inf_all", torch.stack(fi).sum())],
+                             getattr(m.w.scaler, "_device", "") == "cuda")
 
 
 def presync(m, opt, grads_scaled: bool = False) -> None:
@@ -347,6 +359,11 @@ def finalize(m) -> None:
     g_l2 = [v for v in s["g_l2"]]
     gnorm = math.sqrt(sum(v * v for v in g_l2)) if g_l2 else None
     found_inf = s["found_inf"]
+    if st.late is not None:  # another optimizer on the same scaler found inf: the scaler backs off
+        late = st.late.result().get("found_inf_all", [0.0])[0]
+        st.late = None
+        if late > 0:
+            found_inf = max(found_inf or 0.0, late)
     rec = StepRecord(step=st.step, sampled=st.sampled, loss=losses[-1] if losses else None,
                      loss_finite=all(math.isfinite(v) for v in losses) if losses else None,
                      scale=s["scale"], found_inf=None if found_inf is None else found_inf > 0,

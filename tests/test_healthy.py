@@ -104,3 +104,30 @@ def test_a_mask_module_emitting_minus_inf_is_not_an_error():
     assert rep.exit_code == 0 and rep.summary["first_bad_step"] is None
     info = [f for f in rep.findings if f.module == "attn.mask"]
     assert info and info[0].severity == "info" and info[0].evidence["absorbed"]
+
+
+def test_two_optimizers_sharing_one_scaler_is_the_documented_pattern():
+    """torch AMP docs, "multiple models, losses and optimizers": one GradScaler, unscale_/step per optimizer,
+    one update per iteration — not a missing update, not a misorder. Stepping one of them twice still is."""
+    import ampdoctor
+    torch.manual_seed(0)
+    m0 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    m1 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    o0, o1 = torch.optim.SGD(m0.parameters(), lr=1e-2), torch.optim.Adam(m1.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu")
+    x = torch.randn(16, 8)
+    with ampdoctor.watch(nn.ModuleDict({"g": m0, "d": m1}), optimizer=o0, scaler=sc, every=1) as w:
+        for _ in range(6):
+            o0.zero_grad()
+            o1.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                l0, l1 = m0(x).float().pow(2).mean(), (m1(x).float() - 1).pow(2).mean()
+            sc.scale(l0).backward(retain_graph=True)
+            sc.scale(l1).backward()
+            sc.unscale_(o0)
+            torch.nn.utils.clip_grad_norm_(m0.parameters(), 1.0)
+            sc.unscale_(o1)
+            sc.step(o0)
+            sc.step(o1)
+            sc.update()
+    _no_alarm(w)

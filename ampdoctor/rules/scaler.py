@@ -162,6 +162,11 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
         for p in reversed(prev):
             if p.kind == "update":
                 break
+            # unscale_/step of another optimizer sharing the scaler: one step each, one update, is the
+            # documented multi-optimizer pattern
+            if p.kind in ("unscale_", "step") and p.detail.get("opt") != e.detail.get("opt") \
+                    and e.kind in ("unscale_", "step"):
+                continue
             since_update.append(p)
         since_update.reverse()
         if e.kind == "update" and (_NO_INF in (e.error or "") or not any(p.kind == "step" for p in since_update)):
