@@ -127,6 +127,17 @@ def test_overflow_risk_warns_below_one_bit_of_headroom():
     assert got == [("overflow_risk", "warning", "ff")]
 
 
+def test_fp32_values_beyond_fp16_warn_only_when_a_later_module_takes_them():
+    """Under fp16 autocast an fp32 output above 65504 overflows only if it is cast down, i.e. fed to another
+    module; a loss computed in fp32 is not."""
+    big = dict(dtype="float32", ref="float16", absmax=8e5, overflow_as_ref=5)
+    loss = ModuleCall("crit", "SumLoss", 0, 0, 1, inp=ts(), out=ts(**big))
+    assert rules_of([StepRecord(0, sampled=True, modules=[loss])]) == []
+    norm = ModuleCall("ln", "LayerNorm", 0, 0, 1, inp=ts(), out=ts(**big))
+    ff = ModuleCall("ff", "Linear", 0, 1, 1, inp=ts(**big), out=ts(absmax=100.0))
+    assert rules_of([StepRecord(0, sampled=True, modules=[norm, ff])]) == [("overflow_risk", "warning", "ln")]
+
+
 def test_env_tf32_on_pre_ampere_gpu():
     env = {"device": "Tesla V100", "compute_capability": [7, 0], "allow_tf32_matmul": True,
            "float32_matmul_precision": "high"}

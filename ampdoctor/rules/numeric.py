@@ -250,6 +250,10 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
             mx = DTYPE_LIMITS.get(o.ref, DTYPE_LIMITS["float32"])[0]
             if o.dtype != o.ref and o.absmax >= 1e30:
                 continue  # an fp32 mask constant (finfo.min) among the outputs, not an activation
+            if o.dtype != o.ref and not any(d.seq > c.seq and d.depth <= c.depth and d.inp is not None
+                                            and d.inp.overflow_as_ref > 0 for d in r.modules):
+                continue  # a wide tensor beyond the autocast dtype's range that no later module takes as input
+                # (e.g. a loss computed in fp32): it is never cast down
             head = math.log2(mx / o.absmax) if o.absmax > 0 else math.inf
             if head < cfg.near_max_bits or o.overflow_as_ref > 0:
                 seen[c.module] = Finding(
