@@ -60,9 +60,11 @@ def forward_producer(calls: list[ModuleCall], parents: dict[int, int | None]) ->
     cands = [c for c in calls if c.seq not in tainted and _kind(c.inp, c.out)]
     if not cands:
         return None
-    if any(_kind(c.inp, c.out) == "inf" for c in cands):
-        # NaN made from an inf input (inf - inf, 0 * inf) is that inf's consequence, not a separate origin
-        cands = [c for c in cands if not (_kind(c.inp, c.out) == "nan" and _has_inf(c.inp))]
+    # NaN made from an inf input (inf - inf, 0 * inf) is that inf's consequence, not a separate origin: the inf
+    # came from another candidate, or from an op of an enclosing module (whose output may then hold only NaN)
+    made = [c for c in cands if not (_kind(c.inp, c.out) == "nan" and _has_inf(c.inp))]
+    if made:
+        cands = made
     # A call that emits only -inf is often meant to (an additive attention mask): an overflow or NaN made
     # elsewhere in the step is the better origin
     strong = [c for c in cands if not _mask_like(c.out)]
@@ -97,6 +99,9 @@ def backward_producer(calls: list[ModuleCall], parents: dict[int, int | None],
             cands.append((c, k))
     if not cands:
         return None
+    made = [(c, k) for c, k in cands if not (k == "nan" and _has_inf(c.gout))]  # NaN from an inf gradient
+    if made:
+        cands = made
     inner = _innermost([c for c, _ in cands], parents)
     kinds = {id(c): k for c, k in cands}
     def order(c: ModuleCall):

@@ -396,3 +396,37 @@ def test_fixed_manual_loss_scale_overflowing_the_output_gradient_is_named():
     f = next(f for f in rep.findings if f.module is None and f.rule == "overflow")
     assert f.phase == "backward" and f.step == 0
     assert not any(g.module in ("0", "2") and g.phase == "backward" and g.severity == "error" for g in rep.findings)
+
+
+class _WideSwiGLU(nn.Module):
+    def __init__(self, d=64, h=256):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class _WideMLPModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mlp, self.head = nn.Linear(16, 64), _WideSwiGLU(), nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(self.mlp(self.inp(x)))
+
+
+def test_overflow_inside_a_module_whose_child_turns_it_into_nan_names_the_module():
+    """The product overflows inside `mlp.forward` (no module of its own); `mlp.down` then sums +inf and -inf into
+    NaN, so `mlp` outputs only NaN. The NaN made from an inf input is the consequence: `mlp` is the producer."""
+    torch.manual_seed(0)
+    m = _WideMLPModel()
+    with torch.no_grad():
+        m.mlp.gate.weight.mul_(400)
+        m.mlp.up.weight.mul_(400)
+    x = torch.randn(8, 16) * 4
+    w = train(m, lambda i: (x,), mse_to_zero, steps=3)
+    assert w.steps[0].forward_producer.module == "mlp"
+    rep = top3(w, "overflow", "mlp")
+    assert rep.findings[0].op == "aten::mul"
+    assert not any(f.module == "mlp.down" and f.severity == "error" for f in rep.findings)
