@@ -63,7 +63,8 @@ class MonitorCallbacks:
             try:
                 fi = self.w.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
                 if fi:
-                    st.found_inf_t = torch.stack([v.detach().double().reshape(()) for v in fi.values()]).sum()
+                    vs = [v.detach().reshape(-1) for v in fi.values()]  # fresh tensors per unscale_: no copy
+                    st.found_inf_t = vs[0] if len(vs) == 1 else torch.cat([v.double() for v in vs]).sum()
             except (AttributeError, KeyError, TypeError):
                 pass
             self._presync(opt)

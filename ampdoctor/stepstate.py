@@ -218,9 +218,9 @@ class StepMachine(MonitorCallbacks):
             if outs:
                 # a sum is non-finite when any value is (inf - inf = NaN); in a wider dtype it cannot overflow,
                 # and unlike isfinite(t).all() it allocates nothing the size of the output (e.g. the logits)
-                ok = torch.isfinite(torch.stack([t.sum(dtype=torch.float32 if t.dtype == torch.float16
-                                                         else torch.float64) for t in outs])).all()
-                st.out_ok.append((ok, len(st.batches) - 1))
+                sums = [t.sum(dtype=torch.float32 if t.dtype == torch.float16 else torch.float64).reshape(1)
+                        for t in outs]
+                st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
         if c is None or exc is not None:
             return
         for t in flatten_tensors(output, []):

@@ -28,10 +28,10 @@ class _Pending:
     def __init__(self, parts: list[tuple[str, torch.Tensor]], asynchronous: bool):
         by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for k, t in parts:
-            by_dev.setdefault(t.device, []).append((k, t.reshape(-1).to(torch.float64)))
+            by_dev.setdefault(t.device, []).append((k, t.reshape(-1)))
         self.items = []
         for dev, items in by_dev.items():
-            flat = torch.cat([t for _, t in items])
+            flat = torch.cat([t for _, t in items]) if len(items) > 1 else items[0][1]
             ev = None
             if asynchronous and dev.type == "cuda":
                 host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -122,12 +122,14 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     if st.synced is not None or st.pending is not None:
         return
     parts: list[tuple[str, torch.Tensor]] = []
+    # few kernels on routine steps: no per-value conversions (torch.cat promotes to the widest dtype)
     if st.losses:
-        parts.append(("loss", torch.stack([x.to(torch.float64) for x in st.losses])))
+        parts.append(("loss", st.losses[0].reshape(-1) if len(st.losses) == 1 else
+                      torch.cat([x.reshape(-1) for x in st.losses])))
     if st.scale_t is not None:
         parts.append(("scale", st.scale_t))
-    if st.out_ok:
-        parts.append(("out_ok", torch.stack([ok.to(torch.float64) for ok, _ in st.out_ok])))
+    if st.out_ok:  # the sums of each micro-batch's outputs: non-finite iff an output value was
+        parts.append(("out_ok", torch.cat([ok for ok, _ in st.out_ok]) if len(st.out_ok) > 1 else st.out_ok[0][0]))
     if st.found_inf_t is not None and isinstance(st.found_inf_t, torch.Tensor):
         parts.append(("found_inf", st.found_inf_t))
     via_scaler = st.in_scaler_step > 0
@@ -198,7 +200,12 @@ def resolve(m) -> None:
     g_l2 = [v / div for v in host.get("g_l2", [])]
     losses = host.get("loss", [])
     grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
-    out_ok = host.get("out_ok", [])
+    out_sums = host.get("out_ok", [])
+    out_ok, i = [], 0  # per micro-batch: were all of its output sums finite?
+    for ok, _ in st.out_ok:
+        n = ok.numel()
+        out_ok.append(1.0 if all(math.isfinite(v) for v in out_sums[i:i + n]) else 0.0)
+        i += n
     st.output_finite = all(v == 1.0 for v in out_ok) if out_ok else None
     w_amax = host.get("w_amax", [])
     if st.w_deferred and st.pw_index and (grad_finite is False or st.output_finite is False or (found_inf or 0) > 0
