@@ -160,6 +160,39 @@ def test_precision_loss_found():
     assert not [x for x in rep.findings if x.rule == "precision_loss" and x.module != "cancel"]
 
 
+def test_precision_loss_that_every_later_module_inherits(tmp_path):
+    """Diffusion-style timesteps ~1000 pass a Linear in bf16 (spacing 4 or 8 there) before sin/cos: the embedding
+    is 39% off and everything after it inherits the error, so the median module is off too. The module that
+    turned exact inputs into that error is named; those that only inherit it are not."""
+    class TimeEmb(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Linear(1, 1, bias=False)
+            torch.nn.init.ones_(self.scale.weight)
+            self.register_buffer("freqs", torch.exp(-torch.arange(16) / 16 * 4.0))
+
+        def forward(self, t):
+            tt = self.scale(t)
+            return torch.cat([torch.sin(tt * self.freqs), torch.cos(tt * self.freqs)], -1)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temb = TimeEmb()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+
+        def forward(self, t):
+            return self.mlp(self.temb(t))
+    torch.manual_seed(0)
+    m = M()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cap = save_batch(str(tmp_path / "cap"), m, torch.tensor([[997.0], [999.0], [1001.0], [1003.0]]))
+    rep = replay(cap, model=m)
+    f = find(rep, rule="precision_loss", module="temb")
+    assert f.evidence["rel_err"] > 0.1 and (f.evidence["in_rel_err"] or 0.0) < 1e-3
+    assert [x.module for x in rep.findings if x.rule == "precision_loss"] == ["temb"]
+
+
 def test_replay_leaves_model_unchanged(tmp_path):
     case = fm.case_attn()
     path = capture(tmp_path, case)

@@ -122,17 +122,20 @@ def module_errors(lo: Recorder, hi: Recorder) -> list[dict]:
     return rows
 
 
-def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e-2) -> list[dict]:
+def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e-2,
+                       strong: float = 0.1) -> list[dict]:
     """Rows whose error is > floor, > factor × the error of their inputs, and whose *own* contribution
-    (rel_err − in_rel_err) is > factor × the median contribution: downstream modules that only inherit an
-    error are not blamed. When a module and one of its ancestors both qualify, the innermost is kept."""
+    (rel_err − in_rel_err) is > factor × the median contribution — or which turn accurate inputs into an error
+    of `strong` (10%) or more, however many modules downstream inherit it (then the median is large too).
+    Downstream modules that only inherit an error are not blamed. When a module and one of its ancestors both
+    qualify, the innermost is kept."""
     fin = [r for r in rows if math.isfinite(r["rel_err"]) and math.isfinite(r["in_rel_err"] or 0.0)]
     if len(fin) < 3:
         return []
     own = {id(r): max(r["rel_err"] - (r["in_rel_err"] or 0.0), 0.0) for r in fin}
     med = statistics.median(own.values())
     hits = [r for r in fin if r["rel_err"] > floor and r["rel_err"] > factor * (r["in_rel_err"] or 0.0)
-            and own[id(r)] > factor * max(med, 1e-12)]
+            and (own[id(r)] > factor * max(med, 1e-12) or r["rel_err"] >= strong)]
     names = {r["module"] for r in hits}
     return [dict(r, median=med) for r in hits
             if not any(o != r["module"] and (r["module"] == "" or o.startswith(r["module"] + ".")) for o in names)]
