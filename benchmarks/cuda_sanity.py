@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import ampdoctor  # noqa: E402
 from scenarios import TinyGPT  # noqa: E402
+from test_failures import _WideMLPModel as MLPModel  # noqa: E402
 from test_healthy import MaskModuleModel  # noqa: E402
 
 DEV = torch.device(os.environ.get("AMPDOCTOR_SANITY_DEVICE", "cuda"))  # "cpu" to try the cases here
@@ -43,24 +44,6 @@ def loop(models, opts, batch, loss_fn, steps=6, every=1):
                 sc.step(o)
             sc.update()
     return w.report()
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d=64, h=256):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
-
-
-class MLPModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.mlp, self.head = nn.Linear(16, 64), SwiGLU(), nn.Linear(64, 1)
-
-    def forward(self, x):
-        return self.head(self.mlp(self.inp(x)))
 
 
 def main() -> int:

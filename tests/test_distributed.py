@@ -7,24 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import ampdoctor
+import distsetup
+from distsetup import BACKEND, DEV, WORLD, available, process_group
 
-WORLD = 2
-# gloo on CPU in CI; AMPDOCTOR_TEST_BACKEND=nccl runs the same test on two GPUs (recorded in benchmarks/RESULTS.md)
-BACKEND = os.environ.get("AMPDOCTOR_TEST_BACKEND", "gloo")
-DEV = "cuda" if BACKEND == "nccl" else "cpu"
-
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_backend_available(BACKEND)
-    or (DEV == "cuda" and torch.cuda.device_count() < WORLD), reason=f"torch.distributed with {BACKEND} is not available")
+pytestmark = pytest.mark.skipif(not available(), reason=f"torch.distributed with {BACKEND} is not available")
 STEPS = 4
 BAD_STEP = 1
 
@@ -39,19 +31,8 @@ class Net(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, run_dir: str, case: str) -> None:
-    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        dev = torch.device(DEV, rank) if DEV == "cuda" else torch.device("cpu")
-        if DEV == "cuda":
-            torch.cuda.set_device(dev)
+    with process_group(rank, port) as dev:
         model = torch.nn.parallel.DistributedDataParallel(Net().to(dev))  # syncs rank 0's weights to every rank
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         init = 2.0 ** 16 if (case != "diverge" or rank == 0) else 2.0 ** 10  # e.g. a stale scaler checkpoint
@@ -73,15 +54,10 @@ def _worker(rank: int, port: int, run_dir: str, case: str) -> None:
         w.close()
         with open(os.path.join(run_dir, f"done-{rank}.json"), "w") as f:
             json.dump({"rank": w.meta.rank, "world": w.meta.world_size, "steps": len(w.steps)}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def run(tmp_path, case: str) -> str:
-    run_dir = str(tmp_path / case)
-    os.makedirs(run_dir)
-    mp.spawn(_worker, args=(_free_port(), run_dir, case), nprocs=WORLD, join=True)
-    return run_dir
+    return distsetup.run(_worker, tmp_path, case)
 
 
 def test_ranks_write_their_own_dirs_and_the_inf_rank_is_named(tmp_path):

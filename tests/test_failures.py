@@ -398,19 +398,10 @@ def test_fixed_manual_loss_scale_overflowing_the_output_gradient_is_named():
     assert not any(g.module in ("0", "2") and g.phase == "backward" and g.severity == "error" for g in rep.findings)
 
 
-class _WideSwiGLU(nn.Module):
-    def __init__(self, d=64, h=256):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class _WideMLPModel(nn.Module):
     def __init__(self):
         super().__init__()
-        self.inp, self.mlp, self.head = nn.Linear(16, 64), _WideSwiGLU(), nn.Linear(64, 1)
+        self.inp, self.mlp, self.head = nn.Linear(16, 64), SwiGLU(64, 256), nn.Linear(64, 1)
 
     def forward(self, x):
         return self.head(self.mlp(self.inp(x)))

@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import ampdoctor
+import distsetup
+from distsetup import BACKEND, DEV, WORLD, available, process_group
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -26,14 +25,8 @@ try:
 except ImportError:  # pragma: no cover - older torch
     fully_shard = None
 
-WORLD = 2
-# gloo on CPU in CI; AMPDOCTOR_TEST_BACKEND=nccl runs the same test on two GPUs (recorded in benchmarks/RESULTS.md)
-BACKEND = os.environ.get("AMPDOCTOR_TEST_BACKEND", "gloo")
-DEV = "cuda" if BACKEND == "nccl" else "cpu"
-
-pytestmark = pytest.mark.skipif(
-    fully_shard is None or not dist.is_available() or not dist.is_backend_available(BACKEND)
-    or (DEV == "cuda" and torch.cuda.device_count() < WORLD), reason=f"FSDP2 with {BACKEND} is not available")
+pytestmark = pytest.mark.skipif(fully_shard is None or not available(),
+                                reason=f"FSDP2 with {BACKEND} is not available")
 STEPS = 4
 BAD_STEP = 2
 
@@ -49,19 +42,8 @@ class Net(torch.nn.Module):
         return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, run_dir: str, case: str) -> None:
-    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        dev = torch.device(DEV, rank) if DEV == "cuda" else torch.device("cpu")
-        if DEV == "cuda":
-            torch.cuda.set_device(dev)
+    with process_group(rank, port) as dev:
         model = Net().to(dev)
         for mod in (model.fc1, model.fc2, model.head):
             fully_shard(mod)
@@ -90,15 +72,10 @@ def _worker(rank: int, port: int, run_dir: str, case: str) -> None:
         with open(os.path.join(run_dir, f"done-{rank}.json"), "w") as f:
             json.dump({"steps": len(w.steps), "norms": norms,
                        "sharded": sorted(p.name for s in w.steps for p in s.params if p.sharded)}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def run(tmp_path, case: str) -> str:
-    run_dir = str(tmp_path / case)
-    os.makedirs(run_dir)
-    mp.spawn(_worker, args=(_free_port(), run_dir, case), nprocs=WORLD, join=True)
-    return run_dir
+    return distsetup.run(_worker, tmp_path, case)
 
 
 def test_sharded_gradient_norms_are_global_and_healthy_run_is_quiet(tmp_path):
