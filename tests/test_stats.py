@@ -49,3 +49,23 @@ def test_c_cpu_path_equals_eager(x, ref):
         x = big.reshape(x.shape) if x.is_contiguous() else x
     got, want = cpustats.stats(x, ref), full_stats(x, ref)
     assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0)), (got, want)
+
+
+def test_without_a_c_compiler_the_watch_falls_back(tmp_path):
+    """No usable `cc` (CC=false, empty cache): cpustats is unavailable and a watched step still gets its
+    statistics (eager here: every=20 does not compile)."""
+    import subprocess
+    import sys
+    code = (
+        "import torch, ampdoctor\n"
+        "from ampdoctor import cpustats\n"
+        "assert not cpustats.available()\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+        "with ampdoctor.watch(m, every=20) as w:\n"
+        "    m(torch.randn(2, 4)).sum().backward()\n"
+        "c = [c for c in w.steps[0].modules if c.module == '0'][0]\n"
+        "assert c.out.numel == 16 and c.gout is not None\n"
+        "print('ok')\n")
+    env = dict(__import__("os").environ, CC="false", XDG_CACHE_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
