@@ -69,8 +69,10 @@ def _worker(rank: int, port: int, run_dir: str, case: str) -> None:
             scaler.step(opt)
             scaler.update()
         w.close()
+        live = w.report()  # one rank's own view, in the training process (shard norms, no capture to replay)
         with open(os.path.join(run_dir, f"done-{rank}.json"), "w") as f:
-            json.dump({"steps": len(w.steps), "norms": norms,
+            json.dump({"steps": len(w.steps), "norms": norms, "live_exit": live.exit_code,
+                       "live_top": [f.rule for f in live.findings[:3]],
                        "sharded": sorted(p.name for s in w.steps for p in s.params if p.sharded)}, f)
 
 
@@ -83,6 +85,7 @@ def test_sharded_gradient_norms_are_global_and_healthy_run_is_quiet(tmp_path):
     done = [json.loads(open(os.path.join(run_dir, f"done-{r}.json")).read()) for r in range(WORLD)]
     assert all(d["steps"] == STEPS for d in done)
     assert "fc1.weight" in done[0]["sharded"]  # each rank's own record holds its shard's norm, marked as such
+    assert [d["live_exit"] for d in done] == [0, 0]
     rep = ampdoctor.diagnose(run_dir)
     assert not [f.to_dict() for f in rep.findings if f.severity in ("error", "warning")]
     assert rep.summary["model_class"] == f"{__name__}.Net"  # not FSDP2's generated FSDPNet
@@ -100,6 +103,8 @@ def test_sharded_gradient_norms_are_global_and_healthy_run_is_quiet(tmp_path):
 
 def test_inf_on_one_rank_names_the_rank_and_module(tmp_path):
     run_dir = run(tmp_path, "inf")
+    live = json.loads(open(os.path.join(run_dir, "done-1.json")).read())
+    assert live["live_exit"] == 1 and live["live_top"][0] in ("overflow", "nan_origin")
     rep = ampdoctor.diagnose(run_dir)
     top = [f for f in rep.findings[:3] if f.rule in ("overflow", "nan_origin")]
     assert top, [f.to_dict() for f in rep.findings]
