@@ -46,8 +46,7 @@ def thresholds(dt: torch.dtype, ref: torch.dtype) -> tuple[float, float, float]:
 
 
 def is_measurable(x) -> bool:
-    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided
-            and not x.is_meta and x.device.type != "meta")
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided and not x.is_meta
 
 
 def ref_dtype(dt: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
@@ -105,14 +104,13 @@ def light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
 
 def vector_to_stats(row, dtype: str, ref: str) -> TensorStats:
     """Host-side: a list of NSTAT floats (one row read back) -> TensorStats. -1 means not measured."""
-    v = dict(zip(STAT_FIELDS, row))
-    def cnt(k):
-        return int(v[k]) if v[k] >= 0 else 0
-    mn = v["min_nonzero"]
-    return TensorStats(dtype=dtype, ref=ref, numel=cnt("numel"), nan=cnt("nan"), posinf=cnt("posinf"),
-                       neginf=cnt("neginf"), zeros=cnt("zeros"), absmax=float(v["absmax"]),
+    n, nan, pinf, ninf, zeros, absmax, mn, near, sub, ovf = row  # records.STAT_FIELDS order
+    return TensorStats(dtype=dtype, ref=ref, numel=int(n) if n >= 0 else 0, nan=int(nan) if nan >= 0 else 0,
+                       posinf=int(pinf) if pinf >= 0 else 0, neginf=int(ninf) if ninf >= 0 else 0,
+                       zeros=int(zeros) if zeros >= 0 else 0, absmax=float(absmax),
                        min_nonzero=None if (mn < 0 or math.isinf(mn)) else float(mn),
-                       near_max=cnt("near_max"), subnormal=cnt("subnormal"), overflow_as_ref=cnt("overflow_as_ref"))
+                       near_max=int(near) if near >= 0 else 0, subnormal=int(sub) if sub >= 0 else 0,
+                       overflow_as_ref=int(ovf) if ovf >= 0 else 0)
 
 
 def combine(stats: list[TensorStats]) -> TensorStats | None:

@@ -54,8 +54,14 @@ def module_type(cls: type, qualified: bool = False) -> str:
     return _TYPES[key]
 
 
+_DT_NAMES: dict = {}
+
+
 def dt_name(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
+    name = _DT_NAMES.get(d)
+    if name is None:
+        name = _DT_NAMES[d] = str(d).replace("torch.", "")
+    return name
 
 
 def loss_of(output):
