@@ -23,15 +23,24 @@ _LIB_DIRS = tuple(os.path.join(_SITE, n) + os.sep for n in ("transformers", "acc
                                                               "pytorch_lightning", "lightning_fabric"))
 
 
+_SKIP_PREFIXES = (_PKG_DIR, _TORCH_DIR, "<frozen") + _LIB_DIRS
+_SKIP_CODE: dict = {}  # code object -> whether its frames are skipped (decided once per function)
+
+
 def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
-    """(file, line) of the first frame outside ampdoctor and torch."""
+    """(file, line) of the first frame outside ampdoctor, torch and the trainer libraries."""
     f = sys._getframe(skip)
     while f is not None:
-        fn = f.f_code.co_filename
-        if not (fn.startswith(_PKG_DIR) or fn.startswith(_TORCH_DIR) or fn.startswith("<frozen")
-                or fn.startswith(_LIB_DIRS)
-                or "/contextlib.py" in fn or "/functools.py" in fn):
-            return fn, f.f_lineno
+        code = f.f_code
+        skipped = _SKIP_CODE.get(code)
+        if skipped is None:
+            if len(_SKIP_CODE) > 4096:  # generated code (exec, compile) must not grow it forever
+                _SKIP_CODE.clear()
+            fn = code.co_filename
+            skipped = _SKIP_CODE[code] = (fn.startswith(_SKIP_PREFIXES) or fn.endswith("/contextlib.py")
+                                          or fn.endswith("/functools.py"))
+        if not skipped:
+            return code.co_filename, f.f_lineno
         f = f.f_back
     return None, None
 
