@@ -133,8 +133,11 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    f"{' (' + c.autocast + ' autocast)' if c and c.autocast else ''}; everything after it only "
                    "passed the non-finite values on.")
             fix = ("Keep this module in fp32 or rescale before the operation that overflows, e.g.\n"
-                   + AUTOCAST_OFF.format(m=module or "the model", dev=_dev(run)) +
-                   "\nRun `ampdoctor replay` on the capture to see the exact op. bf16 has fp32's range.")
+                   + AUTOCAST_OFF.format(m=module or "the model", dev=_dev(run))
+                   + ("\nRun `ampdoctor replay` on the capture to see the exact op."
+                      if any(r.capture for r in run.steps)
+                      else "\nTo see the exact op, save a failing batch (`ampdoctor.save_batch`) and replay it.")
+                   + " bf16 has fp32's range.")
         else:
             what = "turned a finite incoming gradient into ±inf" if kind == "inf" else \
                 "produced NaN gradients from a NaN-free incoming gradient"
