@@ -156,3 +156,17 @@ def test_train_twice_appends_a_run(tmp_path):
     tr.train()
     man = json.loads((tmp_path / "out" / "ampdoctor" / "manifest.json").read_text())
     assert len(man["runs"]) == 2 and cb.watch is None
+
+
+def test_forward_overflow_in_a_trainer_run_is_named_at_the_layer(tmp_path, fp16_on_cpu):
+    """Through the callback, a real fp16 overflow (a GPT-2 MLP projection with huge weights) is named at the
+    producing layer, with the op from the replay of the captured step."""
+    cb = AmpDoctorCallback(run_dir=tmp_path / "ad", every=1)
+    tr = make_trainer(tmp_path, cb)
+    with torch.no_grad():
+        tr.model.transformer.h[1].mlp.c_proj.weight.mul_(3e6)
+    fp16_on_cpu(tr)
+    train(tr)
+    top = [(f.rule, f.module) for f in cb.report.findings[:3]]
+    assert ("overflow", "transformer.h.1.mlp.c_proj") in top, [f.one_line() for f in cb.report.findings]
+    assert cb.report.exit_code == 1

@@ -130,3 +130,15 @@ def test_exception_still_writes_the_report(tmp_path):
         fit(tmp_path, cb, module=Regressor(fail_at=2), precision="bf16-mixed")
     assert cb.watch is None and (tmp_path / "ampdoctor" / "report.json").exists()
     assert cb.report.summary["steps"] == 2
+
+
+def test_fp16_plugin_forward_overflow_is_named_at_the_layer(tmp_path):
+    """A layer whose fp16 output overflows, in a module whose training_step calls a submodule: the callback's
+    report names that layer."""
+    cb = AmpDoctorLightningCallback(every=1)
+    module = Regressor()
+    with torch.no_grad():
+        module.net[0].weight.mul_(1e5)
+    fit(tmp_path, cb, module=module, plugins=[fp16_plugin()])
+    top = [(f.rule, f.module) for f in cb.report.findings[:3]]
+    assert ("overflow", "net.0") in top, [f.one_line() for f in cb.report.findings]
