@@ -124,26 +124,39 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _THRESH: dict = {}
 
 
+def _compile(cc: str, so: str) -> None:
+    """Compile _SRC to `so`, atomically: built next to it, then renamed (same directory, same file system)."""
+    tmp = f"{so}.{os.getpid()}.tmp"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "cpustats.c")
+        with open(src, "w") as f:
+            f.write(_SRC)
+        for extra in (["-DAD_CLONES"], []):  # without function multiversioning where it is unsupported
+            r = subprocess.run([cc, "-O3", "-fopenmp-simd", "-fPIC", "-shared", *extra, "-o", tmp, src, "-lm"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+            if r.returncode == 0:
+                break
+        r.check_returncode()
+    os.replace(tmp, so)  # a concurrent process (another rank) sees no library or the whole one
+
+
 def _build():
     cc = os.environ.get("CC", "cc")
     tag = hashlib.sha1((_SRC + cc + sys.platform).encode()).hexdigest()[:12]
-    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                        "ampdoctor")
-    so = os.path.join(root, f"cpustats-{tag}.so")
-    if not os.path.exists(so):
-        os.makedirs(root, exist_ok=True)
-        with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "cpustats.c")
-            with open(src, "w") as f:
-                f.write(_SRC)
-            tmp = os.path.join(d, "cpustats.so")
-            for extra in (["-DAD_CLONES"], []):  # without function multiversioning where it is unsupported
-                r = subprocess.run([cc, "-O3", "-fopenmp-simd", "-fPIC", "-shared", *extra, "-o", tmp, src, "-lm"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-                if r.returncode == 0:
-                    break
-            r.check_returncode()
-            os.replace(tmp, so)  # atomic: a concurrent process sees the old state or the whole library
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    so, err = None, None
+    for root in (os.path.join(cache, "ampdoctor"), os.path.join(tempfile.gettempdir(), f"ampdoctor-{uid}")):
+        so = os.path.join(root, f"cpustats-{tag}.so")
+        try:  # a read-only home falls back to the temporary directory
+            if not os.path.exists(so):
+                os.makedirs(root, exist_ok=True)
+                _compile(cc, so)
+            break
+        except OSError as e:
+            err, so = e, None
+    if so is None:
+        raise err
     lib = ctypes.CDLL(so)
     lib.ad_init()
     vp, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
