@@ -39,7 +39,7 @@ def _summary(meta, steps, findings, run_dir) -> dict:
         op = f" ({top.op})" if top.op else ""
         st = f", step {top.step}" if top.step is not None else ""
         verdict = f"{top.rule}{where}{op}{st}: {top.message}"
-    # a step whose only trouble is a forward producer that later ops absorbed (see rules.numeric._absorbed:
+    # a step whose only trouble is a forward producer that later ops absorbed (see rules.origins._absorbed:
     # e.g. an additive -inf mask) went fine
     absorbed = {f.module for f in findings if f.evidence.get("absorbed")}
     bad = [r for r in steps if r.skipped or r.grad_finite is False or r.backward_producer is not None

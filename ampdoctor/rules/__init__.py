@@ -83,4 +83,4 @@ def run_rules(run: RunData, config: RuleConfig | None = None) -> list[Finding]:
     return out
 
 
-from . import numeric, scaler, weights, envrules  # noqa: E402,F401  (registration)
+from . import origins, numeric, scaler, weights, envrules  # noqa: E402,F401  (registration)

@@ -1,0 +1,235 @@
+"""Where an inf/NaN came from: the `producers` rule (overflow, nan_origin) over the module-level producers of
+each bad step, and the origins that are not a module's forward or backward: the loss computed outside the model,
+the loss's own backward, weights an earlier update wrote, and a bad step without per-layer statistics."""
+from __future__ import annotations
+
+import math
+
+from ..findings import Finding
+from ..records import ModuleCall, StepRecord
+from . import RuleConfig, RunData, register
+
+AUTOCAST_OFF = ("with torch.autocast(device_type=\"{dev}\", enabled=False):\n"
+                "    out = module(x.float())   # run {m} in fp32")
+
+
+# modules whose output is a sum of products: NaN from finite inputs there means partial sums overflowed
+_ACCUMULATING = {"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+                 "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear"}
+
+
+def autocast_device(run: RunData) -> str:
+    """The autocast device of the run ("cuda" unless it ran on the CPU)."""
+    ac = next((r.autocast for r in run.steps if r.autocast), None)
+    return ac.split(":")[0] if ac else ("cpu" if (run.meta.env or {}).get("device", "cpu") == "cpu" else "cuda")
+
+
+def _call(rec: StepRecord, module: str, call: int) -> ModuleCall | None:
+    return next((c for c in rec.modules if c.module == module and c.call == call), None)
+
+
+def _benign_backward(run: RunData, steps: list[int]) -> bool:
+    """A backward inf/NaN that the GradScaler handled as designed: every occurrence is a skipped step with a
+    finite loss, and the run recovered (a later step was not skipped) without a long streak."""
+    if not run.has_scaler:
+        return False
+    by = {r.step: r for r in run.steps}
+    if not all(by[s].skipped and by[s].loss_finite is not False for s in steps if s in by):
+        return False
+    last = max(steps)
+    if any(not r.skipped and r.step > last for r in run.steps):
+        return len(steps) <= 16  # recovered: the scale search worked
+    # not recovered (yet): still benign while the scale is high and the run is only starting its search;
+    # NaN made in backward that survives several halvings is a real origin, not a scale problem
+    first = run.steps[0].step
+    consecutive = steps == list(range(first, first + len(steps)))
+    kind_nan = any((by[s].backward_producer or by[s].forward_producer) and
+                   (by[s].backward_producer or by[s].forward_producer).kind == "nan" for s in steps if s in by)
+    scale = by[last].scale if last in by else None
+    return consecutive and len(steps) < 10 and (scale is None or scale >= 1.0) and not (kind_nan and len(steps) >= 3)
+
+
+def _absorbed(recs: list[StepRecord]) -> bool:
+    """Non-finite forward values that never reached the loss or the outputs: no step of the group had a
+    non-finite loss, output or crash, and either the values were only -inf (a mask: what the backward does is
+    the backward's business) or at least one step was stepped with finite gradients."""
+    if any(r.loss_finite is False or r.output_finite is False or r.exception for r in recs):
+        return False
+    if all(not r.forward_bad for r in recs):  # only -inf (a mask), and the forward ended finite
+        return True
+    return any(not r.skipped and r.grad_finite is not False and (r.loss_finite or r.output_finite) for r in recs)
+
+
+def _evidence(c: ModuleCall | None, phase: str, rec: StepRecord) -> dict:
+    ev: dict = {"call": c.call if c else None, "type": c.type if c else None}
+    if c is None:
+        return ev
+    a, b = (c.inp, c.out) if phase == "forward" else (c.gout, c.gin)
+    if a is not None:
+        ev["absmax_in"] = a.absmax
+        ev["nonfinite_in"] = a.nonfinite
+    if b is not None:
+        ev["absmax_out_finite"] = b.absmax
+        ev.update({"nan_out": b.nan, "posinf_out": b.posinf, "neginf_out": b.neginf, "numel_out": b.numel,
+                   "dtype_out": b.dtype, "ref": b.ref})
+    if c.autocast:
+        ev["autocast"] = c.autocast
+    if phase == "backward" and rec.scale:
+        ev["loss_scale"] = rec.scale
+    return ev
+
+
+@register("producers", emits=("overflow", "nan_origin"))
+def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """The first inf/NaN producer of each bad step, grouped by (phase, module, kind)."""
+    groups: dict[tuple, list[StepRecord]] = {}
+    for r in run.steps:
+        for p in (r.forward_producer, r.backward_producer):
+            if p is None or (p.phase == "backward" and (r.loss_finite is False or r.output_finite is False
+                                                        or _output_grad_nonfinite(r))):
+                continue  # the backward of a non-finite loss/output/output gradient: a consequence
+            groups.setdefault((p.phase, p.module, p.kind), []).append(r)
+    out = []
+    outside = _outside_model(run)
+    for (phase, module, kind), recs in groups.items():
+        r0 = recs[0]
+        p = r0.forward_producer if phase == "forward" else r0.backward_producer
+        c = _call(r0, module, p.call)
+        steps = [r.step for r in recs]
+        rule = "overflow" if kind == "inf" else "nan_origin"
+        if kind == "nan" and phase == "forward" and c is not None and c.type in _ACCUMULATING \
+                and c.inp is not None and c.inp.finite:
+            rule = "overflow"  # a matmul/conv of finite values makes NaN only as inf - inf: its sums overflowed
+        ev = _evidence(c, phase, r0)
+        ev.update({"steps": steps[:50], "occurrences": len(steps), "rank_hint": 10 if phase == "forward" else 12})
+        where = f"`{module}`" if module else "the model's top level"
+        sev = "error"
+        if phase == "forward" and (_absorbed(recs) or p.detail.get("mask_like") and outside):
+            sev = "info"
+            ev["rank_hint"] = 40
+            ev["absorbed"] = True
+            msg = (f"{where} ({c.type if c else '?'}) emits {'-inf' if p.detail.get('mask_like') else 'inf/NaN'} "
+                   f"from finite inputs (first at step {r0.step}), but later ops absorb it: the loss and the "
+                   "outputs stayed finite" + (" — an additive -inf mask before a softmax does this "
+                                                        "by design." if p.detail.get("mask_like") else "."))
+            fix = ("Nothing to do while the loss stays finite. A row that is masked entirely turns softmax into NaN; "
+                   "a large finite negative value representable in the dtype (torch.finfo(dtype).min) avoids that.")
+        elif phase == "backward" and _benign_backward(run, steps):
+            sev = "info"
+            ev["rank_hint"] = 40
+            msg = (f"The loss-scaled backward overflowed in {where} on {len(steps)} early step(s); GradScaler "
+                   "skipped them and lowered the scale, as designed.")
+            fix = "Nothing to do: a few skipped steps while the loss scale settles are normal."
+        elif phase == "forward":
+            what = ("turned finite inputs into ±inf" if kind == "inf" else
+                    "produced NaN from finite inputs — its sums of products overflowed (inf - inf = NaN)"
+                    if rule == "overflow" else "produced NaN from NaN-free inputs")
+            msg = (f"{where} ({c.type if c else '?'}) {what} in the forward pass at step {r0.step}"
+                   f"{' (' + c.autocast + ' autocast)' if c and c.autocast else ''}; everything after it only "
+                   "passed the non-finite values on.")
+            fix = ("Keep this module in fp32 or rescale before the operation that overflows, e.g.\n"
+                   + AUTOCAST_OFF.format(m=module or "the model", dev=autocast_device(run))
+                   + ("\nRun `ampdoctor replay` on the capture to see the exact op."
+                      if any(r.capture for r in run.steps)
+                      else "\nTo see the exact op, save a failing batch (`ampdoctor.save_batch`) and replay it.")
+                   + " bf16 has fp32's range.")
+        else:
+            what = "turned a finite incoming gradient into ±inf" if kind == "inf" else \
+                "produced NaN gradients from a NaN-free incoming gradient"
+            msg = (f"In the backward pass {where} ({c.type if c else '?'}) {what} at step {r0.step}"
+                   f"{', on every step' if len(steps) > 2 else ''}; the forward was finite.")
+            fix = ("Find the op whose derivative is unbounded here (log/log1p/sqrt/div/pow near 0, norms of tiny "
+                   "vectors) and guard it with an epsilon representable in the working dtype, or run the module "
+                   "in fp32:\n" + AUTOCAST_OFF.format(m=module or "the model", dev=autocast_device(run)))
+        out.append(Finding(rule, sev, phase, module, None, r0.step, msg, fix, ev))
+    out.extend(outside)
+    if not groups and not out:
+        out.extend(_bad_weights(run) or _unlocated(run))
+    return out
+
+
+def _bad_weights(run: RunData) -> list[Finding]:
+    """Weights that were already non-finite when a step began: no module of the step produced the inf/NaN (a
+    module holding bad weights is not blamed for its output); the optimizer step before wrote them."""
+    prev = None
+    for r in run.steps:
+        bad = [c for c in r.modules if c.par is not None and not c.par.finite]
+        if bad:
+            c = min(bad, key=lambda c: c.seq)
+            kind = "NaN" if c.par.nan else "inf"
+            before = f"step {prev.step}'s update" if prev is not None else "an update before the watch began"
+            grads = ("" if prev is None or prev.grad_finite is None else
+                     " with finite gradients" if prev.grad_finite else " with non-finite gradients")
+            return [Finding(
+                "nan_origin" if kind == "NaN" else "overflow", "error", "optimizer", c.module, None, r.step,
+                f"The weights of `{c.module}` ({c.type}) were already {kind} when step {r.step} began: "
+                f"{before}{grads} wrote them. The modules after it only passed the values on.",
+                "Look at that update: a NaN/inf gradient stepped without a GradScaler (use "
+                "`clip_grad_norm_(..., error_if_nonfinite=True)` or skip such steps), a learning rate that "
+                "overflows fp16 weights, or Adam's eps vanishing in fp16 parameters (keep fp32 master weights).",
+                {"type": c.type, "weights": "nan" if c.par.nan else "inf", "modules": [b.module for b in bad][:20],
+                 "previous_step": prev.step if prev is not None else None, "rank_hint": 12})]
+        prev = r
+    return []
+
+
+def _unlocated(run: RunData) -> list[Finding]:
+    """A step whose loss (or, without a scaler, whose gradients) went non-finite on a step without per-layer
+    statistics: say so, so that the step's capture is replayed to locate the op."""
+    for r in run.steps:
+        if r.loss_finite is False or r.output_finite is False or (not run.has_scaler and r.grad_finite is False):
+            inf = r.loss is not None and math.isinf(r.loss)
+            where = ("loss" if r.loss_finite is False else "model's output" if r.output_finite is False
+                     else "gradients")
+            return [Finding(
+                "overflow" if inf else "nan_origin", "error", "backward" if where == "gradients" else "forward", None,
+                None, r.step, f"The {where} became non-finite at step {r.step}, a step without per-layer statistics; "
+                "replay its capture (`ampdoctor replay`) or watch with every=1 to name the layer.",
+                "Run `w.report()` in the training process (it replays the capture), or `ampdoctor replay "
+                "RUN_DIR/captures/<step> --model pkg.mod:factory`.",
+                {"loss": r.loss, "capture": r.capture, "unlocated": True, "rank_hint": 11})]
+    return []
+
+
+def _only_neginf(s) -> bool:
+    return s.neginf > 0 and s.posinf == 0 and s.nan == 0
+
+
+def _output_grad_nonfinite(r: StepRecord) -> bool:
+    """The gradient arriving at the model's output is non-finite although the forward ended finite."""
+    root = next((c for c in r.modules if c.depth == 0), None)
+    return (root is not None and root.gout is not None and not root.gout.finite and r.loss_finite is not False
+            and r.output_finite is not False and (root.out is None or root.out.finite) and not r.forward_bad)
+
+
+def _outside_model(run: RunData) -> list[Finding]:
+    """The loss computation outside the watched model as the producer: the loss went non-finite although every
+    module's output was finite (forward), or the gradient reaching the model's output was already non-finite
+    although the loss was finite (backward: the loss's own backward, e.g. a manual loss scale too large for fp16
+    or an fp16 cast of the loss gradient)."""
+    out_bwd = [r for r in run.steps if _output_grad_nonfinite(r)]
+    benign = bool(out_bwd) and _benign_backward(run, [r.step for r in out_bwd])  # GradScaler's normal backoff
+    for r in run.steps:
+        p = r.forward_producer
+        if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \
+                and not any(c.out is not None and not c.out.finite and not _only_neginf(c.out) for c in r.modules):
+            inf = r.loss is not None and math.isinf(r.loss)
+            return [Finding("overflow" if inf else "nan_origin", "error", "forward", None, None, r.step,
+                            f"The loss became {'inf' if inf else 'NaN'} outside the watched model (in the loss "
+                            "computation) while every module's output was finite.",
+                            "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
+                            "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.",
+                            {"loss": r.loss, "rank_hint": 11})]
+        if _output_grad_nonfinite(r) and not benign:
+            root = next(c for c in r.modules if c.depth == 0)
+            nan = root.gout.nan > 0 and root.gout.posinf + root.gout.neginf == 0
+            return [Finding("nan_origin" if nan else "overflow", "error", "backward", None, None, r.step,
+                            f"The gradient reaching the model's output was already {'NaN' if nan else 'inf'} at "
+                            f"step {r.step}, with a finite loss: the loss computation's own backward, outside the "
+                            "watched model, overflowed (e.g. a hand-made loss scale too large for fp16, or the "
+                            "loss gradient cast to fp16).",
+                            "Use torch.amp.GradScaler (it backs off when the scaled gradients overflow) instead of "
+                            "a fixed multiplier, and compute the loss from `out.float()`.",
+                            {"loss": r.loss, "loss_scale": r.scale, "nonfinite_in": root.gout.nonfinite,
+                             "rank_hint": 13})]
+    return []
