@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .monitor import scaler_stage
-from .sync import found_inf_all, grads_after_unscale
+from .gradients import grads_after_unscale
+from .sync import found_inf_all
 from .tensors import local
 
 __all__ = ["MonitorCallbacks"]

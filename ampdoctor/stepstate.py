@@ -18,7 +18,8 @@ from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
 from .stepdata import _Call, _Step
-from .sync import finalize, presync, update_check_post, update_check_pre
+from .gradients import update_check_post, update_check_pre
+from .sync import finalize, presync
 from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
 from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
                       module_type, rng_state, tb_location, tb_module)

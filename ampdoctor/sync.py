@@ -2,8 +2,9 @@
 
 `presync` runs just before the optimizer step (or when the scaler skipped it, or when no step came): it
 gathers the loss, the scale, found_inf, gradient norms and every statistic vector the hooks queued, moves
-them to the host in one transfer per device, and writes a capture if the step went bad. `finalize` turns
-the step into a StepRecord (producers included), stores it and hands it to the sinks.
+them to the host in one transfer per device; `resolve` reads them and has the step captured if it went bad
+(ampdoctor/autocapture.py). `finalize` turns the step into a StepRecord (producers included), stores it and
+hands it to the sinks. What is measured about the parameters is ampdoctor/gradients.py.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch
 
 from .producers import backward_producer, forward_producer
 from .records import ModuleCall, ParamStat, StepRecord, TensorStats
+from .autocapture import maybe_capture
+from .gradients import model_grads, norms, weight_amax
+from .stats import NSTAT, combine, vector_to_stats
 from .storage import store
 from .tensors import local
-from .stats import NSTAT, combine, vector_to_stats
 
-__all__ = ["presync", "finalize", "update_check_pre", "update_check_post", "grads_after_unscale", "found_inf_all"]
+__all__ = ["presync", "resolve", "finalize", "found_inf_all"]
 
 
 class _Pending:
@@ -55,56 +58,6 @@ class _Pending:
         return out
 
 
-def _model_grads(m):
-    """The parameters' gradients as this rank holds them (a DTensor's local shard; see tensors.local)."""
-    names, grads = [], []
-    for n, p in m.params:
-        if p.grad is not None and p.grad.layout == torch.strided and p.grad.is_floating_point():
-            g = local(p.grad.detach())
-            if g.numel():
-                names.append(n)
-                grads.append(g)
-    return names, grads
-
-
-def _norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
-    """Per-tensor norms (inf: abs-max, NaN-propagating) as one float64 vector on the first tensor's device:
-    one multi-tensor kernel per (device, dtype) group; low-precision tensors' L2 norms are taken in fp32."""
-    by: dict = {}
-    for i, t in enumerate(tensors):
-        by.setdefault((t.device, t.dtype), []).append(i)
-    out: list = [None] * len(tensors)
-    for idx in by.values():
-        ts = [tensors[i] for i in idx]
-        if ord != math.inf:
-            ts = [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in ts]
-        for i, v in zip(idx, torch._foreach_norm(ts, ord)):
-            out[i] = v
-    dev = tensors[0].device
-    return torch.stack([v.to(dev, torch.float64) for v in out])
-
-
-def grads_after_unscale(m, opt) -> None:
-    """On a sampled step, queue the gradients' norms right after `scaler.unscale_(opt)`: what the model
-    produced, before clipping rescales it (read at presync with everything else). Only when `opt` holds every
-    gradient of the model; otherwise presync measures them before the optimizer step."""
-    st = m.st
-    if not st.sampled or st.grad_parts is not None:
-        return
-    names, grads = _model_grads(m)
-    if not grads:
-        return
-    held = {id(p) for g in opt.param_groups for p in g["params"]}
-    if any(id(p) not in held for n, p in m.params if p.grad is not None):
-        return
-    st.grad_parts = (names, _norms(grads, math.inf), _norms(grads, 2))
-
-
-def _weight_amax(m, st) -> torch.Tensor:
-    """Abs-max of each checked parameter (NaN-propagating): are the weights themselves finite?"""
-    return _norms([local(m.params[i][1].detach()) for i in st.pw_index], math.inf)
-
-
 def found_inf_all(m) -> None:
     """At scaler.update() with several optimizers on one scaler: whether any of them found inf this iteration
     (presync ran at the first scaler.step and saw only that optimizer's). Queued like presync's values."""
@@ -138,19 +91,19 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         st.param_names, amax, l2 = st.grad_parts
         parts += [("g_amax", amax), ("g_l2", l2)]
     else:
-        names, grads = _model_grads(m) if need_grad_check else ([], [])
+        names, grads = model_grads(m) if need_grad_check else ([], [])
         st.param_names = names
         if grads:
-            parts.append(("g_amax", _norms(grads, math.inf)))
+            parts.append(("g_amax", norms(grads, math.inf)))
             if st.sampled:
-                parts.append(("g_l2", _norms(grads, 2)))
+                parts.append(("g_l2", norms(grads, 2)))
     if st.sampled and m.params:  # are the weights themselves finite?
         st.pw_index = [i for i, (_, p) in enumerate(m.params)
                        if p.is_floating_point() and p.layout == torch.strided and local(p).numel()]
         # on the CPU nothing is gained by queueing: the weights are checked in resolve, on bad steps only
         st.w_deferred = all(m.params[i][1].device.type == "cpu" for i in st.pw_index)
         if st.pw_index and not st.w_deferred:
-            parts.append(("w_amax", _weight_amax(m, st)))
+            parts.append(("w_amax", weight_amax(m, st)))
     for j, ev in enumerate(st.events):
         t = ev.detail.get("norm_t")
         if isinstance(t, torch.Tensor):
@@ -204,13 +157,17 @@ def resolve(m) -> None:
     out_ok, i = [], 0  # per micro-batch: were all of its output sums finite?
     for ok, _ in st.out_ok:
         n = ok.numel()
-        out_ok.append(1.0 if all(math.isfinite(v) for v in out_sums[i:i + n]) else 0.0)
+        out_ok.append(all(math.isfinite(v) for v in out_sums[i:i + n]))
         i += n
-    st.output_finite = all(v == 1.0 for v in out_ok) if out_ok else None
+    st.output_finite = all(out_ok) if out_ok else None
+    if st.output_finite is False:  # capture the first micro-batch whose output went non-finite
+        st.bad_batch = st.out_ok[out_ok.index(False)][1]
+    st.out_ok = []
+    bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
+    bad_bwd = (found_inf or 0) > 0 or grad_finite is False
     w_amax = host.get("w_amax", [])
-    if st.w_deferred and st.pw_index and (grad_finite is False or st.output_finite is False or (found_inf or 0) > 0
-                                          or any(not math.isfinite(v) for v in losses)):
-        w_amax = _weight_amax(m, st).tolist()
+    if st.w_deferred and st.pw_index and (bad_fwd or bad_bwd):
+        w_amax = weight_amax(m, st).tolist()
     w_bad = {}
     for i, v in zip(st.pw_index, w_amax):
         if not math.isfinite(v):
@@ -218,11 +175,6 @@ def resolve(m) -> None:
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
-    if st.output_finite is False:  # capture the first micro-batch whose output went non-finite
-        st.bad_batch = st.out_ok[out_ok.index(0.0)][1]
-    st.out_ok = []
-    bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
-    bad_bwd = (found_inf or 0) > 0 or grad_finite is False
     if bad_fwd or bad_bwd:
         if not st.sampled:
             m._followup = max(m._followup, m.cfg.bad_step_followup)
@@ -231,82 +183,11 @@ def resolve(m) -> None:
     m._skip_streak = m._skip_streak + 1 if (bad_bwd and not bad_fwd) else 0
     if bad_fwd and "forward" not in m._captured_kinds:
         m._captured_kinds.add("forward")
-        _maybe_capture(m, st)
+        maybe_capture(m, st)
     elif bad_bwd and not bad_fwd and "backward" not in m._captured_kinds and (
             m.w.scaler is None or m._skip_streak >= 3):
         m._captured_kinds.add("backward")
-        _maybe_capture(m, st)
-
-
-def _maybe_capture(m, st) -> None:
-    w = m.w
-    if not (m.cfg.capture and m._captures < m.cfg.max_captures and st.batches):
-        return
-    m._captures += 1
-    if m.sharded:  # a collective from one rank (to gather the weights) would hang the others
-        import warnings
-        warnings.warn(f"ampdoctor: step {st.step} went bad, but the model's parameters are sharded (FSDP2/"
-                      "DTensor), so no capture was written: a capture holds the whole model. To replay it, load a "
-                      "full checkpoint into an unsharded model and call ampdoctor.save_batch.",
-                      RuntimeWarning, stacklevel=4)
-        return
-    try:
-        import os
-        from .capture import write_capture
-        if w.run_dir:
-            path = os.path.join(w.run_dir, *([f"rank-{w.meta.rank}"] if w.meta.rank is not None and
-                                             (w.meta.world_size or 1) > 1 else []), "captures", str(st.step))
-        else:  # no run directory: a temporary capture, so that w.report() can still replay it
-            path = os.path.join(_tmp_root(), f"{id(w):x}-{st.step}")
-        k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else -1  # else the last micro-batch
-        args, kwargs, rng = st.batches[k]
-        m.suspended = True
-        try:
-            st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
-                                       scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
-                                       step=st.step)
-        finally:
-            m.suspended = False
-    except Exception as e:  # a capture must never break training
-        import warnings
-        warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
-                      RuntimeWarning, stacklevel=4)
-
-
-_TMP: list[str] = []
-
-
-def _tmp_root() -> str:
-    if not _TMP:
-        import atexit
-        import shutil
-        import tempfile
-        _TMP.append(tempfile.mkdtemp(prefix="ampdoctor-captures-"))
-        atexit.register(shutil.rmtree, _TMP[0], True)
-    return _TMP[0]
-
-
-def update_check_pre(m, opt) -> None:
-    st = m.st
-    st.upd = []
-    if not st.sampled or m.cfg.update_sample <= 0:
-        return
-    names = {id(p): n for n, p in m.w.model.named_parameters()}
-    k = m.cfg.update_sample
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None and id(p) in names:
-                flat = local(p.detach()).reshape(-1)[:k]
-                gnz = local(p.grad.detach()).reshape(-1)[:k] != 0
-                st.upd.append([names[id(p)], p, flat.clone(), gnz, None])
-
-
-def update_check_post(m, opt) -> None:
-    for item in m.st.upd:
-        name, p, before, gnz, _ = item
-        after = local(p.detach()).reshape(-1)[:before.numel()]
-        same = ((after == before) & gnz).sum()
-        item[4] = torch.stack([same.double(), gnz.sum().double()])
+        maybe_capture(m, st)
 
 
 def _weights(module: str, w_bad: dict, m):

@@ -91,7 +91,7 @@ def vnorm_light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
 
 
 import ampdoctor.sync as _sync  # noqa: E402
-_orig_model_grads = _sync._model_grads
+_orig_model_grads = _sync.model_grads
 
 
 def _lazy_model_grads(m):
@@ -217,7 +217,7 @@ class ExpVariant(bench.Variant):
     def step(self, batch, loss_of):
         fused = "fused" in self.name
         cache = "cache" in self.name
-        saved = (_ss.full_stats, _ss.light_stats, _ss.StepMachine._row, _sync._model_grads)
+        saved = (_ss.full_stats, _ss.light_stats, _ss.StepMachine._row, _sync.model_grads)
         if fused:
             _ss.full_stats, _ss.light_stats = fused_full_stats, fused_light_stats
         if "cnz" in self.name:
@@ -227,11 +227,11 @@ class ExpVariant(bench.Variant):
         if cache:
             _ss.StepMachine._row = _cached_row
         if self.name == "default-fast":
-            _sync._model_grads = _lazy_model_grads
+            _sync.model_grads = _lazy_model_grads
         try:
             return super().step(batch, loss_of)
         finally:
-            _ss.full_stats, _ss.light_stats, _ss.StepMachine._row, _sync._model_grads = saved
+            _ss.full_stats, _ss.light_stats, _ss.StepMachine._row, _sync.model_grads = saved
 
 
 def check(device="cpu"):

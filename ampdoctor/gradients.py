@@ -1,0 +1,85 @@
+"""What a step measures about the parameters, queued for the step's one transfer (ampdoctor/sync.py): the
+gradients' abs-max and L2 norm per parameter (right after unscale_ on sampled steps), whether the weights are
+finite, and whether sampled low-precision updates rounded away (w + Δw == w)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .tensors import local
+
+__all__ = ["model_grads", "norms", "grads_after_unscale", "weight_amax", "update_check_pre", "update_check_post"]
+
+
+def model_grads(m):
+    """The parameters' gradients as this rank holds them (a DTensor's local shard; see tensors.local)."""
+    names, grads = [], []
+    for n, p in m.params:
+        if p.grad is not None and p.grad.layout == torch.strided and p.grad.is_floating_point():
+            g = local(p.grad.detach())
+            if g.numel():
+                names.append(n)
+                grads.append(g)
+    return names, grads
+
+
+def norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
+    """Per-tensor norms (inf: abs-max, NaN-propagating) as one float64 vector on the first tensor's device:
+    one multi-tensor kernel per (device, dtype) group; low-precision tensors' L2 norms are taken in fp32."""
+    by: dict = {}
+    for i, t in enumerate(tensors):
+        by.setdefault((t.device, t.dtype), []).append(i)
+    out: list = [None] * len(tensors)
+    for idx in by.values():
+        ts = [tensors[i] for i in idx]
+        if ord != math.inf:
+            ts = [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in ts]
+        for i, v in zip(idx, torch._foreach_norm(ts, ord)):
+            out[i] = v
+    dev = tensors[0].device
+    return torch.stack([v.to(dev, torch.float64) for v in out])
+
+
+def grads_after_unscale(m, opt) -> None:
+    """On a sampled step, queue the gradients' norms right after `scaler.unscale_(opt)`: what the model
+    produced, before clipping rescales it (read at presync with everything else). Only when `opt` holds every
+    gradient of the model; otherwise presync measures them before the optimizer step."""
+    st = m.st
+    if not st.sampled or st.grad_parts is not None:
+        return
+    names, grads = model_grads(m)
+    if not grads:
+        return
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    if any(id(p) not in held for n, p in m.params if p.grad is not None):
+        return
+    st.grad_parts = (names, norms(grads, math.inf), norms(grads, 2))
+
+
+def weight_amax(m, st) -> torch.Tensor:
+    """Abs-max of each checked parameter (NaN-propagating): are the weights themselves finite?"""
+    return norms([local(m.params[i][1].detach()) for i in st.pw_index], math.inf)
+
+
+def update_check_pre(m, opt) -> None:
+    st = m.st
+    st.upd = []
+    if not st.sampled or m.cfg.update_sample <= 0:
+        return
+    names = {id(p): n for n, p in m.w.model.named_parameters()}
+    k = m.cfg.update_sample
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None and id(p) in names:
+                flat = local(p.detach()).reshape(-1)[:k]
+                gnz = local(p.grad.detach()).reshape(-1)[:k] != 0
+                st.upd.append([names[id(p)], p, flat.clone(), gnz, None])
+
+
+def update_check_post(m, opt) -> None:
+    for item in m.st.upd:
+        name, p, before, gnz, _ = item
+        after = local(p.detach()).reshape(-1)[:before.numel()]
+        same = ((after == before) & gnz).sum()
+        item[4] = torch.stack([same.double(), gnz.sum().double()])
