@@ -43,9 +43,8 @@ def _summary(meta, steps, findings, run_dir) -> dict:
     # e.g. an additive -inf mask) went fine
     absorbed = {f.module for f in findings if f.evidence.get("absorbed")}
     bad = [r for r in steps if r.skipped or r.grad_finite is False or r.backward_producer is not None
-           or r.forward_bad and not (r.forward_producer is not None and r.forward_producer.module in absorbed
-                                     and r.loss_finite is not False and r.output_finite is not False
-                                     and not r.exception)]
+           or r.loss_finite is False or r.output_finite is False or r.exception
+           or (r.forward_bad and r.forward_producer.module not in absorbed)]
     return {"verdict": verdict, "steps": len(steps), "bad_steps": len(bad),
             "skipped_steps": sum(r.skipped for r in steps), "first_bad_step": bad[0].step if bad else None,
             "errors": sum(f.severity == "error" for f in findings),

@@ -9,7 +9,7 @@ import torch
 
 from .tensors import local
 
-__all__ = ["model_grads", "norms", "grads_after_unscale", "weight_amax", "update_check_pre", "update_check_post"]
+__all__ = ["model_grads", "norms", "grads_after_unscale", "checked_weights", "weight_amax", "update_check_pre", "update_check_post"]
 
 
 def model_grads(m):
@@ -55,6 +55,12 @@ def grads_after_unscale(m, opt) -> None:
     if any(id(p) not in held for n, p in m.params if p.grad is not None):
         return
     st.grad_parts = (names, norms(grads, math.inf), norms(grads, 2))
+
+
+def checked_weights(m) -> list[int]:
+    """Indices into m.params of the weights whose finiteness a sampled step checks (this rank's part non-empty)."""
+    return [i for i, (_, p) in enumerate(m.params)
+            if p.is_floating_point() and p.layout == torch.strided and local(p).numel()]
 
 
 def weight_amax(m, st) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .monitor import scaler_stage
 from .gradients import grads_after_unscale
+from .monitor import scaler_stage
 from .sync import found_inf_all
 from .tensors import local
 

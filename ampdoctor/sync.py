@@ -12,13 +12,12 @@ import math
 
 import torch
 
+from .autocapture import maybe_capture
+from .gradients import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
 from .records import ModuleCall, ParamStat, StepRecord, TensorStats
-from .autocapture import maybe_capture
-from .gradients import model_grads, norms, weight_amax
 from .stats import NSTAT, combine, vector_to_stats
 from .storage import store
-from .tensors import local
 
 __all__ = ["presync", "resolve", "finalize", "found_inf_all"]
 
@@ -83,7 +82,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         parts.append(("scale", st.scale_t))
     if st.out_ok:  # the sums of each micro-batch's outputs: non-finite iff an output value was
         parts.append(("out_ok", torch.cat([ok for ok, _ in st.out_ok]) if len(st.out_ok) > 1 else st.out_ok[0][0]))
-    if st.found_inf_t is not None and isinstance(st.found_inf_t, torch.Tensor):
+    if isinstance(st.found_inf_t, torch.Tensor):
         parts.append(("found_inf", st.found_inf_t))
     via_scaler = st.in_scaler_step > 0
     need_grad_check = st.sampled or m.w.scaler is None or not via_scaler
@@ -98,8 +97,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
             if st.sampled:
                 parts.append(("g_l2", norms(grads, 2)))
     if st.sampled and m.params:  # are the weights themselves finite?
-        st.pw_index = [i for i, (_, p) in enumerate(m.params)
-                       if p.is_floating_point() and p.layout == torch.strided and local(p).numel()]
+        st.pw_index = checked_weights(m)
         # on the CPU nothing is gained by queueing: the weights are checked in resolve, on bad steps only
         st.w_deferred = all(m.params[i][1].device.type == "cpu" for i in st.pw_index)
         if st.pw_index and not st.w_deferred:
