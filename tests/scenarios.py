@@ -46,6 +46,17 @@ class TinyGPT(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())}
 
 
+class TwoLayerNet(nn.Module):
+    """8 -> 16 -> 1 with named layers (fc1, fc2): the small model of the compile and DDP tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -20,18 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import ampdoctor
+from scenarios import TwoLayerNet
 
 STEPS = 3
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 16)
-        self.fc2 = torch.nn.Linear(16, 1)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +48,7 @@ def train(call, model, opt, scaler):
 
 def setup():
     torch.manual_seed(0)
-    m = Net()
+    m = TwoLayerNet()
     return m, torch.optim.SGD(m.parameters(), lr=0.01), torch.amp.GradScaler("cpu", init_scale=256.0)
 
 

@@ -15,25 +15,16 @@ import torch.nn.functional as F
 import ampdoctor
 import distsetup
 from distsetup import BACKEND, DEV, WORLD, available, process_group
+from scenarios import TwoLayerNet
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"torch.distributed with {BACKEND} is not available")
 STEPS = 4
 BAD_STEP = 1
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 16)
-        self.fc2 = torch.nn.Linear(16, 1)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 def _worker(rank: int, port: int, run_dir: str, case: str) -> None:
     with process_group(rank, port) as dev:
-        model = torch.nn.parallel.DistributedDataParallel(Net().to(dev))  # syncs rank 0's weights to every rank
+        model = torch.nn.parallel.DistributedDataParallel(TwoLayerNet().to(dev))  # syncs rank 0's weights to every rank
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         init = 2.0 ** 16 if (case != "diverge" or rank == 0) else 2.0 ** 10  # e.g. a stale scaler checkpoint
         scaler = torch.amp.GradScaler(DEV, init_scale=init)
