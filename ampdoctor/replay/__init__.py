@@ -1,9 +1,11 @@
 """replay(): re-run one captured batch with op-level instrumentation and explain why it went non-finite.
 
 Pipeline (each step in its own module): rebuild the model and load the capture's weights (modelio) → the
-traced step: forward + backward under the op tracer, constant checks included (optrace, constants) → fp32
-shadow and dtype what-if (shadow) → fix search (fixsearch) → findings (explain). A model passed in is left
-exactly as it was: weights, buffers, modes, grads and RNG are restored in a `finally`.
+traced step: forward + backward under the op tracer, constant checks included (optrace, constants) → the
+loss-scale search when only the backward overflowed (is it GradScaler's normal backoff?) → fp32 shadow and
+dtype what-if, both with dropout off on every side (shadow) → fix search (fixsearch) → findings (explain).
+A forward that raises (no constant explains it) is a `replay_error`, not a finding about the model. A model
+passed in is left exactly as it was: weights, buffers, modes, grads and RNG are restored in a `finally`.
 """
 from __future__ import annotations
 
@@ -101,10 +103,17 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     if forward_error and tracer.exception_module is not None:
         for c in tracer.constants:
             c.setdefault("raised_here", c["module"] == tracer.exception_module)
-    out_ok = out is None or all(bool(torch.isfinite(t).all()) for t in shadow_mod._floats(out))
+    out_ok = out is None or all(bool(torch.isfinite(t).all()) for t in shadow_mod.floats(out))
     loss_finite = None if loss is None else bool(torch.isfinite(loss).all())
     grads_bad = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
     step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad)
+
+    scaler_search = None
+    fwd_events = any(e.phase == "forward" for e in tracer.events)
+    if grads_bad and scale and not forward_error and out_ok and loss_finite is not False and not fwd_events:
+        say("replay: the backward overflowed alone: trying lower loss scales (GradScaler's backoff)")
+        scaler_search = _scaler_search(m, args, kwargs, devtype, dtype, cap, loss_fn, scale)
+    benign = bool(scaler_search and scaler_search["finite_at"])
 
     rows, suspects, table, ref, fix = [], [], {}, None, None
     m32 = None
@@ -113,13 +122,13 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         try:
             m32 = shadow_mod.fp32_model(m)
             ref, ref_finite, _ = shadow_mod.run_dtype(m32, args, kwargs, device=devtype, dtype=None, rng=cap.rng,
-                                                      loss_fn=loss_fn, cast_inputs=torch.float32)
+                                                      loss_fn=loss_fn, cast_inputs=torch.float32, dropout=False)
         except RuntimeError as e:
             note = (note + "; " if note else "") + f"fp32 shadow failed: {_first_line(e)}"
             ref = None
     if ref is not None and do_shadow and not forward_error:
         lo, _, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn,
-                                        scale=scale)
+                                        scale=scale, dropout=False)
         rows = shadow_mod.module_errors(lo, ref)
         suspects = [] if step_bad else shadow_mod.precision_suspects(rows)
     if ref is not None and do_whatif:
@@ -129,14 +138,16 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     tracer.events = _low_precision_first(tracer.events)
     first = next((e.module for e in tracer.events), None)
     if first is None:
-        first = next((c["module"] for c in tracer.constants), tracer.exception_module)
-    if do_fix and step_bad and dtype is not None and first is not None:
+        first = next((c["module"] for c in tracer.constants), None)
+    if do_fix and step_bad and not benign and dtype is not None and first is not None:
         say("replay: searching the smallest set of modules to run in fp32")
         fix = _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref)
 
     findings = explain.build_findings(events=tracer.events, consts=tracer.constants, step_bad=step_bad,
                                       step=cap.step, device=devtype, forward_error=forward_error, fix=fix,
-                                      suspects=suspects, dtype=dtype_name, error_module=tracer.exception_module)
+                                      suspects=suspects, dtype=dtype_name, error_module=tracer.exception_module,
+                                      softmax_inputs=tracer.softmax_inputs, sdpa_used=tracer.sdpa_used,
+                                      scaler_search=scaler_search)
     data = {"capture": cap.path, "device": str(dev), "dtype": dtype_name, "scale": scale,
             "chain": explain.chain(tracer.events, loss_finite, grads_bad, tracer.constants,
                                    forward_error),
@@ -144,7 +155,8 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             "constants": [{k: v for k, v in c.items() if k != "key"} for c in tracer.constants[:8]],
             "forward_error": forward_error,
             "shadow": [{"module": r["module"], "call": r["call"], "rel_err": r["rel_err"]} for r in rows],
-            "whatif": table, "fix": fix or {"modules": [], "snippet": "", "found": False}}
+            "whatif": table, "fix": fix or {"modules": [], "snippet": "", "found": False, "trials": []},
+            "scaler_search": scaler_search, "comparison_dropout": "off"}
     summary = {"replay": True, "capture": cap.path, "step": cap.step, "dtype": dtype_name, "device": str(dev),
                "finite": not step_bad, "loss": None if loss is None else float(loss.detach().float()),
                "errors": sum(f.severity == "error" for f in findings),
@@ -154,26 +166,69 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     return Report(findings, summary, {"replay": data})
 
 
-def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> dict:
-    last = {}
+def _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, scale) -> bool | None:
+    """One plain step at `scale`: are all parameter gradients finite? None when the step raised."""
+    try:
+        _, _, grads = modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn,
+                                       scale=scale)
+    except Exception:
+        return None
+    return all(bool(torch.isfinite(g).all()) for g in grads.values())
 
+
+def _scaler_search(m, args, kwargs, devtype, dtype, cap, loss_fn, scale) -> dict:
+    """The forward was finite and only the backward overflowed at the capture's loss scale: find the smallest
+    number of GradScaler backoffs k (scale · backoff^k, not below 1) after which the same step is finite. A hit
+    means the scaler's normal search (it skips k steps and goes on); none, down to scale 1, keeps the error."""
+    backoff = (cap.scaler_state or {}).get("backoff_factor", 0.5)
+    backoff = float(backoff) if isinstance(backoff, (int, float)) and 0 < backoff < 1 else 0.5
+    kmax = max(1, min(24, math.ceil(math.log(scale) / -math.log(backoff)) if scale > 1 else 1))
+    tried: dict[int, bool | None] = {}
+
+    def ok(k: int) -> bool:
+        if k not in tried:
+            tried[k] = _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, max(scale * backoff ** k, 1.0))
+        return bool(tried[k])
+    lo, hi = 0, None                       # not finite at k = lo; finite at k = hi
+    for k in (1, 2, 4, 8, 16, kmax):       # a few geometric probes, then bisect between the last two
+        k = min(k, kmax)
+        if ok(k):
+            hi = k
+            break
+        lo = k
+        if k == kmax:
+            break
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return {"capture_scale": scale, "backoff_factor": backoff,
+            "finite_at": None if hi is None else max(scale * backoff ** hi, 1.0), "backoffs": hi,
+            "tried": [{"scale": max(scale * backoff ** k, 1.0), "finite": v} for k, v in sorted(tried.items())]}
+
+
+def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> dict:
     def try_set(mods):
         with fixsearch.fp32_modules(m, mods, devtype):
             try:
                 rec, finite, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
                                                       loss_fn=loss_fn, scale=scale)
-            except RuntimeError:
-                return False, None
-        last[tuple(mods)] = rec
+            except Exception as e:   # a crash of this configuration, reported as such (not "not finite")
+                return False, None, f"{type(e).__name__}: {_first_line(e)}"
         over = rec.overflow_modules()
-        return finite, (over[0] if over else None)
+        return finite, (over[0] if over else None), None
 
     res = fixsearch.search(first, try_set)
     if res["found"]:
-        rec = last.get(tuple(res["modules"]))
         root_err = None
-        if rec is not None and ref is not None and ("", 0) in rec.outs and ("", 0) in ref.outs:
-            root_err = shadow_mod.rel_err(rec.outs[("", 0)], ref.outs[("", 0)])
+        if ref is not None and ("", 0) in ref.outs:   # like with like: dropout off, as the fp32 reference ran
+            try:
+                with fixsearch.fp32_modules(m, res["modules"], devtype):
+                    rec, _, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
+                                                     loss_fn=loss_fn, scale=scale, dropout=False)
+                if ("", 0) in rec.outs:
+                    root_err = shadow_mod.rel_err(rec.outs[("", 0)], ref.outs[("", 0)])
+            except Exception:
+                root_err = None
         res["output_rel_err_vs_fp32"] = None if root_err is None or not math.isfinite(root_err) else root_err
         res["snippet"] = fixsearch.snippet(res["modules"], devtype)
     else:

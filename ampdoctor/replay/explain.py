@@ -1,11 +1,18 @@
 """Turn what a replay observed (op events, constant events, shadow rows, fix search) into ranked Findings.
 
-Order: constants that caused the failure, then the origin op, then the first NaN and the first backward
-producer (propagators), then warnings. `evidence["rank_hint"]` keeps that order under `Finding.sort_key`.
+Order: constants that caused the failure, then the origin op, then warnings. Ops that only pass the problem
+on (the first NaN after an overflow, the gradients of non-finite activations) are consequences: they are listed
+under their origin (`evidence["consequences"]`), never as findings of their own; a backward producer whose
+inputs were finite while the forward failed elsewhere in another way stays an origin of its own. A backward
+overflow that a lower loss scale removes is GradScaler's normal search (`info`, `evidence["scaler_search"]`).
+A replay that could not run (the forward raised, no constant explains it) is one `replay_error` (`info`).
+Fix texts are keyed by op and evidence (attention scores = a matmul whose output a softmax normalises), never
+by module name; every snippet comes from `ampdoctor.fixes`. `evidence["rank_hint"]` keeps the order.
 """
 from __future__ import annotations
 
 from ..findings import Finding
+from ..fixes import fp32_snippet, module_label
 from .constants import is_mask_like
 from .optrace import OpEvent
 
@@ -24,40 +31,56 @@ def _related(a: str | None, b: str | None) -> bool:
     return a == b or a == "" or b == "" or a.startswith(b + ".") or b.startswith(a + ".")
 
 
-def _autocast_snippet(module: str | None, device: str) -> str:
-    attr = f"self.{module.split('.')[-1]}" if module else "module"
-    return (f"with torch.autocast(\"{device}\", enabled=False):\n    out = {attr}(x.float())   # "
-            f"run `{module or '(root)'}` in fp32")
+def _where(module: str | None) -> str:
+    return "the model" if module is None else f"`{module_label(module)}`"
 
 
-def _op_text(ev: OpEvent, device: str) -> tuple[str, str]:
+def attention_scores(ev: OpEvent, softmax_inputs: list) -> bool:
+    """Evidence that `ev` computed attention scores: a forward matmul whose output shape is what a later forward
+    softmax normalised (q @ kᵀ → softmax), or an op inside F.scaled_dot_product_attention."""
+    if ev.phase != "forward" or ev.op.split("::")[-1] not in _MATMUL:
+        return False
+    if ev.in_sdpa:
+        return True
+    return any(seq > ev.seq and list(shape) == list(ev.out_shape) for seq, _, shape in softmax_inputs)
+
+
+def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: bool = False) -> tuple[str, str]:
     short = ev.op.split("::")[-1]
-    where = f"`{ev.module}`" if ev.module else "the model"
+    where = _where(ev.module)
     inf = "NaN" if ev.kind == "nan_origin" else "±inf"
     lim = _MAX.get(ev.out_dtype or "", 65504.0)
+    snip = fp32_snippet(ev.module, device)
     if ev.phase == "backward":
         node = ev.autograd_node or ev.op
         msg = (f"the backward of {node} in {where} ({ev.op}) produced {inf} from finite gradients: the gradient "
                f"of this op is not finite at the values the forward produced")
         fix = ("guard the forward op's singular point in a way that survives the low-precision dtype (an eps/clamp "
                "that is representable in it, e.g. `p.clamp(max=1 - torch.finfo(p.dtype).eps)`), or compute this "
-               "op in fp32:\n" + _autocast_snippet(ev.module, device))
+               "op in fp32:\n" + snip)
         return msg, fix
     if ev.kind == "overflow" and short in _MATMUL:
         msg = (f"{ev.op} in {where} overflowed {ev.out_dtype}: finite inputs (max |x| = {ev.absmax_in:.4g}) gave "
                f"±inf (max {lim:g})")
-        if short in ("bmm", "baddbmm", "matmul") or "attn" in (ev.module or "") or "attention" in (ev.module or ""):
-            fix = ("scale q by 1/sqrt(d) before q @ k^T (or use F.scaled_dot_product_attention), or run the "
-                   "attention scores in fp32:\n" + _autocast_snippet(ev.module, device))
+        if ev.in_sdpa:
+            msg += " inside F.scaled_dot_product_attention"
+            fix = ("the attention scores exceed the dtype's range even with SDPA's own 1/sqrt(d) scaling: check the "
+                   "size of q and k (a wrong `scale=`, q/k norms that grew), use bf16, or run the attention in fp32 "
+                   "(cast q, k, v with `.float()` and the output back):\n" + snip)
+        elif attention_scores(ev, softmax_inputs):
+            fix = ("these are attention scores (a softmax normalises them next): scale q by 1/sqrt(d) before q @ kᵀ"
+                   + ("" if sdpa_used else " (or use F.scaled_dot_product_attention, which scales inside)")
+                   + ", or compute the scores and softmax in fp32:\n" + snip)
         else:
-            fix = ("run this layer in fp32 (its output exceeds the fp16 range), use bf16, or clamp as HF T5 does "
-                   "(`x = torch.clamp(x, -65504 + 1000, 65504 - 1000)`):\n" + _autocast_snippet(ev.module, device))
+            fix = (f"this layer's output exceeds the {ev.out_dtype} range: run it in fp32, use bf16, or rescale its "
+                   "input or weights (a weight or activation that grew: check the learning rate and warmup); HF T5 "
+                   "clamps such outputs (`x = torch.clamp(x, -65504 + 1000, 65504 - 1000)`):\n" + snip)
         return msg, fix
     if ev.kind == "overflow" and short == "pow":
         msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; in fp16 x**2 is inf "
                "for |x| > 255.9) — a variance or norm computed in fp16")
         fix = ("compute the statistic in fp32, as HF's RMSNorm does: `var = x.float().pow(2).mean(-1, keepdim=True)`,"
-               " or run the module in fp32:\n" + _autocast_snippet(ev.module, device))
+               " or run the module in fp32:\n" + snip)
         return msg, fix
     if ev.kind == "overflow" and short in ("exp", "exp2", "expm1", "sinh", "cosh"):
         msg = f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; fp16 exp(x) is inf for x > 11.09)"
@@ -68,10 +91,10 @@ def _op_text(ev: OpEvent, device: str) -> tuple[str, str]:
     if short in _POLES and ev.in_zeros:
         msg = f"{ev.op} in {where} hit its singular point (an input is 0 / -1) and produced {inf}"
         fix = ("keep the argument away from the singularity with an eps that exists in the working dtype "
-               "(fp16's smallest normal is 6.1e-5), or compute this op in fp32:\n" + _autocast_snippet(ev.module, device))
+               "(fp16's smallest normal is 6.1e-5), or compute this op in fp32:\n" + snip)
         return msg, fix
     msg = f"{ev.op} in {where} produced {inf} from {'finite' if ev.kind == 'overflow' else 'NaN-free'} inputs"
-    fix = "compute this op in fp32, or remove the source of the inf upstream:\n" + _autocast_snippet(ev.module, device)
+    fix = "compute this op in fp32, or remove the source of the inf upstream:\n" + snip
     return msg, fix
 
 
@@ -94,7 +117,8 @@ def chain(events: list[OpEvent], loss_finite: bool | None, grads_bad: list[str],
 
 def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool, step: int | None, device: str,
                    forward_error: str | None, fix: dict | None, suspects: list[dict], dtype: str,
-                   error_module: str | None = None) -> list[Finding]:
+                   error_module: str | None = None, softmax_inputs: list = (), sdpa_used: bool = False,
+                   scaler_search: dict | None = None) -> list[Finding]:
     found: list[Finding] = []
     rank = iter(range(10, 1000))
     # constants first: they are the root cause when they fed the failure
@@ -126,37 +150,57 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
         e = next((x for x in events if pred(x)), None)
         if e is not None and e not in picked:
             picked.append(e)
-    for i, e in enumerate(picked):
+    origins = [e for i, e in enumerate(picked) if i == 0 or not (e.in_has_inf or e.phase == picked[0].phase)]
+    consequences = [e for e in picked if e not in origins]
+    benign = bool(scaler_search and scaler_search.get("finite_at"))
+    for i, e in enumerate(origins):
         rule = e.kind
         if rule == "overflow" and e.op.split("::")[-1] in _MASK_CAPABLE and is_mask_like(e.absmax_in):
             rule = "mask_value_overflow"
-        msg, fx = _op_text(e, device)
-        if i > 0 and (e.in_has_inf or e.phase == picked[0].phase):
-            o = picked[0]
-            msg += f" (a consequence of the {o.kind} at {o.op} in `{o.module}`)"
-            fx = f"fix the origin ({o.op} in `{o.module}`, above); this op only propagates it"
+        msg, fx = _op_text(e, device, softmax_inputs, sdpa_used)
         if i == 0 and fix and fix.get("found"):
             fx += f"\n\nSmallest set of modules that makes this step finite in fp32 (ampdoctor fix search):\n{fix['snippet']}"
         evidence = {"absmax_in": e.absmax_in, "out_nan": e.out_nan, "out_posinf": e.out_posinf,
                     "out_neginf": e.out_neginf, "out_numel": e.out_numel, "out_dtype": e.out_dtype,
                     "in_dtypes": e.in_dtypes, "line": e.line, "autograd_node": e.autograd_node,
-                    "role": "origin" if i == 0 else "propagator", "rank_hint": next(rank) + (0 if step_bad else 500)}
-        found.append(Finding(rule, "error" if step_bad else "info", e.phase, e.module, e.op, step, msg, fx, evidence))
-    if forward_error and not any(f.severity == "error" for f in found):
-        found.append(Finding("overflow" if "overflow" in forward_error else "nan_origin", "error", "forward", error_module,
-                             None, step, f"the replayed forward raised: {forward_error}",
-                             "see the traceback of the original run; run the failing module in fp32",
-                             {"rank_hint": next(rank)}))
+                    "role": "origin", "rank_hint": next(rank) + (0 if step_bad else 500)}
+        if i == 0 and consequences:
+            evidence["consequences"] = [
+                {"phase": c.phase, "module": c.module, "op": c.op, "kind": c.kind, "line": c.line,
+                 "autograd_node": c.autograd_node, "out_nan": c.out_nan} for c in consequences]
+            msg += "; it propagates to " + ", ".join(f"{c.op} in {_where(c.module)}" for c in consequences[:3])
+        severity = "error" if step_bad else "info"
+        if benign and e.phase == "backward":
+            ss = scaler_search
+            severity = "info"
+            evidence["scaler_search"] = ss
+            msg = (f"GradScaler's normal search for a loss scale: {msg} at loss scale {ss['capture_scale']:g}, and "
+                   f"the same step is finite at {ss['finite_at']:g} ({ss['backoffs']} backoff"
+                   f"{'s' if ss['backoffs'] != 1 else ''}); the forward was finite, so the scaler skips this step "
+                   "and lowers the scale as designed")
+            fx = ("nothing to fix for this step; if the scale keeps falling (loss_scale_collapse) or most steps are "
+                  "skipped, fix the op above")
+        found.append(Finding(rule, severity, e.phase, e.module, e.op, step, msg, fx, evidence))
+    explained = any(f.severity == "error" for f in found)
+    if forward_error and not explained:
+        found.append(Finding(
+            "replay_error", "info", "forward", error_module, None, step,
+            f"the replay could not run: the replayed forward raised {forward_error}"
+            + (f" in {_where(error_module)}" if error_module is not None else "")
+            + " — this says nothing about the model's numerics",
+            "check that the model and the capture match (dtype of inputs and weights under autocast), or run "
+            "the step without ampdoctor to see whether it raises there too",
+            {"exception": forward_error, "module": error_module, "rank_hint": 900}))
     for s in suspects:
         found.append(Finding(
             "precision_loss", "warning", "forward", s["module"], None, step,
-            f"`{s['module']}` in {dtype} is {s['rel_err']:.3g} away from fp32 (relative) although its inputs were "
+            f"{_where(s['module'])} in {dtype} is {s['rel_err']:.3g} away from fp32 (relative) although its inputs were "
             f"within {s['in_rel_err'] or 0.0:.2g}" + (f"; {s['rel_err'] / max(s['median'], 1e-12):.0f}× the median "
                                                       "module" if s["rel_err"] >= 2 * s["median"] else "") +
             " (e.g. large positions or timesteps rounded in low precision)",
             "run this module in fp32 (autocast off) or use bf16 / a more stable formulation:\n"
-            + _autocast_snippet(s["module"], device),
+            + fp32_snippet(s["module"], device),
             {"rel_err": s["rel_err"], "median_rel_err": s["median"], "in_rel_err": s["in_rel_err"],
-             "rank_hint": 600 + next(rank)}))
+             "dropout": "off in both runs (like with like)", "rank_hint": 600 + next(rank)}))
     return sorted(found, key=lambda f: f.sort_key())
 

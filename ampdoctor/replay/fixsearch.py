@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
+from ..fixes import fp32_patch_snippet
+
 __all__ = ["fp32_modules", "search", "snippet"]
 
 MAX_TRIES = 12
@@ -56,15 +58,25 @@ def _parent(name: str) -> str | None:
     return None if name == "" else name.rpartition(".")[0]
 
 
-def search(first_producer: str | None, try_set: Callable[[list[str]], tuple[bool, str | None]]) -> dict:
-    """`try_set(modules) -> (finite, next producer or None)`. Returns {"modules", "tries", "found"}."""
+def search(first_producer: str | None,
+           try_set: Callable[[list[str]], tuple[bool, str | None, str | None]]) -> dict:
+    """`try_set(modules) -> (finite, next producer or None, error or None)` (error: the trial raised).
+    Returns {"modules", "tries", "found", "trials": [{"modules", "outcome"}]}."""
     if first_producer is None:
-        return {"modules": [], "tries": 0, "found": False}
+        return {"modules": [], "tries": 0, "found": False, "trials": []}
     chosen: list[str] = [first_producer]
     tries = 0
     finite = False
+    trials: list[dict] = []
+
+    def attempt(mods):
+        ok, nxt, err = try_set(mods)
+        trials.append({"modules": list(mods),
+                       "outcome": f"crashed: {err}" if err else ("finite" if ok else "not finite")})
+        return ok, nxt
+
     while tries < MAX_TRIES:
-        finite, nxt = try_set(chosen)
+        finite, nxt = attempt(chosen)
         tries += 1
         if finite:
             break
@@ -79,32 +91,18 @@ def search(first_producer: str | None, try_set: Callable[[list[str]], tuple[bool
             break
         chosen = [c for c in chosen if not _covers(par, c)] + [par]
     if not finite:
-        return {"modules": chosen, "tries": tries, "found": False}
+        return {"modules": chosen, "tries": tries, "found": False, "trials": trials}
     for name in list(chosen):       # prune: keep only what is needed
         if len(chosen) == 1 or tries >= 2 * MAX_TRIES:
             break
         rest = [c for c in chosen if c != name]
-        ok, _ = try_set(rest)
+        ok, _ = attempt(rest)
         tries += 1
         if ok:
             chosen = rest
-    return {"modules": chosen, "tries": tries, "found": True}
+    return {"modules": chosen, "tries": tries, "found": True, "trials": trials}
 
 
 def snippet(modules: list[str], device: str) -> str:
     """Python that a user can paste after building the model (names as in model.named_modules())."""
-    names = ", ".join(repr(m) for m in modules)
-    return f'''import torch
-
-def run_in_fp32(module, device_type="{device}"):
-    """Run `module` with autocast off and its floating inputs cast to fp32 (ampdoctor fix search)."""
-    forward = module.forward
-    def fp32_forward(*args, **kwargs):
-        up = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t
-        with torch.autocast(device_type, enabled=False):
-            return forward(*[up(a) for a in args], **{{k: up(v) for k, v in kwargs.items()}})
-    module.forward = fp32_forward
-
-for name in [{names}]:
-    run_in_fp32(model.get_submodule(name))
-'''
+    return fp32_patch_snippet(modules, device)

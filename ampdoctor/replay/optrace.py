@@ -8,6 +8,9 @@
   (ampdoctor/replay/constants.py) and, when a floating output is not finite, checks the inputs and records an
   `OpEvent` if this op produced the inf/NaN.
 Checks are one `isfinite().all()` per floating output; inputs are only examined when an output is bad.
+For the advice (explain.py keys it by op and evidence, never by module name) the tracer also keeps the shapes
+that forward softmaxes were applied to (`softmax_inputs`: attention scores are what a softmax normalises) and
+whether an op ran inside `F.scaled_dot_product_attention` (`OpEvent.in_sdpa`, `sdpa_used`).
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from ..tensors import flatten_tensors
 from . import constants
 
 __all__ = ["OpEvent", "OpTracer", "source_line"]
@@ -74,14 +77,30 @@ class OpEvent:
     in_has_inf: bool = False
     in_zeros: int = 0
     """inputs at the op's singular point: == 0 (== -1 for log1p)"""
+    out_shape: list = field(default_factory=list)
+    """shape of the first non-finite output"""
+    in_sdpa: bool = False
+    """the op ran inside F.scaled_dot_product_attention (its math kernel)"""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _floats(tree) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return [t for t in flatten_tensors(tree, []) if t.is_floating_point() and t.numel()]
+
+
+def _has_nonfinite_number(args, kwargs) -> bool:
+    """A Python float inf/NaN among an ATen op's arguments (flat, or one list deep)."""
+    for a in list(args) + list(kwargs.values()):
+        for v in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(v, float) and not (v == v and abs(v) != float("inf")):
+                return True
+    return False
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_SOFTMAX = {"aten::_softmax", "aten::softmax", "aten::_safe_softmax", "aten::_log_softmax", "aten::log_softmax"}
 
 
 class _FnMode(TorchFunctionMode):
@@ -90,10 +109,16 @@ class _FnMode(TorchFunctionMode):
         self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        sdpa = func is _SDPA
+        self.tracer.sdpa_depth += sdpa
+        self.tracer.sdpa_used |= sdpa
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.tracer.sdpa_depth -= sdpa
         if torch.is_grad_enabled():
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.grad_fn not in self.tracer.nodes:
+            for t in flatten_tensors(out, []):
+                if t.grad_fn is not None and t.grad_fn not in self.tracer.nodes:
                     self.tracer.nodes[t.grad_fn] = (self.tracer.module(), _user_frame(),
                                                     getattr(func, "__name__", str(func)))
         return out
@@ -110,6 +135,8 @@ class _DispatchMode(TorchDispatchMode):
         tr.seq += 1
         if tr.phase == "forward":
             constants.check_op(tr, func, args, kwargs)
+            if func._schema.name in _SOFTMAX and args and isinstance(args[0], torch.Tensor):
+                tr.softmax_inputs.append((tr.seq, tr.module(), tuple(args[0].shape)))
         try:
             out = func(*args, **kwargs)
         except Exception:
@@ -140,6 +167,9 @@ class OpTracer:
         self.seq = 0
         self.phase = "forward"
         self.exception_module: str | None = None
+        self.softmax_inputs: list[tuple[int, str | None, tuple]] = []   # (seq, module, shape), forward
+        self.sdpa_depth = 0
+        self.sdpa_used = False
         self._handles: list = []
         self._modes: list = []
 
@@ -212,7 +242,7 @@ class OpTracer:
         ins = _floats((args, kwargs))
         if not ins:
             return  # a factory (full, scalar_tensor...): constants.py judges its value
-        if any(isinstance(a, float) and not (a == a and abs(a) != float("inf")) for a in tree_flatten((args, kwargs))[0]):
+        if _has_nonfinite_number(args, kwargs):
             return  # an intended inf/NaN constant, e.g. masked_fill(mask, -inf)
         in_nan = any(bool(torch.isnan(t).any()) for t in ins)
         in_inf = any(bool(torch.isinf(t).any()) for t in ins)
@@ -235,4 +265,5 @@ class OpTracer:
             out_posinf=sum(int(torch.isposinf(t).sum()) for t in bad),
             out_neginf=sum(int(torch.isneginf(t).sum()) for t in bad), out_numel=sum(t.numel() for t in bad),
             absmax_in=absmax, in_dtypes=sorted({str(t.dtype).replace("torch.", "") for t in ins}),
-            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins)))
+            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins), out_shape=list(bad[0].shape),
+            in_sdpa=self.sdpa_depth > 0))

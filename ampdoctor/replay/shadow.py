@@ -3,25 +3,64 @@
 Module forward hooks keep each call's floating outputs (and inputs), keyed by (module, call index), so a
 low-precision run can be compared with the fp32 run module by module. `precision_suspects` picks modules
 whose error stands far above the others *and* above the error they received from their inputs.
+
+Both sides of a comparison run with dropout off (`NoDropout`: functional dropout is the identity, SDPA and
+MultiheadAttention get dropout_p = 0): a low-precision run and an fp32 run do not draw the same dropout masks
+(on CUDA, SDPA's fused fp16 kernel and the fp32 math kernel draw differently), and comparing two different
+random masks measures the randomness, not the precision. Eval-mode dropout semantics on both sides compare like
+with like; everything else (batch-norm statistics, train-mode branches) stays as captured.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
 
 import torch
-from torch.utils._pytree import tree_flatten
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
+from ..tensors import flatten_tensors
 from . import modelio
 
-__all__ = ["Recorder", "fp32_model", "rel_err", "run_dtype", "precision_suspects", "whatif"]
+__all__ = ["NoDropout", "Recorder", "fp32_model", "rel_err", "run_dtype", "precision_suspects", "whatif",
+           "floats"]
+
+
+def floats(tree) -> list[torch.Tensor]:
+    """The non-empty floating tensors of a nested value (the recorder's flatten: dataclass outputs included)."""
+    return [t for t in flatten_tensors(tree, []) if t.is_floating_point() and t.numel()]
 
 
 def _floats(tree) -> list[torch.Tensor]:
     # a copy: a later in-place op (ReLU(inplace=True) after BatchNorm) must not change what was recorded
-    return [t.detach().to(torch.float32, copy=True) for t in tree_flatten(tree)[0]
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return [t.detach().to(torch.float32, copy=True) for t in floats(tree)]
+
+
+_DROPOUT_FNS = {f for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                            F.feature_alpha_dropout, torch.dropout, getattr(torch, "dropout_", None),
+                            torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout) if f is not None}
+# (function, position of the argument, its keyword, the value that turns dropout off)
+_DROPOUT_ARGS = [(F.scaled_dot_product_attention, 4, "dropout_p", 0.0),
+                 (F.multi_head_attention_forward, 13, "training", False)]
+
+
+class NoDropout(TorchFunctionMode):
+    """Dropout off for everything run inside: dropout functions return their input, SDPA runs with
+    dropout_p = 0 and F.multi_head_attention_forward with training = False (its flag only gates dropout)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUT_FNS:
+            return args[0] if args else kwargs["input"]
+        for fn, pos, kw, off in _DROPOUT_ARGS:
+            if func is fn:
+                if len(args) > pos:
+                    args = tuple(args[:pos]) + (off,) + tuple(args[pos + 1:])
+                else:
+                    kwargs[kw] = off
+        return func(*args, **kwargs)
 
 
 class Recorder:
@@ -92,14 +131,16 @@ def fp32_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).float()
 
 
-def run_dtype(model, args, kwargs, *, device, dtype, rng, loss_fn, scale=None, tf32=False, cast_inputs=None):
-    """Run one step under `dtype` autocast (None = fp32) with a Recorder. Returns (recorder, finite, loss)."""
+def run_dtype(model, args, kwargs, *, device, dtype, rng, loss_fn, scale=None, tf32=False, cast_inputs=None,
+              dropout: bool = True):
+    """Run one step under `dtype` autocast (None = fp32) with a Recorder. Returns (recorder, finite, loss).
+    `dropout=False` runs it under `NoDropout` (for comparisons between dtypes)."""
     old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     try:
         if cast_inputs is not None:
             args, kwargs = modelio.to_device((args, kwargs), device, cast_inputs)
-        with Recorder(model) as rec:
+        with Recorder(model) as rec, (contextlib.nullcontext() if dropout else NoDropout()):
             out, loss, grads = modelio.run_step(model, args, kwargs, device=device, dtype=dtype, rng=rng,
                                                 loss_fn=loss_fn, scale=scale)
     finally:
@@ -142,7 +183,8 @@ def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e
 
 
 def whatif(model32, args, kwargs, *, device, rng, loss_fn, ref: Recorder, scale=None) -> dict:
-    """{dtype: {finite, overflow_modules, max_rel_err_module, max_rel_err}} for fp16, bf16 and (CUDA) tf32."""
+    """{dtype: {finite, overflow_modules, max_rel_err_module, max_rel_err}} for fp16, bf16 and (CUDA) tf32, each
+    run with dropout off like `ref` (which must be a dropout-off fp32 run)."""
     table = {}
     runs = [("float16", torch.float16, False), ("bfloat16", torch.bfloat16, False)]
     if torch.device(device).type == "cuda":
@@ -150,7 +192,7 @@ def whatif(model32, args, kwargs, *, device, rng, loss_fn, ref: Recorder, scale=
     for label, dt, tf32 in runs:
         try:
             rec, finite, _ = run_dtype(model32, args, kwargs, device=device, dtype=dt, rng=rng, loss_fn=loss_fn,
-                                       scale=scale if dt == torch.float16 else None, tf32=tf32)
+                                       scale=scale if dt == torch.float16 else None, tf32=tf32, dropout=False)
         except RuntimeError as e:
             table[label] = {"finite": False, "error": str(e).splitlines()[0][:200], "overflow_modules": [],
                             "max_rel_err_module": None, "max_rel_err": None}
