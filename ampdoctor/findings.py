@@ -63,11 +63,13 @@ class Finding:
                    evidence=dict(d.get("evidence") or {}))
 
     def sort_key(self) -> tuple:
-        return (_SEVERITY_RANK[self.severity], self.evidence.get("rank_hint", 50),
-                self.step if self.step is not None else 1 << 60)
+        """The one order of findings, most important first: severity; then the rank_hint's tens (root causes
+        below 20, consequences and advice above); then the earlier step; then the exact rank_hint."""
+        h = self.evidence.get("rank_hint", 50)
+        return (_SEVERITY_RANK[self.severity], h // 10, self.step if self.step is not None else 1 << 60, h)
 
     def one_line(self) -> str:
-        where = self.module if self.module else "(run)"
+        where = "(run)" if self.module is None else self.module or "(root)"
         op = f" {self.op}" if self.op else ""
         step = f" step {self.step}" if self.step is not None else ""
         return f"[{self.severity}] {self.rule} at {where}{op}{step}: {self.message}"
@@ -87,7 +89,8 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(f.severity == "error" for f in self.findings) else 0
+        """1 when a finding is an error or the run crashed (summary["crash"]), else 0."""
+        return 1 if any(f.severity == "error" for f in self.findings) or self.summary.get("crash") else 0
 
     def to_dict(self) -> dict:
         d = {"findings": [f.to_dict() for f in self.findings], "summary": _jsonable(self.summary)}

@@ -5,9 +5,9 @@ Pure functions over `ModuleCall` records; calls that only passed a non-finite va
 """
 from __future__ import annotations
 
-from .records import ModuleCall, Producer, TensorStats
+from .records import DTYPE_LIMITS, ModuleCall, Producer, TensorStats
 
-__all__ = ["forward_producer", "backward_producer", "is_ancestor"]
+__all__ = ["forward_producer", "backward_producer", "is_ancestor", "mask_like", "ACCUMULATING"]
 
 
 def _has_inf(s: TensorStats | None) -> bool:
@@ -67,7 +67,8 @@ def forward_producer(calls: list[ModuleCall], parents: dict[int, int | None]) ->
         cands = made
     # A call that emits only -inf is often meant to (an additive attention mask): an overflow or NaN made
     # elsewhere in the step is the better origin
-    strong = [c for c in cands if not _mask_like(c.out)]
+    leaves = _leaves(calls, parents)
+    strong = [c for c in cands if not mask_like(c, c.seq in leaves)]
     if strong:
         cands = strong
     inner = _innermost(cands, parents)
@@ -75,11 +76,32 @@ def forward_producer(calls: list[ModuleCall], parents: dict[int, int | None]) ->
     kind = _kind(first.inp, first.out)
     return Producer(module=first.module, call=first.call, phase="forward", kind=kind,
                     detail={"seq": first.seq, "type": first.type, "candidates": len(cands),
-                            "mask_like": _mask_like(first.out)})
+                            "mask_like": mask_like(first, first.seq in leaves)})
 
 
-def _mask_like(out: TensorStats | None) -> bool:
-    return out is not None and out.neginf > 0 and out.posinf == 0 and out.nan == 0
+# modules whose output is a sum of products: -inf there from finite inputs is an overflow, never a mask
+ACCUMULATING = frozenset({"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+                          "ConvTranspose3d", "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear",
+                          "Embedding", "EmbeddingBag"})
+
+
+def _leaves(calls: list[ModuleCall], parents: dict[int, int | None]) -> set[int]:
+    inner = {p for p in parents.values() if p is not None}
+    return {c.seq for c in calls if c.seq not in inner}
+
+
+def mask_like(c: ModuleCall, leaf: bool = False) -> bool:
+    """-inf only, made on purpose: a mask is a constant a module builds (a fill, a triu, finfo.min), so its
+    finite values stay ordinary. An overflow to -inf is not a mask: a Linear/Conv (any accumulating layer, or a
+    leaf module with weights of its own) that produced -inf from finite inputs overflowed, and so did a module
+    whose finite values reach the dtype's near-max range next to its -inf."""
+    out = c.out
+    if out is None or not (out.neginf > 0 and out.posinf == 0 and out.nan == 0):
+        return False
+    if c.type in ACCUMULATING or (leaf and c.par is not None):
+        return False
+    near = DTYPE_LIMITS.get(out.ref, DTYPE_LIMITS["float32"])[2]
+    return out.absmax < near
 
 
 def backward_producer(calls: list[ModuleCall], parents: dict[int, int | None],

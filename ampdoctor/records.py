@@ -230,9 +230,16 @@ class StepRecord:
         return p is not None and not p.detail.get("mask_like")
 
     @property
+    def backward_bad(self) -> bool:
+        """The backward or the update went non-finite: the scaler skipped the step, the gradients were
+        non-finite, or a module's backward produced inf/NaN."""
+        return bool(self.skipped or self.grad_finite is False or self.backward_producer is not None)
+
+    @property
     def bad(self) -> bool:
-        return bool(self.skipped or self.loss_finite is False or self.grad_finite is False or self.output_finite is False
-                    or self.forward_producer or self.backward_producer or self.exception)
+        """Something went non-finite where it matters (`forward_bad` or `backward_bad`); an additive -inf mask
+        alone is not. Whether it was GradScaler's benign backoff is ampdoctor/rules/steps.py's question."""
+        return self.forward_bad or self.backward_bad
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -6,16 +6,13 @@ from __future__ import annotations
 import math
 
 from ..findings import Finding
+from ..producers import ACCUMULATING
 from ..records import ModuleCall, StepRecord
 from . import RuleConfig, RunData, register
+from .steps import absorbed, benign_backoff, onset_step
 
 AUTOCAST_OFF = ("with torch.autocast(device_type=\"{dev}\", enabled=False):\n"
                 "    out = module(x.float())   # run {m} in fp32")
-
-
-# modules whose output is a sum of products: NaN from finite inputs there means partial sums overflowed
-_ACCUMULATING = {"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
-                 "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear"}
 
 
 def autocast_device(run: RunData) -> str:
@@ -28,36 +25,20 @@ def _call(rec: StepRecord, module: str, call: int) -> ModuleCall | None:
     return next((c for c in rec.modules if c.module == module and c.call == call), None)
 
 
-def _benign_backward(run: RunData, steps: list[int]) -> bool:
-    """A backward inf/NaN that the GradScaler handled as designed: every occurrence is a skipped step with a
-    finite loss, and the run recovered (a later step was not skipped) without a long streak."""
-    if not run.has_scaler:
-        return False
-    by = {r.step: r for r in run.steps}
-    if not all(by[s].skipped and by[s].loss_finite is not False for s in steps if s in by):
-        return False
-    last = max(steps)
-    if any(not r.skipped and r.step > last for r in run.steps):
-        return len(steps) <= 16  # recovered: the scale search worked
-    # not recovered (yet): still benign while the scale is high and the run is only starting its search;
-    # NaN made in backward that survives several halvings is a real origin, not a scale problem
-    first = run.steps[0].step
-    consecutive = steps == list(range(first, first + len(steps)))
-    kind_nan = any((by[s].backward_producer or by[s].forward_producer) and
-                   (by[s].backward_producer or by[s].forward_producer).kind == "nan" for s in steps if s in by)
-    scale = by[last].scale if last in by else None
-    return consecutive and len(steps) < 10 and (scale is None or scale >= 1.0) and not (kind_nan and len(steps) >= 3)
+def where(module: str | None) -> str:
+    """A module as a message names it: `name`, `(root)` for the model itself, "outside the model" for None."""
+    return "outside the model" if module is None else f"`{module}`" if module else "`(root)`"
 
 
-def _absorbed(recs: list[StepRecord]) -> bool:
-    """Non-finite forward values that never reached the loss or the outputs: no step of the group had a
-    non-finite loss, output or crash, and either the values were only -inf (a mask: what the backward does is
-    the backward's business) or at least one step was stepped with finite gradients."""
-    if any(r.loss_finite is False or r.output_finite is False or r.exception for r in recs):
-        return False
-    if all(not r.forward_bad for r in recs):  # only -inf (a mask), and the forward ended finite
-        return True
-    return any(not r.skipped and r.grad_finite is not False and (r.loss_finite or r.output_finite) for r in recs)
+def _what_inf(s) -> str:
+    """The non-finite values a TensorStats holds, in words: +inf, -inf, ±inf, NaN."""
+    if s is None:
+        return "inf/NaN"
+    if s.posinf and s.neginf:
+        return "±inf"
+    if s.posinf or s.neginf:
+        return "+inf" if s.posinf else "-inf"
+    return "NaN" if s.nan else "inf/NaN"
 
 
 def _evidence(c: ModuleCall | None, phase: str, rec: StepRecord) -> dict:
@@ -91,57 +72,68 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
             groups.setdefault((p.phase, p.module, p.kind), []).append(r)
     out = []
     outside = _outside_model(run)
+    benign = benign_backoff(run.steps, run.has_scaler)
+    dev = autocast_device(run)
     for (phase, module, kind), recs in groups.items():
         r0 = recs[0]
         p = r0.forward_producer if phase == "forward" else r0.backward_producer
         c = _call(r0, module, p.call)
         steps = [r.step for r in recs]
         rule = "overflow" if kind == "inf" else "nan_origin"
-        if kind == "nan" and phase == "forward" and c is not None and c.type in _ACCUMULATING \
+        if kind == "nan" and phase == "forward" and c is not None and c.type in ACCUMULATING \
                 and c.inp is not None and c.inp.finite:
             rule = "overflow"  # a matmul/conv of finite values makes NaN only as inf - inf: its sums overflowed
         ev = _evidence(c, phase, r0)
         ev.update({"steps": steps[:50], "occurrences": len(steps), "rank_hint": 10 if phase == "forward" else 12})
-        where = f"`{module}`" if module else "the model's top level"
+        step = onset_step(run.steps, r0.step, phase)  # the first bad step, when only the trip-wire saw it
+        if step != r0.step:
+            ev["observed_step"] = r0.step
+        at = where(module)
+        typ = c.type if c else p.detail.get("type", "?")
+        vals = _what_inf(c.out if c and phase == "forward" else c.gin if c else None)
+        if vals == "inf/NaN":
+            vals = "±inf" if kind == "inf" else "NaN"
         sev = "error"
-        if phase == "forward" and (_absorbed(recs) or p.detail.get("mask_like") and outside):
+        if phase == "forward" and (absorbed(recs) or p.detail.get("mask_like") and outside):
             sev = "info"
             ev["rank_hint"] = 40
             ev["absorbed"] = True
-            msg = (f"{where} ({c.type if c else '?'}) emits {'-inf' if p.detail.get('mask_like') else 'inf/NaN'} "
+            msg = (f"{at} ({typ}) emits {'-inf' if p.detail.get('mask_like') else vals} "
                    f"from finite inputs (first at step {r0.step}), but later ops absorb it: the loss and the "
                    "outputs stayed finite" + (" — an additive -inf mask before a softmax does this "
                                                         "by design." if p.detail.get("mask_like") else "."))
             fix = ("Nothing to do while the loss stays finite. A row that is masked entirely turns softmax into NaN; "
                    "a large finite negative value representable in the dtype (torch.finfo(dtype).min) avoids that.")
-        elif phase == "backward" and _benign_backward(run, steps):
+        elif phase == "backward" and all(s in benign for s in steps):
             sev = "info"
             ev["rank_hint"] = 40
-            msg = (f"The loss-scaled backward overflowed in {where} on {len(steps)} early step(s); GradScaler "
-                   "skipped them and lowered the scale, as designed.")
+            ev["benign_backoff"] = True
+            msg = (f"The loss-scaled backward overflowed in {at} on {len(steps)} step(s) while the loss scale was "
+                   "high; GradScaler skipped them and lowered the scale, as designed.")
             fix = "Nothing to do: a few skipped steps while the loss scale settles are normal."
         elif phase == "forward":
-            what = ("turned finite inputs into ±inf" if kind == "inf" else
+            what = (f"turned finite inputs into {vals}" if kind == "inf" else
                     "produced NaN from finite inputs — its sums of products overflowed (inf - inf = NaN)"
                     if rule == "overflow" else "produced NaN from NaN-free inputs")
-            msg = (f"{where} ({c.type if c else '?'}) {what} in the forward pass at step {r0.step}"
+            seen = f" (seen on sampled step {r0.step})" if step != r0.step else ""
+            msg = (f"{at} ({typ}) {what} in the forward pass at step {step}{seen}"
                    f"{' (' + c.autocast + ' autocast)' if c and c.autocast else ''}; everything after it only "
                    "passed the non-finite values on.")
             fix = ("Keep this module in fp32 or rescale before the operation that overflows, e.g.\n"
-                   + AUTOCAST_OFF.format(m=module or "the model", dev=autocast_device(run))
+                   + AUTOCAST_OFF.format(m=module or "(root)", dev=dev)
                    + ("\nRun `ampdoctor replay` on the capture to see the exact op."
                       if any(r.capture for r in run.steps)
                       else "\nTo see the exact op, save a failing batch (`ampdoctor.save_batch`) and replay it.")
                    + " bf16 has fp32's range.")
         else:
-            what = "turned a finite incoming gradient into ±inf" if kind == "inf" else \
+            what = f"turned a finite incoming gradient into {vals}" if kind == "inf" else \
                 "produced NaN gradients from a NaN-free incoming gradient"
-            msg = (f"In the backward pass {where} ({c.type if c else '?'}) {what} at step {r0.step}"
+            msg = (f"In the backward pass {at} ({typ}) {what} at step {step}"
                    f"{', on every step' if len(steps) > 2 else ''}; the forward was finite.")
             fix = ("Find the op whose derivative is unbounded here (log/log1p/sqrt/div/pow near 0, norms of tiny "
                    "vectors) and guard it with an epsilon representable in the working dtype, or run the module "
-                   "in fp32:\n" + AUTOCAST_OFF.format(m=module or "the model", dev=autocast_device(run)))
-        out.append(Finding(rule, sev, phase, module, None, r0.step, msg, fix, ev))
+                   "in fp32:\n" + AUTOCAST_OFF.format(m=module or "(root)", dev=dev))
+        out.append(Finding(rule, sev, phase, module, None, step, msg, fix, ev))
     out.extend(outside)
     if not groups and not out:
         out.extend(_bad_weights(run) or _unlocated(run))
@@ -208,7 +200,7 @@ def _outside_model(run: RunData) -> list[Finding]:
     although the loss was finite (backward: the loss's own backward, e.g. a manual loss scale too large for fp16
     or an fp16 cast of the loss gradient)."""
     out_bwd = [r for r in run.steps if _output_grad_nonfinite(r)]
-    benign = bool(out_bwd) and _benign_backward(run, [r.step for r in out_bwd])  # GradScaler's normal backoff
+    benign = bool(out_bwd) and all(r.step in benign_backoff(run.steps, run.has_scaler) for r in out_bwd)
     for r in run.steps:
         p = r.forward_producer
         if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \

@@ -1,0 +1,148 @@
+"""One definition per idea over a run's StepRecords, shared by the rules and the summary (ampdoctor/analysis.py):
+GradScaler's benign backoff, forward inf/NaN that later ops absorbed, the first step that went bad for a real
+reason, the step where a failure happened when only the trip-wire saw it, and a recorded crash.
+
+Pure functions of records; no import of anything above `records` (rules and analysis both import this).
+"""
+from __future__ import annotations
+
+from ..records import ModuleCall, StepRecord
+
+__all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "absorbed_modules", "absorbed",
+           "real_bad", "first_bad_step", "onset_step", "crash", "parents", "descendants"]
+
+BACKOFF_MAX_STREAK = 10
+"""A streak of this many skipped steps in a row is a collapse, never the scaler's normal search (the
+`loss_scale_collapse` rule's `collapse_consecutive` defaults to the same number)."""
+BACKOFF_MIN_SCALE = 1.0
+"""Below this loss scale a skipped step is no longer the scaler searching: gradients overflow unscaled."""
+
+
+def _streaks(steps: list[StepRecord]) -> list[list[StepRecord]]:
+    out: list[list[StepRecord]] = []
+    prev = None
+    for r in steps:
+        if r.skipped:
+            if out and prev is not None and prev.skipped and r.step == prev.step + 1:
+                out[-1].append(r)
+            else:
+                out.append([r])
+        prev = r
+    return out
+
+
+def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
+                   min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
+    """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
+    (loss, outputs, no crash, no inf/NaN producer other than a mask), the scale was still >= `min_scale`, the
+    streak of consecutive skips is shorter than `max_streak`, and it is not NaN made in the backward three times
+    running (halving the scale does nothing to a NaN). Skips after the first stepped update count only while
+    they stay rare (fewer than `later_min`, or under `later_share` of the steps after it): a steady rate of
+    skips is the `skipped_steps` rule's business, not a benign search."""
+    if not has_scaler:
+        return set()
+    out: set[int] = set()
+    first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
+    later = [r for r in steps if r.skipped and first_good is not None and r.step > first_good]
+    after = sum(1 for r in steps if first_good is not None and r.step > first_good)
+    later_ok = len(later) < later_min or len(later) / max(after, 1) < later_share
+    for s in _streaks(steps):
+        if len(s) >= max_streak:
+            continue
+        if any(r.forward_bad or r.exception or (r.scale is not None and r.scale < min_scale) for r in s):
+            continue
+        nan_made = sum(1 for r in s if r.backward_producer is not None and r.backward_producer.kind == "nan")
+        if nan_made >= 3:
+            continue
+        if first_good is not None and s[0].step > first_good and not later_ok:
+            continue
+        out.update(r.step for r in s)
+    return out
+
+
+def absorbed(recs: list[StepRecord]) -> bool:
+    """Non-finite forward values that never reached the loss or the outputs: no step of the group had a
+    non-finite loss, output or crash, and either the values were only -inf (a mask: what the backward does is
+    the backward's business) or at least one step was stepped with finite gradients."""
+    if any(r.loss_finite is False or r.output_finite is False or r.exception for r in recs):
+        return False
+    if all(not r.forward_bad for r in recs):  # only -inf (a mask), and the forward ended finite
+        return True
+    return any(not r.skipped and r.grad_finite is not False and (r.loss_finite or r.output_finite) for r in recs)
+
+
+def absorbed_modules(steps: list[StepRecord]) -> set[str]:
+    """Modules whose forward inf/NaN (every step it was their first producer) later ops absorbed."""
+    by: dict[str, list[StepRecord]] = {}
+    for r in steps:
+        if r.forward_producer is not None:
+            by.setdefault(r.forward_producer.module, []).append(r)
+    return {m for m, recs in by.items() if absorbed(recs)}
+
+
+def real_bad(r: StepRecord, benign: set[int], absorbed_mods: set[str]) -> bool:
+    """The step went bad for a reason other than GradScaler's benign backoff or an absorbed forward inf (a mask)."""
+    p = r.forward_producer
+    if r.loss_finite is False or r.output_finite is False or r.exception:
+        return True
+    if p is not None and not p.detail.get("mask_like") and p.module not in absorbed_mods:
+        return True
+    backward = r.skipped or r.grad_finite is False or r.backward_producer is not None
+    return bool(backward) and r.step not in benign
+
+
+def first_bad_step(steps: list[StepRecord], has_scaler: bool) -> int | None:
+    benign = benign_backoff(steps, has_scaler)
+    mods = absorbed_modules(steps)
+    return next((r.step for r in steps if real_bad(r, benign, mods)), None)
+
+
+def onset_step(steps: list[StepRecord], observed: int, phase: str) -> int:
+    """The step where a failure seen at sampled step `observed` began: walking back over the unsampled steps
+    just before it that only the trip-wire saw going bad the same way (forward: loss/output non-finite or a
+    crash; backward: skipped or non-finite gradients with a finite forward)."""
+    by = {r.step: r for r in steps}
+    k = observed
+    while k - 1 in by:
+        r = by[k - 1]
+        if r.sampled and r.modules:
+            break
+        fwd = r.loss_finite is False or r.output_finite is False or bool(r.exception)
+        bwd = (r.skipped or r.grad_finite is False) and not fwd
+        if not (fwd if phase == "forward" else bwd):
+            break
+        k -= 1
+    return k
+
+
+def crash(steps: list[StepRecord]) -> dict | None:
+    """The exception that ended the run: the last recorded step carries one."""
+    if not steps or not steps[-1].exception:
+        return None
+    e = steps[-1].exception
+    return {"step": steps[-1].step, "type": e.get("type"), "message": e.get("message"), "module": e.get("module"),
+            "file": e.get("file"), "line": e.get("line")}
+
+
+def parents(calls: list[ModuleCall]) -> dict[int, int | None]:
+    """seq -> seq of the enclosing call, rebuilt from forward (pre-)order and depth."""
+    out: dict[int, int | None] = {}
+    stack: list[ModuleCall] = []
+    for c in sorted(calls, key=lambda c: c.seq):
+        while stack and stack[-1].depth >= c.depth:
+            stack.pop()
+        out[c.seq] = stack[-1].seq if stack else None
+        stack.append(c)
+    return out
+
+
+def descendants(calls: list[ModuleCall], c: ModuleCall, par: dict[int, int | None]) -> list[ModuleCall]:
+    """The calls that ran inside call `c`."""
+    out = []
+    for d in calls:
+        p = par.get(d.seq)
+        while p is not None and p != c.seq:
+            p = par.get(p)
+        if p == c.seq:
+            out.append(d)
+    return out
