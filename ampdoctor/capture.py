@@ -8,9 +8,13 @@ A capture is a directory:
     tensors.safetensors    the batch tensors ("a/…", "k/…") and RNG states taken before the forward ("rng/…")
     state.safetensors      the model's weights and buffers (state_dict)
 
-Nothing is pickled. `load_capture` also reads `.pt` files named by a manifest, only through
-`torch.load(weights_only=True)`, which refuses a payload that would run code. Every check that fails raises
-`BadInput` with one line. Copies of tensors happen only in `write_capture`.
+Nothing is pickled, and loading never imports or calls anything a capture names (the model is rebuilt, if
+at all, by replay/hfbuild.py from a Hugging Face config). `load_capture` also reads `.pt` files named by a
+manifest, only through `torch.load(weights_only=True)`, which refuses a payload that would run code. Before a
+tensor file is read its safetensors header is checked against the file's size (offsets contiguous, sizes
+matching dtypes and shapes), a sparse file is refused, and so is one larger than the memory available. JSON is
+parsed with a depth bound. Every check that fails raises `BadInput` with one line. Copies of tensors happen only
+in `write_capture`.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 
 from .errors import BadInput
-from .fsutil import atomic_write_bytes, atomic_write_text
+from .fsutil import atomic_write_bytes, atomic_write_text, loads_bounded, read_regular
 
 __all__ = ["Capture", "save_batch", "write_capture", "load_capture", "FORMAT_NAME", "FORMAT_VERSION"]
 
@@ -33,6 +37,10 @@ FORMAT_NAME = "ampdoctor-capture"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_FILE_BYTES = 64 << 30
+MAX_HEADER_BYTES = 100 << 20
+MAX_DEPTH = 48           # structure nesting a capture may have (args are rarely 5 deep)
+_ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+              "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
 _FILE_ROLES = ("tensors", "state")
 _LEAF = (int, float, bool, str, type(None))
 
@@ -251,17 +259,71 @@ def _check_manifest(m: Any, cap: str) -> None:
         _need(f.get("sha256") is None or isinstance(f.get("sha256"), str), f"files.{role}.sha256 is not a str", cap)
 
 
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_safetensors(fp: str, cap: str) -> None:
+    """Refuse a tensor file whose header does not add up with its size, that is sparse (holes read as zeros:
+    gigabytes from a few kilobytes on disk), or that would not fit in memory — before reading its data."""
+    name = os.path.basename(fp)
+    size = os.path.getsize(fp)
+    with open(fp, "rb") as f:
+        head = f.read(8)
+        _need(len(head) == 8, f"{name} is not a valid safetensors file (shorter than its header)", cap)
+        n = int.from_bytes(head, "little")
+        _need(0 < n <= min(size - 8, MAX_HEADER_BYTES), f"{name} is not a valid safetensors file (header length "
+              f"{n} for a {size}-byte file)", cap)
+        header = loads_bounded(f.read(n), f"capture {cap}: {name} header", 4)
+    _need(isinstance(header, dict), f"{name} is not a valid safetensors file (header not an object)", cap)
+    spans = []
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        ok = (isinstance(v, dict) and v.get("dtype") in _ST_DTYPES and isinstance(v.get("shape"), list)
+              and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in v["shape"])
+              and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+              and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in v["data_offsets"]))
+        _need(ok, f"{name} is not a valid safetensors file (entry {str(k)[:40]!r})", cap)
+        a, b = v["data_offsets"]
+        numel = math.prod(v["shape"])
+        _need(b - a == numel * _ST_DTYPES[v["dtype"]], f"{name}: tensor {str(k)[:40]!r} has {b - a} bytes for shape "
+              f"{v['shape']} {v['dtype']} (corrupt)", cap)
+        spans.append((a, b))
+    data = size - 8 - n
+    end = 0
+    for a, b in sorted(spans):
+        _need(a == end, f"{name}: tensor data offsets overlap or leave gaps (corrupt)", cap)
+        end = b
+    _need(end == data, f"{name}: the header describes {end} bytes of tensor data but the file holds {data} "
+          "(truncated or padded)", cap)
+    blocks = getattr(os.stat(fp), "st_blocks", None)
+    _need(blocks is None or size < 256 << 20 or blocks * 512 >= size // 8, f"{name} is a sparse file ({size} bytes "
+          f"but {blocks * 512 if blocks else 0} on disk): holes, not weights; refusing to read it", cap)
+    avail = _mem_available()
+    _need(avail is None or data <= avail * 0.8, f"{name} holds {data / 2 ** 30:.1f} GiB of tensors, more than the "
+          f"memory available ({avail / 2 ** 30 if avail else 0:.1f} GiB); refusing to load it", cap)
+
+
 def _read_tensors(fp: str, cap: str) -> dict[str, torch.Tensor]:
     name = os.path.basename(fp)
     if name.endswith(".safetensors"):
-        from safetensors.torch import load as st_load
-        with open(fp, "rb") as f:
-            data = f.read()
+        from safetensors.torch import load_file as st_load_file
         try:
-            out = st_load(data)
+            out = st_load_file(fp)   # memory-mapped: the file is not read into a second copy first
         except Exception as e:
             raise BadInput(f"capture {cap}: {name} is not a valid safetensors file ({str(e).splitlines()[0][:120]})")
     elif name.endswith(".pt"):
+        avail = _mem_available()
+        _need(avail is None or os.path.getsize(fp) <= avail * 0.4, f"{name} is larger than the memory available; "
+              "refusing to load it", cap)
         try:
             out = torch.load(fp, map_location="cpu", weights_only=True)
         except Exception as e:
@@ -308,12 +370,8 @@ def load_capture(path: str | os.PathLike) -> Capture:
     cap = os.fspath(path)
     _need(os.path.isdir(cap), "is not a directory (expected a capture written by save_batch or a watch)", cap)
     mp = _safe_file(cap, "manifest.json", cap)
-    _need(os.path.getsize(mp) <= MAX_MANIFEST_BYTES, "manifest.json is implausibly large", cap)
-    try:
-        with open(mp, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"capture {cap}: manifest.json is not valid JSON ({e.__class__.__name__}: {e})".splitlines()[0])
+    raw = read_regular(mp, "capture manifest", MAX_MANIFEST_BYTES)
+    manifest = loads_bounded(raw, f"capture {cap}: manifest.json", MAX_DEPTH)
     _check_manifest(manifest, cap)
     loaded = {}
     for role in _FILE_ROLES:
@@ -322,6 +380,8 @@ def load_capture(path: str | os.PathLike) -> Capture:
         size = os.path.getsize(fp)
         _need(size == f["bytes"], f"{f['name']} is {size} bytes but the manifest says {f['bytes']} "
               "(truncated or replaced)", cap)
+        if fp.endswith(".safetensors"):
+            _check_safetensors(fp, cap)  # cheap header and size checks before hashing or reading any data
         if f.get("sha256"):
             _need(_sha256(fp) == f["sha256"], f"{f['name']} does not match its sha256 (corrupt)", cap)
         loaded[role] = _read_tensors(fp, cap)

@@ -28,7 +28,7 @@ def resolve(spec: str, what: str = "factory") -> Callable:
         sys.path.insert(0, os.getcwd())
     try:
         obj = importlib.import_module(mod_name)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # the user's module raised, has a SyntaxError, or called sys.exit
         raise BadInput(f"cannot import {mod_name!r} for {what} {spec!r}: {type(e).__name__}: {e}".splitlines()[0])
     finally:
         if added and os.getcwd() in sys.path:
@@ -43,37 +43,25 @@ def resolve(spec: str, what: str = "factory") -> Callable:
 
 
 def build_model(capture, model: Any = None) -> torch.nn.Module:
-    """The model to replay on: `model` (a Module or a factory string), else rebuilt from the capture."""
+    """The model to replay on: `model` (a Module, or a factory string the user named), else a Hugging Face model
+    rebuilt from the capture's config through transformers' own registry (replay/hfbuild.py). Nothing the
+    capture names is ever imported or called: a capture is data, possibly from a stranger."""
     if isinstance(model, str):
         factory = resolve(model, "--model")
         try:
-            model = factory()
-        except Exception as e:
+            model = factory if isinstance(factory, torch.nn.Module) else factory()
+        except (Exception, SystemExit) as e:
             raise BadInput(f"model factory {model!r} raised {type(e).__name__}: {e}".splitlines()[0])
     if model is not None:
         if not isinstance(model, torch.nn.Module):
             raise BadInput(f"model must be an nn.Module or a 'pkg.mod:factory' string, got {type(model).__name__}")
         return model
-    cls_path = capture.model_class
-    if capture.hf_config is not None:
-        try:
-            import transformers
-        except ImportError:
-            raise BadInput("this capture holds a Hugging Face config but transformers is not installed; "
-                           "install it or pass model=/--model")
-        cfg = dict(capture.hf_config)
-        config = transformers.AutoConfig.for_model(cfg.pop("model_type", None), **cfg)
-        mod, _, name = cls_path.rpartition(".")
-        cls = getattr(importlib.import_module(mod), name, None) if mod else None
-        if cls is None:
-            raise BadInput(f"cannot import model class {cls_path!r}; pass model=/--model")
-        return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
-    mod, _, name = cls_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), name)()
-    except Exception:
-        raise BadInput(f"cannot rebuild {cls_path or 'the model'} from the capture alone; pass model= "
-                       "(or --model package.module:factory)")
+    if capture.hf_config is None:
+        raise BadInput(f"the capture was taken from {capture.model_class[:80] or 'a model'!s}; ampdoctor never imports "
+                       "classes a capture names: pass model= (or --model package.module:factory)")
+    from .hfbuild import build_hf_model
+    numel = sum(t.numel() for t in capture.state_dict.values())
+    return build_hf_model(capture.model_class, dict(capture.hf_config), numel)
 
 
 def match_capture_dtype(model: torch.nn.Module, state_dict: dict) -> None:
