@@ -1,0 +1,169 @@
+"""The corpus: healthy runs of every model in fp16 + GradScaler and bf16, eager and compiled, and failures
+injected at realistic points, each with what ampdoctor should say (rule, module, op, step) among its first three
+findings. Expected steps that depend on the run (the first bad step, the first applied update) are read from the
+unwatched run of the same case (`gt`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import loops, nanogpt
+from .models import SPECS
+
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+ATTN_OPS = ("aten::bmm", "aten::matmul")
+MODELS = ("nanogpt", "gpt2", "llama", "t5", "bert", "resnet")
+
+
+@dataclass
+class Expect:
+    """One acceptable finding: rule in `rules`, module equal (None: any), op in `ops` (None: any), step in
+    `steps` (None: any)."""
+
+    rules: tuple
+    module: str | None = None
+    ops: tuple | None = None
+    steps: tuple | None = None
+
+    def matches(self, f: dict) -> bool:
+        return (f["rule"] in self.rules and (self.module is None or f["module"] == self.module)
+                and (self.ops is None or f["op"] in self.ops) and (self.steps is None or f["step"] in self.steps))
+
+    def label(self) -> str:
+        ops = "" if self.ops is None else ":" + "|".join(o.replace("aten::", "") for o in self.ops[:2])
+        if self.steps is None:
+            st = "*"
+        elif len(self.steps) > 3:
+            st = f"{min(self.steps)}..{max(self.steps)}"
+        else:
+            st = "|".join(map(str, self.steps))
+        return f"{'|'.join(self.rules)}@{self.module or '*'}{ops}@{st}"
+
+
+@dataclass
+class Case:
+    name: str
+    model: str
+    dtype: str
+    compiled: bool = False
+    kind: str = "healthy"
+    iters: dict = field(default_factory=lambda: {"tiny": 8, "small": 30})
+    options: Callable = lambda size, dev: {}     # (size, device) -> extra kwargs for the train function (inject, lr, ...)
+    # (gt, inject_info) -> list of requirements; each requirement is a list of Expect, any of which must match
+    expect: Callable | None = None
+    forbid: tuple = ()                           # rules that must not be in the first three findings
+    extra: Callable | None = None                # (report_dict, gt, info) -> (ok, label) an extra check
+    note: str = ""
+
+
+def nanogpt_probe(model):
+    c = model.config
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, c.vocab_size, (4, c.block_size), generator=g).to(next(model.parameters()).device)
+    model(idx, idx)
+
+
+def hf_probe(name, size):
+    def probe(model):
+        dev = next(model.parameters()).device.type
+        args, kwargs, _ = SPECS[name].batch(size, dev)
+        model(*args, **kwargs)
+    return probe
+
+
+def _range_to(n):
+    return None if n is None else tuple(range(0, n + 1))
+
+
+def healthy_cases(compile_models) -> list[Case]:
+    out = []
+    for m in MODELS:
+        for dt in ("float16", "bfloat16"):
+            for comp in (False, True):
+                if comp and m not in compile_models:
+                    continue
+                iters = {"tiny": 12, "small": 40} if m == "nanogpt" else {"tiny": 8, "small": 30}
+                out.append(Case(f"{m}/healthy", m, dt, comp, "healthy", iters))
+    return out
+
+
+def injected_cases() -> list[Case]:
+    L = lambda size: nanogpt.SIZES[size][0]  # noqa: E731
+    cases = []
+    # (a) a weight spike mid-run, large enough to overflow, in every model's MLP/FFN projection (conv in ResNet)
+    for m in MODELS:
+        mod = (lambda size: f"transformer.h.{L(size) - 1}.mlp.c_proj") if m == "nanogpt" else \
+            (lambda size, m=m: SPECS[m].spike)
+        probe = nanogpt_probe if m == "nanogpt" else None
+        ops = LINEAR_OPS if m != "resnet" else SPECS["resnet"].spike_ops
+
+        def opts(size, dev, mod=mod, m=m, probe=probe):
+            return {"inject": loops.spike(mod(size), 3, probe or hf_probe(m, size))}
+        cases.append(Case(f"{m}/spike@3", m, "float16", kind="injected", options=opts,
+                          expect=lambda gt, info, ops=ops: [[Expect(("overflow",), info["module"], ops, (3,))]]))
+    # (b) lr = 10 (nanoGPT): the first applied update throws every weight to +-10
+    cases.append(Case("nanogpt/lr=10", "nanogpt", "float16", kind="injected",
+                      options=lambda size, dev: {"learning_rate": 10.0, "warmup_iters": 0, "decay_lr": False},
+                      expect=lambda gt, info: [
+                          [Expect(("update_spike",), None, None, (gt["first_update"], gt["first_update"] + 1))],
+                          [Expect(("overflow", "nan_origin"), None, None, (gt["first_bad"],))]]))
+    # (c) lr = 0.05 without warmup (nanoGPT): activations climb over a few dozen steps, then overflow
+    cases.append(Case("nanogpt/lr=0.05,nowarmup", "nanogpt", "float16", kind="injected",
+                      iters={"tiny": 40, "small": 60},
+                      options=lambda size, dev: {"learning_rate": 0.05, "warmup_iters": 0, "decay_lr": False},
+                      expect=lambda gt, info: [[Expect(("update_spike", "headroom_trend"), None, None,
+                                                       _range_to(gt["first_bad"]))]],
+                      note="needs an overflow within the run to be a failure; see gt.first_bad"))
+    # (d) manual attention without 1/sqrt(d), large q/k: q @ k^T overflows (scaled, it would not)
+    def noscale(size, dev):
+        n_embd = nanogpt.SIZES[size][2]
+        return {"attn": "manual_noscale",
+                "inject": loops.attn_no_scale_large("transformer.h.0.attn", nanogpt_probe, n_embd)}
+    cases.append(Case("nanogpt/attn-noscale", "nanogpt", "float16", kind="injected", options=noscale,
+                      expect=lambda gt, info: [[Expect(("overflow",), "transformer.h.0.attn", ATTN_OPS, (0,))]]))
+    # (e) a -inf-only overflow: a Linear fed by GELU outputs, weights made large and negative at step 3
+    cases.append(Case("nanogpt/neg-inf@3", "nanogpt", "float16", kind="injected",
+                      options=lambda size, dev: {"inject": loops.neg_overflow(f"transformer.h.{L(size) - 1}.mlp.c_proj",
+                                                                         3, nanogpt_probe)},
+                      expect=lambda gt, info: [[Expect(("overflow",), info["module"], LINEAR_OPS, (3,))]],
+                      forbid=("mask_value_overflow",)))
+    # (f) GradScaler's benign early backoff (a high init_scale), then a real overflow at step k (issue 18)
+    def benign_then_spike(size, dev):
+        k = _benign_skips("gpt2", size, dev) + 2
+        return {"init_scale": 2.0 ** 24, "checkpointing": True,
+                "inject": loops.spike(SPECS["gpt2"].spike, k, hf_probe("gpt2", size))}
+    cases.append(Case("gpt2/backoff+spike", "gpt2", "float16", kind="injected", options=benign_then_spike,
+                      iters={"tiny": 10, "small": 30},
+                      expect=lambda gt, info: [[Expect(("overflow",), info["module"], LINEAR_OPS, (info["step"],))]],
+                      extra=_capture_at_step, note="init_scale 2**24 + gradient checkpointing"))
+    # (g) one layer's weights grow 15% per step (issue 15): headroom_trend >= 10 steps before the first inf
+    cases.append(Case("nanogpt/grow15%", "nanogpt", "float16", kind="injected", iters={"tiny": 60, "small": 60},
+                      options=lambda size, dev: {"inject": loops.grow(f"transformer.h.{L(size) - 1}.mlp.c_fc", 2, 1.15,
+                                                                 nanogpt_probe)},
+                      expect=lambda gt, info: [[Expect(("headroom_trend",), info["module"], None,
+                                                       None if gt["first_bad"] is None
+                                                       else tuple(range(0, gt["first_bad"] - 9)))]]))
+    return cases
+
+
+def _benign_skips(name, size, device="cpu", iters=6):
+    """How many leading steps GradScaler skips at init_scale 2**24 on this model (a dry run, no watch)."""
+    skips = []
+    loops.plain_train(name, size=size, device=device, iters=iters, init_scale=2.0 ** 24, checkpointing=True,
+                      on_iter=lambda it, l, s0, s1: skips.append(s1 < s0))
+    n = 0
+    while n < len(skips) and skips[n]:
+        n += 1
+    return n
+
+
+def _capture_at_step(rep, gt, info):
+    caps = [str(c).rstrip("/") for c in (rep.get("summary", {}).get("captures") or [])]
+    k = info["step"]
+    return any(c.endswith(f"/{k}") or c.endswith(f"captures/{k}") for c in caps), f"capture@{k}"
+
+
+def all_cases(compile_models=("nanogpt",)) -> list[Case]:
+    return healthy_cases(compile_models) + injected_cases()
