@@ -1,5 +1,11 @@
 """The `ampdoctor` command line: report, replay, doctor. Exit codes per shared/CONTRACT.md:
-0 no error findings, 1 at least one error finding, 2 bad input or usage (one line on stderr, no traceback)."""
+0 no error findings, 1 at least one error finding, 2 bad input or usage (one line on stderr, no traceback).
+
+Arguments are parsed before anything heavy is imported (torch, transformers, matplotlib), so `--help` and
+usage errors answer at once. Every output path is checked before any work starts: `--out` only into a new or
+empty directory or one ampdoctor wrote (`--force` overrides), `--json` never onto a directory, nothing
+unwritable. Output to a closed pipe (`| head`) ends quietly.
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,8 +19,7 @@ __all__ = ["main"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # usage errors: one line, exit 2
-        print(f"ampdoctor: {message} (see `ampdoctor --help`)", file=sys.stderr)
-        raise SystemExit(2)
+        raise BadInput(f"{message} (see `ampdoctor --help`)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,34 +50,29 @@ def _model_args(p: argparse.ArgumentParser, model_help: str) -> None:
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", help="write index.html and plots under DIR (default reports/<name>/)")
+    p.add_argument("--out", help="write index.html and plots under DIR (default reports/<name>/); only a new or "
+                                 "empty directory, or one ampdoctor wrote")
+    p.add_argument("--force", action="store_true", help="let --out write into a directory that holds other files")
     p.add_argument("--json", help="write the report as JSON to FILE")
     p.add_argument("--no-html", action="store_true", help="do not write the HTML report")
 
 
-def _resolve(spec: str, what: str):
-    import importlib
-    if ":" not in spec:
-        raise BadInput(f"--{what} must look like package.module:name, got {spec!r}")
-    mod, _, name = spec.partition(":")
-    sys.path.insert(0, os.getcwd())
+# ------------------------------------------------------------------------------------------------ output
+_pipe_closed = False
+
+
+def _say(text: str) -> None:
+    """print() to stdout; a reader that went away (`| head -3`) silences the rest instead of a traceback."""
+    global _pipe_closed
+    if _pipe_closed:
+        return
     try:
-        obj = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise BadInput(f"cannot import {spec!r} for --{what}: {e}") from None
-    return obj
-
-
-def _build(spec: str):
-    """--model pkg.mod:factory -> an nn.Module (the factory is called with no arguments)."""
-    import torch.nn as nn
-    model = _resolve(spec, "model")
-    if not isinstance(model, nn.Module) and callable(model):
-        try:
-            model = model()
-        except Exception as e:
-            raise BadInput(f"--model factory {spec} failed: {type(e).__name__}: {e}") from None
-    return model
+        print(text, flush=True)
+    except BrokenPipeError:
+        _pipe_closed = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python flushes stdout at exit: let that go nowhere
+        os.close(devnull)
 
 
 def _default_out(path: str) -> str:
@@ -80,59 +80,92 @@ def _default_out(path: str) -> str:
     return os.path.join("reports", name)
 
 
+def _check_outputs(args, src: str) -> None:
+    """Refuse unusable output paths before any work is done (one line, exit 2)."""
+    from .fsutil import check_out_dir, check_out_file
+    if getattr(args, "json", None):
+        check_out_file(args.json, "--json")
+    if hasattr(args, "no_html") and not args.no_html:
+        check_out_dir(args.out or _default_out(src), "--out", force=args.force)
+    if getattr(args, "tensorboard", None):
+        check_out_dir(args.tensorboard, "--tensorboard", force=True)
+
+
 def _write(report, args, src: str) -> None:
+    from .fsutil import mark_out_dir
     from .report.text import render_text
-    print(render_text(report))
-    if args.json:
-        report.save_json(args.json)
-        print(f"json: {args.json}")
-    if not getattr(args, "no_html", False):
-        out = args.out or _default_out(src)
-        path = report.save_html(out)
-        try:
-            from .report.plots import write_plots
-            write_plots(report, out)
-        except Exception as e:  # plots are a bonus beside the self-contained HTML
-            print(f"ampdoctor: plots skipped ({e})", file=sys.stderr)
-        print(f"report: {path}")
+    _say(render_text(report))
+    try:
+        if args.json:
+            report.save_json(args.json)
+            _say(f"json: {args.json}")
+        if not args.no_html:
+            out = args.out or _default_out(src)
+            path = report.save_html(out)
+            mark_out_dir(out)
+            try:
+                from .report.plots import write_plots
+                write_plots(report, out)
+            except Exception as e:  # plots are a bonus beside the self-contained HTML
+                print(f"ampdoctor: plots skipped ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                      file=sys.stderr)
+            _say(f"report: {path}")
+    except OSError as e:
+        raise BadInput(f"cannot write the report: {e.strerror or e}: {e.filename or ''}".rstrip(": ")) from None
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def _rules(spec: str | None):
+    if spec is None:
+        return None
+    ids = tuple(r.strip() for r in spec.split(",") if r.strip())
+    if not ids:
+        raise BadInput(f"--rules {spec!r} names no rule; give comma-separated rule ids, or leave --rules out to "
+                       "run all")
+    from .rules import RuleConfig
+    return RuleConfig(only=ids)
 
 
 def _cmd_report(args) -> int:
+    cfg = _rules(args.rules)
+    from .rundir import find_rank_dirs
+    ranks = find_rank_dirs(args.run_dir)
+    _check_outputs(args, args.run_dir)
     from .analysis import build_report, diagnose_run_dir
-    from .rules import RuleConfig
-    if args.rules:
-        cfg = RuleConfig(only=tuple(r.strip() for r in args.rules.split(",") if r.strip()))
-        from .rundir import find_rank_dirs, read_run
-        ranks = find_rank_dirs(args.run_dir)
+    from .rundir import read_run
+    if cfg is not None:
         meta, steps = read_run(ranks[0][1])
         report = build_report(meta, steps, run_dir=args.run_dir, config=cfg)
     else:
         report = diagnose_run_dir(args.run_dir)
     if args.model:
         from .analysis import merge_capture_replay
-        from .rundir import find_rank_dirs, read_run
-        model = _build(args.model)
-        loss = _resolve(args.loss, "loss") if args.loss else None
-        steps = [s for _, path in find_rank_dirs(args.run_dir) for s in read_run(path)[1]]
+        from .replay.modelio import build_model, resolve
+        model = build_model(None, args.model)
+        loss = resolve(args.loss, "--loss") if args.loss else None
+        steps = [s for _, path in ranks for s in read_run(path)[1]]
         report = merge_capture_replay(report, steps, model, loss, strict=True)
     if args.tensorboard:
         from .report.tensorboard import write_tensorboard
-        from .rundir import find_rank_dirs, read_run
-        for rank, path in find_rank_dirs(args.run_dir):
-            meta, steps = read_run(path)
-            write_tensorboard(meta, steps, args.tensorboard if rank is None else
-                              os.path.join(args.tensorboard, f"rank-{rank}"))
-        print(f"tensorboard: {args.tensorboard}")
+        try:
+            for rank, path in ranks:
+                meta, steps = read_run(path)
+                write_tensorboard(meta, steps, args.tensorboard if rank is None else
+                                  os.path.join(args.tensorboard, f"rank-{rank}"))
+        except OSError as e:
+            raise BadInput(f"--tensorboard {args.tensorboard}: cannot write ({e.strerror or e})") from None
+        _say(f"tensorboard: {args.tensorboard}")
     _write(report, args, args.run_dir)
     return report.exit_code
 
 
 def _cmd_replay(args) -> int:
-    from .replay import replay
     if not os.path.exists(args.capture):
         raise BadInput(f"{args.capture}: no such capture")
-    model = _build(args.model) if args.model else None
-    loss = _resolve(args.loss, "loss") if args.loss else None
+    _check_outputs(args, args.capture)
+    from .replay import modelio, replay
+    model = modelio.build_model(None, args.model) if args.model else None
+    loss = modelio.resolve(args.loss, "--loss") if args.loss else None
     kw = dict(shadow=False, whatif=False, fix_search=False) if args.quick else {}
     report = replay(args.capture, model=model, loss_fn=loss, progress=lambda s: print(s, file=sys.stderr), **kw)
     _write(report, args, args.capture)
@@ -140,24 +173,30 @@ def _cmd_replay(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
+    if args.json:
+        from .fsutil import check_out_file
+        check_out_file(args.json, "--json")
     from .doctor import run_doctor
     report = run_doctor(deepspeed=args.deepspeed)
     from .report.text import render_text
-    print(render_text(report))
+    _say(render_text(report))
     if args.json:
-        report.save_json(args.json)
+        try:
+            report.save_json(args.json)
+        except OSError as e:
+            raise BadInput(f"--json {args.json}: cannot write ({e.strerror or e})") from None
     return report.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.cmd is None:
-        _parser().print_help()
-        return 2
     try:
+        p = _parser()
+        args = p.parse_args(argv)
+        if args.cmd is None:
+            raise BadInput("a command is required: report, replay or doctor (see `ampdoctor --help`)")
         return {"report": _cmd_report, "replay": _cmd_replay, "doctor": _cmd_doctor}[args.cmd](args)
     except BadInput as e:
-        print(f"ampdoctor: {e}", file=sys.stderr)
+        print(f"ampdoctor: {str(e).splitlines()[0] if str(e) else 'bad input'}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ampdoctor: interrupted", file=sys.stderr)

@@ -7,18 +7,25 @@ Layout (format "ampdoctor-run", version 1)::
       steps.jsonl       one StepRecord per line, tagged {"run": i, ...}; appended and flushed after every step
       captures/<step>/  batch captures written at the first bad step (ampdoctor/capture.py)
       rank-<r>/         the same layout per rank in a distributed run
+      .ampdoctor.lock   taken while a run index is allocated
 
-A process killed mid-step leaves every finished step readable: a torn last line is ignored on read. A
-directory that already holds runs is appended to (a new run index); nothing is overwritten.
+Nothing is ever lost or overwritten. A directory that already holds runs is appended to: each writer takes the
+lock, allocates the next run index and lists it in the manifest, so writers started together each get their
+own run. Each record is one `write()` on an O_APPEND descriptor, so concurrent writers' lines never interleave.
+A process killed mid-line leaves a torn line: readers skip it wherever it is, and the next writer starts on a
+fresh line. Temporaries a killed writer left (`.ampdoctor-*`) are removed by the next writer.
 """
 from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
+import time
 import warnings
 
 from .errors import BadInput
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, clean_stale_temps, json_depth, loads_bounded, locked, read_regular
 from .records import RunMeta, StepRecord
 
 __all__ = ["RunDirWriter", "read_run", "find_rank_dirs", "FORMAT", "FORMAT_VERSION"]
@@ -26,6 +33,8 @@ __all__ = ["RunDirWriter", "read_run", "find_rank_dirs", "FORMAT", "FORMAT_VERSI
 FORMAT = "ampdoctor-run"
 FORMAT_VERSION = 1
 MAX_LINE = 64 << 20
+MAX_MANIFEST = 64 << 20
+MAX_RECORD_DEPTH = 24
 
 
 class RunDirWriter:
@@ -34,19 +43,26 @@ class RunDirWriter:
     def __init__(self, run_dir: str | os.PathLike, meta: RunMeta):
         self.path = os.fspath(run_dir)
         self.ok = True
-        self._f = None
+        self._fd: int | None = None
         try:
             os.makedirs(self.path, exist_ok=True)
+            _clean_temps(self.path)
             man_path = os.path.join(self.path, "manifest.json")
-            runs = []
-            if os.path.exists(man_path):
-                runs = _read_manifest(man_path)["runs"]
-            self.run = len(runs)
-            runs.append({"run": self.run, "meta": meta.to_dict()})
-            atomic_write_text(man_path, json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
-                                                    "runs": runs}, indent=1))
-            self._f = open(os.path.join(self.path, "steps.jsonl"), "a", encoding="utf-8")
+            sp = os.path.join(self.path, "steps.jsonl")
+            with locked(self.path):
+                runs = _read_manifest(man_path)["runs"] if os.path.lexists(man_path) else []
+                self.run = 1 + max((r["run"] for r in runs if isinstance(r.get("run"), int)), default=len(runs) - 1)
+                runs.append({"run": self.run, "meta": meta.to_dict()})
+                fd = os.open(sp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+                             | getattr(os, "O_NOFOLLOW", 0), 0o666)
+                self._fd = fd
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise BadInput(f"{sp} is not a regular file")
+                _fresh_line(sp, fd)
+                atomic_write_text(man_path, json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
+                                                        "runs": runs}, indent=1))
         except (OSError, BadInput) as e:
+            self.close()
             self._degrade(e)
 
     def _degrade(self, e: Exception) -> None:
@@ -55,31 +71,54 @@ class RunDirWriter:
                       "only. Training is not affected.", RuntimeWarning, stacklevel=3)
 
     def append(self, rec: StepRecord) -> None:
-        if not self.ok or self._f is None:
+        if not self.ok or self._fd is None:
             return
         try:
             d = rec.to_dict()
             d["run"] = self.run
-            self._f.write(json.dumps(d, separators=(",", ":"), allow_nan=True) + "\n")
-            self._f.flush()
+            data = (json.dumps(d, separators=(",", ":"), allow_nan=True) + "\n").encode("utf-8")
+            n = os.write(self._fd, data)   # one write on O_APPEND: lines of concurrent writers never interleave
+            while n < len(data):           # a short write (disk full, signal): finish the line
+                n += os.write(self._fd, data[n:])
         except OSError as e:
+            self.close()
             self._degrade(e)
 
     def close(self) -> None:
-        if self._f is not None:
+        if self._fd is not None:
             try:
-                self._f.close()
+                os.close(self._fd)
             except OSError:
                 pass
-            self._f = None
+            self._fd = None
+
+
+def _clean_temps(run_dir: str) -> None:
+    clean_stale_temps(run_dir)
+    caps = os.path.join(run_dir, "captures")
+    if os.path.isdir(caps) and not os.path.islink(caps):
+        clean_stale_temps(caps)
+        for name in os.listdir(caps):
+            p = os.path.join(caps, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                clean_stale_temps(p)
+
+
+def _fresh_line(sp: str, fd: int) -> None:
+    """If the file ends in a torn line (a killed writer), end it so the next record starts on a line of its own."""
+    size = os.fstat(fd).st_size
+    if size:
+        with open(sp, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                os.write(fd, b"\n")
 
 
 def _read_manifest(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            man = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path}: not a readable ampdoctor manifest ({e.__class__.__name__}: {e})") from None
+    if os.path.islink(path):
+        raise BadInput(f"{path}: is a symbolic link; refusing to follow it")
+    man = loads_bounded(read_regular(path, "run manifest", MAX_MANIFEST), f"{path}: not a readable ampdoctor "
+                        "manifest", 16)
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise BadInput(f"{path}: not an ampdoctor run directory manifest (format != {FORMAT!r})")
     v = man.get("format_version")
@@ -100,53 +139,124 @@ def find_rank_dirs(run_dir: str) -> list[tuple[int | None, str]]:
     if not os.path.isdir(run_dir):
         raise BadInput(f"{run_dir}: no such run directory")
     ranks = []
-    for name in os.listdir(run_dir):
+    try:
+        names = os.listdir(run_dir)
+    except OSError as e:
+        raise BadInput(f"{run_dir}: cannot list the run directory ({e.strerror or e})") from None
+    for name in names:
         p = os.path.join(run_dir, name)
         if name.startswith("rank-") and name[5:].isdigit() and os.path.isdir(p) and not os.path.islink(p):
             ranks.append((int(name[5:]), p))
     if ranks:
         return sorted(ranks)
-    if not os.path.exists(os.path.join(run_dir, "manifest.json")):
+    if not os.path.lexists(os.path.join(run_dir, "manifest.json")):
         raise BadInput(f"{run_dir}: not an ampdoctor run directory (no manifest.json); pass the run_dir given "
                        "to ampdoctor.watch")
     return [(None, run_dir)]
 
 
+class _Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal and the work takes a while."""
+
+    def __init__(self, total: int, what: str, after_s: float = 1.5):
+        self.total, self.what, self.t0, self.after = max(total, 1), what, time.monotonic(), after_s
+        self.tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+        self.last = self.t0
+        self.shown = False
+
+    def update(self, done: int) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if now - self.t0 < self.after or now - self.last < 0.2:
+            return
+        self.last, self.shown = now, True
+        frac = min(done / self.total, 1.0)
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r{self.what} [{bar:<30}] {100 * frac:5.1f}%")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r" + " " * (len(self.what) + 42) + "\r")
+            sys.stderr.flush()
+
+
+def _open_records(sp: str):
+    """The steps file opened for reading: a regular file only, never blocking on a FIFO."""
+    try:
+        st = os.lstat(sp)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise BadInput(f"{sp}: cannot read the records ({e.strerror or e})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise BadInput(f"{sp}: is a symbolic link; refusing to follow it")
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput(f"{sp}: the records file is not a regular file")
+    try:
+        fd = os.open(sp, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadInput(f"{sp}: the records file is not a regular file")
+        return os.fdopen(fd, "rb")
+    except OSError as e:
+        raise BadInput(f"{sp}: cannot read the records ({e.strerror or e})") from None
+
+
 def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRecord]]:
-    """Read one run (default: the last) of a single-rank run directory. Raises BadInput on foreign data."""
+    """Read one run (default: the last) of a single-rank run directory. Raises BadInput on foreign data.
+    Lines that are not JSON (torn by a killed writer, anywhere in the file) are skipped; a file with records
+    but not one readable line is refused."""
     man_path = os.path.join(run_dir, "manifest.json")
-    if os.path.islink(man_path):
-        raise BadInput(f"{man_path}: is a symbolic link; refusing to follow it")
     man = _read_manifest(man_path)
     runs = man["runs"]
     idx = len(runs) - 1 if run is None else run
     if not 0 <= idx < len(runs):
         raise BadInput(f"{run_dir}: no run {run} (it has {len(runs)})")
+    run_id = runs[idx].get("run", idx)
     try:
         meta = RunMeta.from_dict(runs[idx]["meta"])
     except TypeError as e:
         raise BadInput(f"{man_path}: malformed run metadata ({e})") from None
     steps: list[StepRecord] = []
     sp = os.path.join(run_dir, "steps.jsonl")
-    if os.path.islink(sp):
-        raise BadInput(f"{sp}: is a symbolic link; refusing to follow it")
-    if os.path.exists(sp):
-        with open(sp, "rb") as f:
+    f = _open_records(sp)
+    if f is None:
+        return meta, steps
+    good = bad = 0
+    progress = _Progress(os.fstat(f.fileno()).st_size, f"ampdoctor: reading {os.path.basename(sp)}")
+    pos = 0
+    with f:
+        try:
             for lineno, raw in enumerate(f, 1):
+                pos += len(raw)
+                if lineno % 2048 == 0:
+                    progress.update(pos)
                 if len(raw) > MAX_LINE:
                     raise BadInput(f"{sp}:{lineno}: record larger than {MAX_LINE >> 20} MiB; refusing")
+                if not raw.strip():
+                    continue
                 try:
                     d = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    if not raw.endswith(b"\n"):
-                        break  # a torn last line from a killed process
-                    raise BadInput(f"{sp}:{lineno}: corrupt record line") from None
+                except (ValueError, UnicodeDecodeError, RecursionError):  # torn, corrupt, 5000-digit numbers
+                    bad += 1
+                    continue
                 if not isinstance(d, dict):
                     raise BadInput(f"{sp}:{lineno}: record is not an object")
-                if d.get("run", 0) != idx:
+                good += 1
+                if d.get("run", 0) != run_id:
                     continue
+                if json_depth(d, MAX_RECORD_DEPTH) > MAX_RECORD_DEPTH:
+                    raise BadInput(f"{sp}:{lineno}: record nested deeper than {MAX_RECORD_DEPTH} levels; refusing")
                 try:
                     steps.append(StepRecord.from_dict(d))
                 except (TypeError, ValueError, AttributeError, KeyError) as e:
                     raise BadInput(f"{sp}:{lineno}: malformed step record ({e.__class__.__name__}: {e})") from None
+        except OSError as e:
+            raise BadInput(f"{sp}: cannot read the records ({e.strerror or e})") from None
+        finally:
+            progress.close()
+    if bad and not good:
+        raise BadInput(f"{sp}: no readable record ({bad} corrupt line(s)); not written by ampdoctor.watch?")
     return meta, steps
