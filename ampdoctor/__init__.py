@@ -6,11 +6,36 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import sys as _sys
+import types as _types
+
 from .config import WatchConfig  # noqa: E402
 from .errors import AmpDoctorError, BadInput, WatchError  # noqa: E402
 from .findings import Finding, Report  # noqa: E402
-from .watch import Watch, watch  # noqa: E402
-from . import replay as _replay_pkg  # noqa: E402,F401  (loaded now so that the name `replay` below stays the function)
+
+# torch is imported on first use of `watch`/`Watch`, not here, so that `ampdoctor --help` starts at once.
+# `ampdoctor.watch` and `ampdoctor.replay` are the functions even after their submodules load (the import
+# system would otherwise set the package attribute to the submodule).
+_FUNCTIONS = ("watch", "replay")
+
+
+class _Package(_types.ModuleType):
+    def __setattr__(self, name, value):
+        if name in _FUNCTIONS and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name):
+    if name in ("watch", "Watch"):
+        import importlib
+        mod = importlib.import_module(__name__ + ".watch")
+        globals().update(watch=mod.watch, Watch=mod.Watch)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["watch", "Watch", "diagnose", "save_batch", "replay", "Report", "Finding", "WatchConfig",
            "AmpDoctorError", "BadInput", "WatchError", "__version__"]
