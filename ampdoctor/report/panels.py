@@ -1,4 +1,5 @@
-"""Panel data shared by the reporters: number coercion, worst-value downsampling, the root finding.
+"""Panel data shared by the reporters: number coercion, worst-value downsampling, the root finding, the
+heatmap's culprit cell, and why a plot has nothing to show (`empty_reasons`: one sentence, with what to pass).
 
 Reporters read `report.to_dict()`, where non-finite floats are strings ("inf", "nan") and any panel may be
 missing. Everything here turns that into plain floats (or None) and shrinks large runs without hiding the
@@ -11,7 +12,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 __all__ = ["num", "fmt_num", "bins", "worst_headroom", "downsample_heatmap", "downsample_series",
-           "root_finding", "counts", "FP16_MAX", "FP16_MIN_NORMAL", "BF16_MAX"]
+           "root_finding", "counts", "culprit_cell", "empty_reasons", "FP16_MAX", "FP16_MIN_NORMAL", "BF16_MAX"]
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0 ** -14
@@ -152,3 +153,93 @@ def counts(d: dict) -> dict:
         if f.get("severity") in c:
             c[f["severity"]] += 1
     return c
+
+
+def culprit_cell(ds: dict, d: dict) -> dict | None:
+    """The heatmap cell to point at, on a downsampled grid `ds`: {"cell": [row, col], "module", "step", "value",
+    "why"}. The root finding's module at its step when the grid has it (the producer, not the parents and
+    followers that merely carry its inf/NaN); else the earliest non-finite cell (skipping the root module when
+    any other is non-finite); else the lowest headroom."""
+    import numpy as np
+
+    if not ds.get("headroom"):
+        return None
+    g = np.array([[np.inf if v is None else v for v in row] for row in ds["headroom"]], dtype=float)
+    bins_ = ds["step_bins"]
+
+    root = root_finding(d)
+    if root and root.get("module") is not None:
+        label = root["module"] or "(root)"
+        rows = [i for i, m in enumerate(ds["modules"]) if m == label or m.startswith(label + " (+")]
+        if rows:
+            i = rows[0]
+            step = root.get("step")
+            # the bin holding the finding's step, else the first sampled one after it, else the row's worst
+            j = next((k for k, (_, b) in enumerate(bins_) if step is not None and step <= b), None)
+            j = int(np.argmin(g[i])) if j is None else j
+            return {"cell": [i, j], "module": label, "step": ds["steps"][j], "value": float(g[i, j]),
+                    "why": root["rule"]}
+    bad = np.isneginf(g)
+    if bad.any():
+        j = int(np.argmax(bad.any(axis=0)))
+        rows = [i for i in range(len(g)) if bad[i, j]]
+        named = [i for i in rows if ds["modules"][i] != "(root)"] or rows
+        i = named[0]
+        return {"cell": [i, j], "module": ds["modules"][i], "step": ds["steps"][j], "value": -math.inf,
+                "why": "first non-finite"}
+    if np.isposinf(g).all():
+        return None
+    i, j = np.unravel_index(int(np.argmin(g)), g.shape)
+    return {"cell": [int(i), int(j)], "module": ds["modules"][i], "step": ds["steps"][j], "value": float(g[i, j]),
+            "why": "lowest headroom"}
+
+
+def _every_hint(d: dict) -> str:
+    every = (d.get("summary") or {}).get("every")
+    now = f" (this run sampled every {every} steps)" if isinstance(every, int) and every > 1 else ""
+    return f"pass `every=1` (or a smaller `every=N`) to `ampdoctor.watch` to record every step{now}"
+
+
+def empty_reasons(d: dict) -> dict[str, str]:
+    """{plot key: one sentence} for the step plots a run report has but that would show nothing: why, and what
+    to pass to get the picture. Keys are plots.PLOT_FILES' ("heatmap", "timeline", "grad_norms")."""
+    tl = d.get("timeline") or []
+    if not tl:          # not a run (a replay, an empty report): no step plots, nothing to explain
+        return {}
+    out: dict[str, str] = {}
+    n = len(tl)
+    hm = d.get("heatmap") or {}
+    hsteps = list(hm.get("steps") or [])
+    has_rows = any(any(num(v) is not None for v in r or []) for r in hm.get("headroom") or [])
+    if not hsteps or not has_rows:
+        out["heatmap"] = ("No per-layer statistics were recorded in this run, so there is no headroom to draw; "
+                          + _every_hint(d) + ".")
+    elif len(hsteps) < 2:
+        out["heatmap"] = (f"Per-layer statistics exist for step {hsteps[0]} only, of {n} steps: one column is not "
+                          f"a picture over steps (the Layers table has its numbers); " + _every_hint(d) + ".")
+    scales = [num(r.get("scale")) for r in tl]
+    losses = [num(r.get("loss")) for r in tl]
+    has_scale = any(x is not None and x > 0 and math.isfinite(x) for x in scales)
+    finite_loss = [x for x in losses if x is not None and math.isfinite(x)]
+    if not has_scale and not finite_loss and not any(r.get("skipped") for r in tl):
+        out["timeline"] = (f"The loss was inf/NaN on all {n} steps and the run had no GradScaler: there is no "
+                           f"curve to draw. See the first finding for where the inf/NaN came from."
+                           if any(x is not None for x in losses) else
+                           f"No loss and no loss scale were seen in {n} steps: pass `scaler=` (your GradScaler) to "
+                           f"`ampdoctor.watch`, or return the loss from the model output's `.loss`.")
+    gn = d.get("grad_norms") or {}
+    gsteps = list(gn.get("steps") or [])
+    vals = [num(v) for row in gn.get("values") or [] for v in row or []]
+    fin = [v for v in vals if v is not None and math.isfinite(v) and v > 0]
+    if not gn.get("names") or not gsteps:
+        out["grad_norms"] = ("No gradient norms were recorded: they are measured right after `scaler.unscale_` "
+                             "(or before `optimizer.step`) on sampled steps; pass `optimizer=` and `scaler=` to "
+                             "`ampdoctor.watch`.")
+    elif not fin:
+        out["grad_norms"] = (f"Every gradient norm measured after `unscale_` was inf/NaN ({len(gsteps)} sampled "
+                             f"steps, {gsteps[0]} to {gsteps[-1]}): nothing finite to draw. The gradients never "
+                             f"became finite; fix the first finding.")
+    elif len(gsteps) < 2:
+        out["grad_norms"] = (f"Gradient norms were measured on step {gsteps[0]} only, of {n} steps: one point per "
+                             f"layer is not a picture over steps; " + _every_hint(d) + ".")
+    return out
