@@ -10,48 +10,23 @@ from .errors import BadInput
 from .findings import Finding, Report
 from .records import DTYPE_LIMITS, ParamStat, RunMeta, StepRecord
 from .rules import RuleConfig, RunData, run_rules
+from .rules.scaler import ranks_diverged
+from .rules.steps import absorbed_modules, benign_backoff, real_bad
+from .summary import crash_covered, summarize, verdict
 
 __all__ = ["build_report", "diagnose_run_dir", "merge_replay", "rank"]
 
-_SEV = {"error": 0, "warning": 1, "info": 2}
-
 
 def rank(findings: list[Finding]) -> list[Finding]:
-    """Most important first: severity, then root causes (low rank_hint) before consequences, then step."""
-    def key(f):
-        h = f.evidence.get("rank_hint", 50)
-        return (_SEV[f.severity], h // 10, f.step if f.step is not None else 1 << 60, h)
-    return sorted(findings, key=key)
+    """Most important first, in the one order of findings (`Finding.sort_key`)."""
+    return sorted(findings, key=Finding.sort_key)
 
 
 def build_report(meta: RunMeta, steps: list[StepRecord], *, run_dir: str | None = None,
                  config: RuleConfig | None = None) -> Report:
-    findings = rank(run_rules(RunData(meta, steps), config))
-    return Report(findings, _summary(meta, steps, findings, run_dir), _panels(meta, steps))
-
-
-def _summary(meta, steps, findings, run_dir) -> dict:
-    top = next((f for f in findings if f.severity in ("error", "warning")), None)
-    if top is None:
-        verdict = f"Healthy: no problems found in {len(steps)} step(s)."
-    else:
-        where = f" at `{top.module}`" if top.module else ""
-        op = f" ({top.op})" if top.op else ""
-        st = f", step {top.step}" if top.step is not None else ""
-        verdict = f"{top.rule}{where}{op}{st}: {top.message}"
-    # a step whose only trouble is a forward producer that later ops absorbed (see rules.origins._absorbed:
-    # e.g. an additive -inf mask) went fine
-    absorbed = {f.module for f in findings if f.evidence.get("absorbed")}
-    bad = [r for r in steps if r.skipped or r.grad_finite is False or r.backward_producer is not None
-           or r.loss_finite is False or r.output_finite is False or r.exception
-           or (r.forward_bad and r.forward_producer.module not in absorbed)]
-    return {"verdict": verdict, "steps": len(steps), "bad_steps": len(bad),
-            "skipped_steps": sum(r.skipped for r in steps), "first_bad_step": bad[0].step if bad else None,
-            "errors": sum(f.severity == "error" for f in findings),
-            "warnings": sum(f.severity == "warning" for f in findings),
-            "infos": sum(f.severity == "info" for f in findings), "run_dir": run_dir,
-            "model_class": meta.model_class, "every": meta.every,
-            "captures": [r.capture for r in steps if r.capture]}
+    run = RunData(meta, steps)
+    findings = rank(run_rules(run, config))
+    return Report(findings, summarize(meta, steps, findings, run_dir, run.has_scaler), _panels(meta, steps))
 
 
 def _headroom(s) -> float | None:
@@ -66,8 +41,11 @@ def _headroom(s) -> float | None:
 
 
 def _panels(meta: RunMeta, steps: list[StepRecord]) -> dict:
+    benign = benign_backoff(steps, RunData(meta, steps).has_scaler)
+    mods = absorbed_modules(steps)
+    bad = {r.step for r in steps if real_bad(r, benign, mods)}
     timeline = [{"step": r.step, "loss": r.loss, "scale": r.scale, "skipped": r.skipped, "grad_norm": r.grad_norm,
-                 "sampled": r.sampled, "bad": r.bad} for r in steps]
+                 "sampled": r.sampled, "bad": r.step in bad} for r in steps]
     layers: dict[str, dict] = {}
     order = [m[0] for m in meta.modules]
     head: dict[str, dict[int, float]] = {}
@@ -185,34 +163,21 @@ def _merge_ranks(run_dir, reports) -> Report:
             merged[key].evidence.setdefault("ranks", [])
             if r not in merged[key].evidence["ranks"]:
                 merged[key].evidence["ranks"].append(r)
-    findings = list(merged.values())
-    # scaler divergence across ranks: different scale or found_inf at the same step
-    by_step: dict[int, dict[int, tuple]] = {}
-    for r, _, steps in reports:
-        for s in steps:
-            by_step.setdefault(s.step, {})[r] = (s.scale, s.skipped)
-    diverged = next((st for st, d in sorted(by_step.items()) if len(set(d.values())) > 1), None)
-    if diverged is not None:
-        findings.append(Finding("scaler_misorder", "error", "scaler", None, None, diverged,
-                                f"The ranks' GradScalers diverged at step {diverged}: "
-                                + ", ".join(f"rank {r}: scale {v[0]}, skipped {v[1]}"
-                                            for r, v in sorted(by_step[diverged].items())) +
-                                ". Ranks are stepping on different iterations (uneven batches per rank?).",
-                                "Give every rank the same number of iterations (drop_last=True, "
-                                "DistributedSampler), and call scaler.update() on every rank every iteration.",
-                                {"rank": min(by_step[diverged]), "per_rank": {str(k): list(v) for k, v in
-                                                                             by_step[diverged].items()},
-                                 "rank_hint": 8}))
-    findings = rank(findings)
+    findings = rank(list(merged.values()) + ranks_diverged({r: steps for r, _, steps in reports}))
     first = reports[0][1]
     summ = dict(first.summary)
-    summ.update({"run_dir": run_dir, "ranks": [r for r, _, _ in reports],
-                 "errors": sum(f.severity == "error" for f in findings),
+    crash = next((rep.summary.get("crash") for _, rep, _ in reports if rep.summary.get("crash")), None)
+    firsts = [rep.summary.get("first_bad_step") for _, rep, _ in reports if rep.summary.get("first_bad_step") is not None]
+    summ.update({"run_dir": run_dir, "ranks": [r for r, _, _ in reports], "crash": crash,
+                 "first_bad_step": min(firsts) if firsts else None,
+                 "errors": sum(f.severity == "error" for f in findings) + (crash is not None and
+                                                                          not crash_covered(crash, findings)),
                  "warnings": sum(f.severity == "warning" for f in findings),
                  "infos": sum(f.severity == "info" for f in findings)})
     top = next((f for f in findings if f.severity in ("error", "warning")), None)
-    if top is not None:
-        summ["verdict"] = f"{top.rule} at `{top.module}` (rank {top.evidence.get('rank')}): {top.message}"
+    if top is not None or crash is not None:
+        summ["verdict"] = verdict(findings, summ.get("steps", 0), crash,
+                                  rank=top.evidence.get("rank") if top is not None else None)
     return Report(findings, summ, first.data)
 
 
@@ -305,20 +270,9 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
             if f.step is None:
                 f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
-    for f in list(findings):  # log(0), x/0: the zero usually is an fp16 underflow (p < 6e-8 flushed to 0)
-        if f.rule in ("overflow", "nan_origin") and "singular point" in f.message and f.phase == "forward" and \
-                not any(g.rule in ("eps_underflow", "underflow") and g.module == f.module for g in findings):
-            findings.append(Finding(
-                "underflow", "error", "forward", f.module, f.op, f.step,
-                f"An input of {f.op} in `{f.module}` is exactly 0 in the low-precision dtype — typically a "
-                "probability or difference that underflowed (softmax/sigmoid outputs below 6e-8 flush to 0 in "
-                "fp16, 1 - p rounds to 0).",
-                "Use the fused, stable form (log_softmax, logsigmoid, BCEWithLogits, logsumexp) or compute this "
-                "part in fp32.", {"rank_hint": 14, "from_replay": cap}))
     rep.findings = rank(findings)
     if rr.data.get("replay"):
         rep.data["replay"] = rr.data["replay"]
-    top = next((f for f in rep.findings if f.severity in ("error", "warning")), None)
-    if top is not None:
-        rep.summary["verdict"] = _summary(RunMeta(), [], [top], None)["verdict"]
+    rep.summary["verdict"] = verdict(rep.findings, rep.summary.get("steps", len(steps)), rep.summary.get("crash"),
+                                     benign=rep.summary.get("benign_backoff_steps"))
     return rep

@@ -3,8 +3,9 @@ skipped_steps, clip_before_unscale, scaler_misorder, missing_scaler_update."""
 from __future__ import annotations
 
 from ..findings import Finding
-from ..records import CallEvent
+from ..records import CallEvent, StepRecord
 from . import RuleConfig, RunData, register
+from .steps import benign_backoff
 
 ORDER = ("scaler.scale(loss).backward()\n"
          "scaler.unscale_(optimizer)                      # before anything reads the gradients\n"
@@ -22,6 +23,16 @@ def _seq(events: list[CallEvent]) -> list[str]:
     return [e.kind + ("!" if e.error else "") for e in events if not e.detail.get("internal")]
 
 
+def scale_after(r: StepRecord, scaler: dict) -> float | None:
+    """The loss scale after step r's update (what `scaler.get_scale()` returns then): recorded, or derived from
+    the scale the step used (a skipped step multiplies it by the backoff factor)."""
+    if r.next_scale is not None:
+        return r.next_scale
+    if r.scale is None:
+        return None
+    return r.scale * (scaler.get("backoff_factor") or 0.5) if r.skipped else r.scale
+
+
 @register("scale_timeline", emits=("loss_scale_collapse", "skipped_steps"))
 def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler or not run.steps:
@@ -31,8 +42,9 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not skipped:
         return []
     init = run.meta.scaler.get("init_scale") or next((r.scale for r in steps if r.scale), None)
-    scales = [r.scale for r in steps if r.scale is not None]
-    last_scale = scales[-1] if scales else None
+    # the scale after the last update (what scaler.get_scale() returns at the end), else the last one used
+    last = next((r for r in reversed(steps) if r.next_scale is not None or r.scale is not None), None)
+    last_scale = None if last is None else scale_after(last, run.meta.scaler)
     longest = cur = 0
     for r in steps:
         cur = cur + 1 if r.skipped else 0
@@ -42,6 +54,8 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     later = [s for s in skipped if first_good is not None and s > first_good]
     out = []
     forward_bad = [r.step for r in steps if r.skipped and r.forward_bad]
+    benign = benign_backoff(steps, True, max_streak=cfg.collapse_consecutive, later_min=cfg.skipped_min,
+                            later_share=cfg.skipped_share)
     ev = {"skipped": len(skipped), "steps": len(steps), "longest_streak": longest, "init_scale": init,
           "last_scale": last_scale, "skipped_steps": skipped[:100],
           "timeline": [[r.step, r.scale, bool(r.skipped)] for r in steps][:400]}
@@ -76,6 +90,12 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             "Fix the forward inf/NaN (see the overflow/nan_origin finding); those steps train nothing.",
             dict(ev, rank_hint=70)))
         return out
+    if set(skipped) <= benign:
+        out.append(Finding(
+            "skipped_steps", "info", "scaler", None, None, skipped[0],
+            f"GradScaler skipped {len(skipped)} of {len(steps)} steps; a normal rate for dynamic loss scaling.",
+            "Nothing to do.", dict(ev, rank_hint=90, benign_backoff=True)))
+        return out
     recovered = first_good is not None and first_good > skipped[0] or bool(later)
     nan_made = any(r.skipped and r.backward_producer is not None and r.backward_producer.kind == "nan"
                    for r in steps)
@@ -87,13 +107,13 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             "Fix the producer of the inf/NaN (see the findings above); these steps train nothing.",
             dict(ev, rank_hint=70)))
         return out
-    if initial and not later and len(initial) <= 16:
+    if initial and not later and set(initial) <= benign:
         out.append(Finding(
             "skipped_steps", "info", "scaler", None, None, initial[0],
             f"GradScaler skipped the first {len(initial)} step(s) while searching for a loss scale "
             f"({init:g} -> {last_scale:g}); this is expected.",
             "Nothing to do. (If the LR scheduler warns about stepping before the optimizer, that is this.)",
-            dict(ev, rank_hint=90)))
+            dict(ev, rank_hint=90, benign_backoff=True)))
         return out
     n_later = len(later)
     share = n_later / max(len(steps) - len(initial), 1)
@@ -214,3 +234,22 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     + ORDER)
                 break
     return out
+
+
+def ranks_diverged(per_rank: dict[int, list[StepRecord]]) -> list[Finding]:
+    """scaler_misorder across the ranks of one run: their GradScalers disagree (scale or skipped) at a step."""
+    by_step: dict[int, dict[int, tuple]] = {}
+    for r, steps in per_rank.items():
+        for s in steps:
+            by_step.setdefault(s.step, {})[r] = (s.scale, s.skipped)
+    diverged = next((st for st, d in sorted(by_step.items()) if len(set(d.values())) > 1), None)
+    if diverged is None:
+        return []
+    d = by_step[diverged]
+    return [Finding("scaler_misorder", "error", "scaler", None, None, diverged,
+                    f"The ranks' GradScalers diverged at step {diverged}: "
+                    + ", ".join(f"rank {r}: scale {v[0]}, skipped {v[1]}" for r, v in sorted(d.items())) +
+                    ". Ranks are stepping on different iterations (uneven batches per rank?).",
+                    "Give every rank the same number of iterations (drop_last=True, DistributedSampler), and call "
+                    "scaler.update() on every rank every iteration.",
+                    {"rank": min(d), "per_rank": {str(k): list(v) for k, v in d.items()}, "rank_hint": 8})]

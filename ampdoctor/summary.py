@@ -1,0 +1,70 @@
+"""The Report's summary: the verdict line, the step counts, the first step that went bad for a reason other
+than GradScaler's benign backoff, and the crash that ended the run (if one did).
+
+What counts as bad, benign or a crash is decided once, in ampdoctor/rules/steps.py; this file only words it.
+"""
+from __future__ import annotations
+
+from .findings import Finding
+from .records import RunMeta, StepRecord
+from .rules.steps import absorbed_modules, benign_backoff, crash as crash_of, real_bad
+
+__all__ = ["summarize", "verdict", "crash_covered"]
+
+
+def _where(f: Finding, rank: int | None = None) -> str:
+    at = "" if f.module is None else f" at `{f.module or '(root)'}`"
+    r = f" (rank {rank})" if rank is not None else ""
+    op = f" ({f.op})" if f.op else ""
+    st = f", step {f.step}" if f.step is not None else ""
+    return f"{f.rule}{at}{r}{op}{st}: {f.message}"
+
+
+def verdict(findings: list[Finding], n_steps: int, crash: dict | None = None, *, rank: int | None = None,
+            benign: list[int] | None = None) -> str:
+    """One line: the crash first (it ended the run), then the most important warning or error; a run with no
+    recorded step is never called healthy."""
+    top = next((f for f in findings if f.severity in ("error", "warning")), None)
+    if crash is not None:
+        at = f" in `{crash['module'] or '(root)'}`" if crash.get("module") is not None else ""
+        head = f"Crashed at step {crash['step']}: {crash['type']}: {crash['message']}{at}."
+        return head + (f" {_where(top, rank)}" if top is not None else "")
+    if top is not None:
+        return _where(top, rank)
+    if n_steps == 0:
+        return ("No training step was recorded: nothing to diagnose (was the model watched before the loop ran, "
+                "and did the loop call the optimizer or the scaler?).")
+    back = (f" GradScaler's early backoff skipped step(s) {', '.join(map(str, benign[:8]))}"
+            f"{'…' if len(benign) > 8 else ''} while it searched for a loss scale, as designed." if benign else "")
+    return f"Healthy: no problems found in {n_steps} step(s).{back}"
+
+
+def crash_covered(crash: dict | None, findings: list[Finding]) -> bool:
+    """Whether an error finding already explains the crash (e.g. mask_value_overflow for 'value cannot be
+    converted to type at::Half without overflow', a scaler_misorder for GradScaler's own assertion)."""
+    if crash is None:
+        return False
+    msg = crash.get("message") or ""
+    for f in findings:
+        if f.severity != "error" or f.step != crash["step"]:
+            continue
+        if f.evidence.get("exception") == crash.get("type") or (msg and msg in (f.evidence.get("error") or "")):
+            return True
+    return False
+
+
+def summarize(meta: RunMeta, steps: list[StepRecord], findings: list[Finding], run_dir: str | None,
+              has_scaler: bool) -> dict:
+    benign = benign_backoff(steps, has_scaler)
+    mods = absorbed_modules(steps)
+    bad = [r for r in steps if real_bad(r, benign, mods)]
+    crash = crash_of(steps)
+    errors = sum(f.severity == "error" for f in findings) + (crash is not None and not crash_covered(crash, findings))
+    return {"verdict": verdict(findings, len(steps), crash, benign=sorted(benign)), "steps": len(steps),
+            "bad_steps": len(bad), "skipped_steps": sum(r.skipped for r in steps),
+            "first_bad_step": bad[0].step if bad else None, "benign_backoff_steps": sorted(benign),
+            "crash": crash, "errors": errors,
+            "warnings": sum(f.severity == "warning" for f in findings),
+            "infos": sum(f.severity == "info" for f in findings), "run_dir": run_dir,
+            "model_class": meta.model_class, "every": meta.every,
+            "captures": [r.capture for r in steps if r.capture]}
