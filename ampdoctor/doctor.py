@@ -39,32 +39,36 @@ def check_deepspeed(cfg: dict) -> list[Finding]:
     if not isinstance(fp16, dict) or not isinstance(bf16, dict):
         raise BadInput("DeepSpeed config: 'fp16' and 'bf16' must be objects")
 
-    def f(sev, msg, fix, ev):
-        out.append(Finding("loss_scale_collapse" if "scale" in msg else "scaler_misorder", sev, "scaler", None,
-                           None, None, msg, fix, dict(ev, rank_hint=50)))
+    def f(rule, sev, msg, fix, ev):
+        out.append(Finding(rule, sev, "scaler", None, None, None, msg, fix, dict(ev, rank_hint=50)))
     if fp16.get("enabled") and bf16.get("enabled"):
-        f("error", "Both fp16 and bf16 are enabled in the DeepSpeed config; DeepSpeed refuses or picks one.",
+        f("scaler_misorder", "error",
+          "Both fp16 and bf16 are enabled in the DeepSpeed config; DeepSpeed refuses or picks one.",
           "Enable exactly one: \"bf16\": {\"enabled\": true} on Ampere+, else fp16.", {"fp16": fp16, "bf16": bf16})
     if fp16.get("enabled"):
         ls = fp16.get("loss_scale", 0)
         if ls not in (0, None):
-            f("warning", f"fp16 uses a static loss scale ({ls}): overflow steps are not skipped and the scale "
+            f("loss_scale_collapse", "warning",
+              f"fp16 uses a static loss scale ({ls}): overflow steps are not skipped and the scale "
               "never adapts.", "Use dynamic loss scaling: \"loss_scale\": 0.", {"loss_scale": ls})
         p = fp16.get("initial_scale_power", 16)
         if isinstance(p, (int, float)) and p > 24:
-            f("warning", f"initial_scale_power={p} (2^{p}) makes the first steps overflow for a long time.",
+            f("loss_scale_collapse", "warning",
+              f"initial_scale_power={p} (2^{p}) makes the first steps overflow for a long time.",
               "Use 16 (the default) or lower.", {"initial_scale_power": p})
         mn = fp16.get("min_loss_scale", 1)
         if isinstance(mn, (int, float)) and mn < 1:
-            f("warning", f"min_loss_scale={mn} lets the scale collapse below 1, hiding persistent NaN.",
+            f("loss_scale_collapse", "warning",
+              f"min_loss_scale={mn} lets the scale collapse below 1, hiding persistent NaN.",
               "Keep min_loss_scale >= 1 so a collapse stops training loudly.", {"min_loss_scale": mn})
         w = fp16.get("loss_scale_window", 1000)
         if isinstance(w, (int, float)) and w < 100:
-            f("warning", f"loss_scale_window={w} grows the scale very often, causing frequent overflow skips.",
+            f("loss_scale_collapse", "warning",
+              f"loss_scale_window={w} grows the scale very often, causing frequent overflow skips.",
               "Use ~1000 (the default).", {"loss_scale_window": w})
         h = fp16.get("hysteresis", 2)
         if isinstance(h, (int, float)) and h > 10:
-            f("info", f"hysteresis={h} delays backoff for many overflowing steps.",
+            f("loss_scale_collapse", "info", f"hysteresis={h} delays backoff for many overflowing steps.",
               "Use the default 2.", {"hysteresis": h})
     return out
 

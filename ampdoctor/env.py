@@ -1,11 +1,14 @@
-"""The environment a run trained in: GPU, compute capability, TF32 switches, bf16 support, AMP APIs in use."""
+"""The environment a run trained in: GPU, compute capability, TF32 switches, bf16 support, and the deprecated AMP
+APIs in use (`torch.cuda.amp.*`, apex `amp.initialize`) with their modern equivalents."""
 from __future__ import annotations
 
 import platform
+import re
+import sys
 
 import torch
 
-__all__ = ["collect_env", "deprecated_amp_in_use"]
+__all__ = ["collect_env", "deprecated_amp_in_use", "MODERN"]
 
 
 def collect_env(device: torch.device | str | None = None) -> dict:
@@ -31,8 +34,43 @@ def collect_env(device: torch.device | str | None = None) -> dict:
     return env
 
 
-def deprecated_amp_in_use(scaler=None) -> list[str]:
-    """Deprecated AMP classes in use: a `torch.cuda.amp.GradScaler` (use `torch.amp.GradScaler("cuda")`)."""
+# deprecated / legacy AMP APIs and their modern equivalents (rule deprecated_api)
+MODERN = {
+    "torch.cuda.amp.GradScaler": "torch.amp.GradScaler(\"cuda\")",
+    "torch.cuda.amp.autocast": "torch.autocast(\"cuda\", dtype=torch.float16)",
+    "torch.cpu.amp.autocast": "torch.autocast(\"cpu\", dtype=torch.bfloat16)",
+    "apex.amp.initialize": "torch.autocast(\"cuda\", dtype=torch.float16) + torch.amp.GradScaler(\"cuda\") "
+                           "(apex.amp is deprecated; O2's fp32 master weights = parameters kept in fp32)",
+}
+_SOURCE = [(re.compile(r"\bcuda\.amp\.autocast\b|\bfrom\s+torch\.cuda\.amp\s+import\s+[^#\n]*\bautocast\b"),
+            "torch.cuda.amp.autocast"),
+           (re.compile(r"\bcpu\.amp\.autocast\b"), "torch.cpu.amp.autocast"),
+           (re.compile(r"\bcuda\.amp\.GradScaler\b|\bfrom\s+torch\.cuda\.amp\s+import\s+[^#\n]*\bGradScaler\b"),
+            "torch.cuda.amp.GradScaler"),
+           (re.compile(r"\bamp\.initialize\s*\("), "apex.amp.initialize")]
+
+
+def _user_source() -> str:
+    """The source of the first calling file outside ampdoctor, torch, the standard library and installed
+    packages (the training script that called `watch`); "" when there is none."""
+    import linecache
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    skip = (here, os.path.dirname(torch.__file__), os.path.dirname(os.__file__))
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        path = os.path.abspath(fn) if fn and not fn.startswith("<") else ""
+        if path and not path.startswith(skip) and "-packages" + os.sep not in path:  # not a library's file
+            return "".join(linecache.getlines(path))
+        f = f.f_back
+    return ""
+
+
+def deprecated_amp_in_use(scaler=None, source: str | None = None) -> list[str]:
+    """Deprecated AMP APIs in use: a `torch.cuda.amp.GradScaler` passed in, apex's `amp.initialize` already
+    called, and `torch.cuda.amp.autocast`/`GradScaler` or `amp.initialize` written in the training script
+    (`source`, by default the calling script's text)."""
     found = []
     try:
         import torch.cuda.amp as old_amp
@@ -40,4 +78,16 @@ def deprecated_amp_in_use(scaler=None) -> list[str]:
             found.append("torch.cuda.amp.GradScaler")
     except ImportError:
         pass
+    apex_amp = sys.modules.get("apex.amp")
+    if apex_amp is not None and getattr(getattr(apex_amp, "_amp_state", None), "handle", None) is not None:
+        found.append("apex.amp.initialize")
+    if source is None:
+        try:
+            source = _user_source()
+        except Exception:  # reading the caller's source is a courtesy; never fail a watch over it
+            source = ""
+    source = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith("#"))
+    for pat, name in _SOURCE:
+        if name not in found and pat.search(source):
+            found.append(name)
     return found

@@ -1,6 +1,7 @@
 """What a step measures about the parameters, queued for the step's one transfer (ampdoctor/sync.py): the
 gradients' abs-max and L2 norm per parameter (right after unscale_ on sampled steps), whether the weights are
-finite, and whether sampled low-precision updates rounded away (w + Δw == w)."""
+finite, each weight's L2 norm right before and after the optimizer update (sampled steps; rule update_spike),
+and whether sampled low-precision updates rounded away (w + Δw == w)."""
 from __future__ import annotations
 
 import math
@@ -69,23 +70,49 @@ def weight_amax(m, st) -> torch.Tensor:
 
 
 def update_check_pre(m, opt) -> None:
+    """On a sampled step, just before `opt.step()`: each optimizer parameter's weight L2 norm (one multi-tensor
+    kernel per device and dtype, read with the update results at finalize), and for low-precision parameters a
+    copy of their first `update_sample` elements to see whether the update rounds away (w + Δw == w)."""
     st = m.st
     st.upd = []
-    if not st.sampled or m.cfg.update_sample <= 0:
+    if not st.sampled:
         return
     names = {id(p): n for n, p in m.w.model.named_parameters()}
     k = m.cfg.update_sample
+    items, ws = [], []
     for g in opt.param_groups:
         for p in g["params"]:
-            if p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None and id(p) in names:
-                flat = local(p.detach()).reshape(-1)[:k]
+            if id(p) not in names or not p.is_floating_point() or p.layout != torch.strided:
+                continue
+            w = local(p.detach())
+            if not w.numel():
+                continue
+            flat = gnz = None
+            if k > 0 and p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None:
+                flat = w.reshape(-1)[:k].clone()
                 gnz = local(p.grad.detach()).reshape(-1)[:k] != 0
-                st.upd.append([names[id(p)], p, flat.clone(), gnz, None])
+            items.append([names[id(p)], p, flat, gnz, None, None])
+            ws.append(w)
+    if not items:
+        return
+    pre = norms(ws, 2)
+    for i, it in enumerate(items):
+        it[5] = pre[i]
+    st.upd = items
 
 
 def update_check_post(m, opt) -> None:
-    for item in m.st.upd:
-        name, p, before, gnz, _ = item
-        after = local(p.detach()).reshape(-1)[:before.numel()]
-        same = ((after == before) & gnz).sum()
-        item[4] = torch.stack([same.double(), gnz.sum().double()])
+    """Right after `opt.step()`: the weight norms again, and how many sampled low-precision elements with a
+    nonzero gradient did not change. Each item's result is [rounded away, sampled, norm before, norm after]."""
+    items = m.st.upd
+    if not items:
+        return
+    post = norms([local(it[1].detach()) for it in items], 2)
+    for i, item in enumerate(items):
+        _, p, before, gnz, _, pre = item
+        if before is not None:
+            after = local(p.detach()).reshape(-1)[:before.numel()]
+            same, n = ((after == before) & gnz).sum().double(), gnz.sum().double()
+        else:
+            same = n = torch.zeros((), dtype=torch.float64, device=post.device)
+        item[4] = torch.stack([same.to(post.device), n.to(post.device), pre.to(post.device), post[i]])

@@ -238,7 +238,8 @@ def finalize(m) -> None:
         u = upd.get(name)
         params.append(ParamStat(name=name, module=mod, dtype=dt, numel=n, grad_norm=l2, grad_absmax=amax,
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
-                                update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded))
+                                update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded,
+                                weight_norm=u[2] if u else None, weight_norm_after=u[3] if u else None))
     fwd = forward_producer(calls, parents) if calls else None
     bwd = backward_producer(calls, parents, bad_param_modules) if calls else None
     losses = s["losses"]

@@ -12,7 +12,8 @@ from ampdoctor.rules import RULE_IDS
 
 CONTRACT_RULES = {"overflow", "nan_origin", "overflow_risk", "underflow", "loss_scale_collapse", "skipped_steps",
                   "clip_before_unscale", "scaler_misorder", "missing_scaler_update", "update_underflow",
-                  "fp16_master_weights", "mask_value_overflow", "eps_underflow", "precision_loss", "env_tf32"}
+                  "fp16_master_weights", "mask_value_overflow", "eps_underflow", "precision_loss", "env_tf32",
+                  "headroom_trend", "update_spike", "deprecated_api", "replay_error"}
 
 
 def test_api_names_stay_callable_after_submodules_load():

@@ -17,7 +17,8 @@ __all__ = ["RunData", "RuleConfig", "register", "RULES", "RULE_IDS", "run_rules"
 # Every rule id of shared/CONTRACT.md (some are emitted by replay only).
 RULE_IDS = ("overflow", "nan_origin", "overflow_risk", "underflow", "loss_scale_collapse", "skipped_steps",
             "clip_before_unscale", "scaler_misorder", "missing_scaler_update", "update_underflow",
-            "fp16_master_weights", "mask_value_overflow", "eps_underflow", "precision_loss", "env_tf32")
+            "fp16_master_weights", "mask_value_overflow", "eps_underflow", "precision_loss", "env_tf32",
+            "headroom_trend", "update_spike", "deprecated_api", "replay_error")
 
 
 @dataclass
@@ -43,6 +44,10 @@ class RuleConfig:
     skipped_share: float = 0.05
     skipped_min: int = 5
     rounded_away_share: float = 0.5
+    spike_factor: float = 2.0
+    """update_spike: one update multiplied a weight's L2 norm by at least this (healthy updates change it by %)."""
+    spike_window_factor: float = 10.0
+    """update_spike: the updates between two sampled steps multiplied it by at least this."""
     only: tuple[str, ...] | None = None
     """Run only these rule ids."""
 
@@ -83,4 +88,4 @@ def run_rules(run: RunData, config: RuleConfig | None = None) -> list[Finding]:
     return out
 
 
-from . import origins, numeric, scaler, weights, envrules  # noqa: E402,F401  (registration)
+from . import origins, numeric, scaler, weights, updates, envrules  # noqa: E402,F401  (registration)

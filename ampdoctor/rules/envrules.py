@@ -1,7 +1,8 @@
-"""Environment rule: env_tf32 — TF32 switches that do nothing on this device, or that are off where they'd help;
-deprecated torch.cuda.amp APIs."""
+"""Environment rules: env_tf32 — TF32 switches that do nothing on this device, or that are off where they'd
+help; deprecated_api — deprecated or legacy AMP APIs in use (torch.cuda.amp.*, apex amp), with the modern form."""
 from __future__ import annotations
 
+from ..env import MODERN
 from ..findings import Finding
 from . import RuleConfig, RunData, register
 
@@ -31,10 +32,17 @@ def check_env(env: dict, *, uses_fp32_compute: bool | None = None) -> list[Findi
                            f"{env.get('device')} supports TF32 but it is off, and this run computes in fp32.",
                            "`torch.backends.cuda.matmul.allow_tf32 = True; torch.backends.cudnn.allow_tf32 = True` "
                            "(or `torch.set_float32_matmul_precision('high')`) is a zero-change speed-up.", ev))
+    return out
+
+
+def check_deprecated(env: dict) -> list[Finding]:
+    """Pure: one deprecated_api finding (info) per legacy AMP API recorded in env["deprecated_amp"]."""
+    out = []
     for name in env.get("deprecated_amp") or []:
-        out.append(Finding("env_tf32", "info", "env", None, None, None, f"{name} is deprecated.",
-                           "Use `torch.amp.GradScaler('cuda')` and `torch.autocast('cuda', ...)`.",
-                           {"api": name, "rank_hint": 95}))
+        modern = MODERN.get(name, "`torch.amp.GradScaler(\"cuda\")` and `torch.autocast(\"cuda\", ...)`")
+        out.append(Finding("deprecated_api", "info", "env", None, None, None,
+                           f"`{name}` is deprecated (or legacy); it still works but warns and may be removed.",
+                           f"Use {modern}.", {"api": name, "modern": modern, "rank_hint": 95}))
     return out
 
 
@@ -43,3 +51,8 @@ def env_tf32(run: RunData, cfg: RuleConfig) -> list[Finding]:
     uses_fp32 = bool(run.steps) and all(not r.autocast for r in run.steps) and \
         all(p[2] == "float32" for p in run.meta.params)
     return check_env(run.meta.env or {}, uses_fp32_compute=uses_fp32)
+
+
+@register("deprecated_api", emits=("deprecated_api",))
+def deprecated_api(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    return check_deprecated(run.meta.env or {})

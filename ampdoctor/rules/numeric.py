@@ -11,35 +11,63 @@ from ..findings import Finding
 from ..records import DTYPE_LIMITS
 from . import RuleConfig, RunData, register
 from .origins import AUTOCAST_OFF, autocast_device
+from .steps import descendants, parents
+
+
+def _near(s, bits: float) -> bool:
+    """Within `bits` of the reference dtype's max, or beyond it once cast (overflow_as_ref)."""
+    if s is None or not s.finite or s.ref == "float32" or s.absmax <= 0:
+        return False
+    mx = DTYPE_LIMITS.get(s.ref, DTYPE_LIMITS["float32"])[0]
+    return s.overflow_as_ref > 0 or math.log2(mx / s.absmax) < bits
+
+
+def _low(s) -> bool:
+    """The tensor lives in the low-precision dtype it is measured against (fp16 values, not fp32 ones)."""
+    return s is not None and s.dtype == s.ref and s.ref != "float32"
 
 
 @register("overflow_risk", emits=("overflow_risk",))
 def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
-    """Forward outputs within `near_max_bits` of the reference dtype's max but still finite."""
+    """Forward outputs within `near_max_bits` of the low-precision max, still finite, where a low-precision op
+    will see them: the value is itself fp16/bf16, or a wider (fp32) value that a later module computing in the
+    low dtype takes as input (an fp32 residual stream that only enters LayerNorm in fp32 is not at risk).
+    One finding per chain, at its producer: not a module whose input was already near the max (dropout, the
+    next block), nor a parent whose child already made the value."""
     seen: dict[str, Finding] = {}
     bad_modules = {p.module for r in run.steps for p in (r.forward_producer,) if p is not None}
     for r in run.steps:
+        par = parents(r.modules)
+        hits = []
         for c in r.modules:
             o = c.out
-            if o is None or not o.finite or c.module in seen or c.module in bad_modules or o.ref == "float32":
+            if not _near(o, cfg.near_max_bits) or c.module in bad_modules or c.depth == 0:
                 continue
-            mx = DTYPE_LIMITS.get(o.ref, DTYPE_LIMITS["float32"])[0]
             if o.dtype != o.ref and o.absmax >= 1e30:
                 continue  # an fp32 mask constant (finfo.min) among the outputs, not an activation
-            if o.dtype != o.ref and not any(d.seq > c.seq and d.depth <= c.depth and d.inp is not None
-                                            and d.inp.overflow_as_ref > 0 for d in r.modules):
-                continue  # a wide tensor beyond the autocast dtype's range that no later module takes as input
-                # (e.g. a loss computed in fp32): it is never cast down
-            head = math.log2(mx / o.absmax) if o.absmax > 0 else math.inf
-            if head < cfg.near_max_bits or o.overflow_as_ref > 0:
-                seen[c.module] = Finding(
-                    "overflow_risk", "warning", "forward", c.module, None, r.step,
-                    f"`{c.module}` ({c.type}) output reached {o.absmax:.4g}, {head:.2f} bits below the "
-                    f"{o.ref} maximum ({mx:g}); a slightly larger input will overflow to inf.",
-                    "Rescale (e.g. scale q before q@kᵀ, clamp, or normalise earlier) or keep this module in fp32:\n"
-                    + AUTOCAST_OFF.format(m=c.module, dev=autocast_device(run)),
-                    {"absmax_out": o.absmax, "headroom_bits": head, "near_max": o.near_max,
-                     "overflow_as_ref": o.overflow_as_ref, "ref": o.ref, "rank_hint": 30})
+            if _near(c.inp, cfg.near_max_bits) and c.inp.absmax >= 0.5 * o.absmax:
+                continue  # its input was already there: it passed the value on (dropout, a residual add, ...)
+            if not _low(o) and not any(d.seq > c.seq and d.inp is not None and d.inp.overflow_as_ref > 0
+                                       and _low(d.out) for d in r.modules):
+                continue  # a wide tensor no later module casts down (a loss in fp32, a residual into LayerNorm)
+            hits.append(c)
+        for c in hits:
+            if any(d in hits for d in descendants(r.modules, c, par)) or c.module in seen:
+                continue  # a parent of the producer: the same value, already named at the child
+            o = c.out
+            mx = DTYPE_LIMITS.get(o.ref, DTYPE_LIMITS["float32"])[0]
+            head = math.log2(mx / o.absmax)
+            what = (f"is {o.absmax / mx:.3g}× the {o.ref} maximum ({mx:g}) while still in {o.dtype}: the "
+                    f"{o.ref} op that takes it will make inf" if head < 0 else
+                    f"is {head:.2f} bits below the {o.ref} maximum ({mx:g}): a slightly larger input overflows")
+            seen[c.module] = Finding(
+                "overflow_risk", "warning", "forward", c.module, None, r.step,
+                f"`{c.module or '(root)'}` ({c.type}) output reached {o.absmax:.4g}, which {what}.",
+                "Bound the values where they are made (normalise or rescale the input, a smaller init or "
+                "learning rate), clamp them before the low-precision op, or keep this module in fp32:\n"
+                + AUTOCAST_OFF.format(m=c.module or "(root)", dev=autocast_device(run)),
+                {"absmax_out": o.absmax, "headroom_bits": head, "near_max": o.near_max, "dtype_out": o.dtype,
+                 "overflow_as_ref": o.overflow_as_ref, "ref": o.ref, "rank_hint": 30})
     return list(seen.values())
 
 

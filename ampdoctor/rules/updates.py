@@ -1,0 +1,116 @@
+"""update_spike: one optimizer update (or a few, between two sampled steps) multiplied a layer's weights by a
+large factor — a learning rate too high for the weights' scale, a missing warmup, clipping off or after step.
+
+Reads ParamStat.weight_norm / weight_norm_after (L2 norms right before and after the update, sampled steps;
+ampdoctor/gradients.py). Weights too small to have a meaningful scale (zero-initialised biases, LoRA's B) are
+left out: their first updates multiply them by any factor, as designed.
+"""
+from __future__ import annotations
+
+import math
+
+from ..findings import Finding
+from ..records import StepRecord
+from . import RuleConfig, RunData, register
+from .steps import absorbed_modules, benign_backoff, real_bad
+
+_MIN_RMS = 1e-3        # weights whose root-mean-square is below this have no scale to spike from
+_WINDOW_UPDATES = 50   # between two sampled steps, look only this many updates apart (or at a huge factor)
+_HUGE = 1e3
+
+
+def _lr(run: RunData) -> float | None:
+    lrs = [g.get("lr") for g in run.meta.optimizer.get("groups") or [] if isinstance(g.get("lr"), (int, float))]
+    return max(lrs) if lrs else None
+
+
+def _clipped(r: StepRecord) -> str:
+    """'before' when the step clipped gradients before the optimizer step, 'after' if only after, else 'off'."""
+    kinds = [e.kind for e in r.events if not e.detail.get("internal")]
+    step_at = next((i for i, k in enumerate(kinds) if k in ("step", "optimizer.step")), None)
+    clips = [i for i, k in enumerate(kinds) if k.startswith("clip_grad")]
+    if not clips:
+        return "off"
+    return "before" if step_at is None or clips[0] < step_at else "after"
+
+
+def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
+    """Per parameter: the first window (one update on a sampled step, or the updates between two sampled
+    steps) over which its weight norm grew by `factor` (one update) or `window_factor` (several)."""
+    updated = {r.step for r in run.steps if not r.skipped}
+    ref: dict[str, tuple[int, float, int]] = {}   # name -> (step, norm after that step's update, numel)
+    out: dict[str, dict] = {}
+    for r in run.steps:
+        for p in r.params:
+            if p.weight_norm is None or p.name in out:
+                continue
+            rms = p.weight_norm / math.sqrt(max(p.numel, 1))
+            if p.name in ref:  # several updates since the last sampled step
+                s0, n0, numel = ref[p.name]
+                n_upd = sum(1 for s in updated if s0 < s < r.step)
+                f = p.weight_norm / n0 if n0 > 0 else 0.0
+                rms0 = n0 / math.sqrt(max(numel, 1))
+                if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)):
+                    first = min(s for s in updated if s0 < s < r.step)
+                    out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
+                                   "after": p.weight_norm, "step": first if n_upd == 1 else s0 + 1,
+                                   "between": [s0, r.step], "updates": n_upd, "rms_before": rms0}
+                    continue
+            if p.weight_norm_after is not None and rms >= _MIN_RMS and r.step in updated:
+                f = p.weight_norm_after / p.weight_norm
+                if f >= factor:
+                    out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": p.weight_norm,
+                                   "after": p.weight_norm_after, "step": r.step, "between": [r.step, r.step + 1],
+                                   "updates": 1, "rms_before": rms}
+                    continue
+            after = p.weight_norm_after if p.weight_norm_after is not None and r.step in updated else p.weight_norm
+            ref[p.name] = (r.step, after, p.numel)
+    return list(out.values())
+
+
+@register("update_spike", emits=("update_spike",))
+def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    spikes = _spikes(run, cfg.spike_factor, cfg.spike_window_factor)
+    if not spikes:
+        return []
+    step = min(s["step"] for s in spikes)
+    first = [s for s in spikes if s["step"] == step]
+    worst = max(first, key=lambda s: s["factor"])
+    layers: dict[str, float] = {}
+    for s in sorted(first, key=lambda s: -s["factor"]):
+        layers.setdefault(s["module"], s["factor"])
+    benign = benign_backoff(run.steps, run.has_scaler)
+    mods = absorbed_modules(run.steps)
+    went_bad = next((r.step for r in run.steps if r.step >= step and real_bad(r, benign, mods)), None)
+    lr = _lr(run)
+    rec = next((r for r in run.steps if r.step == worst["between"][0]), None)
+    clip = _clipped(rec) if rec is not None else "off"
+    one = worst["updates"] == 1
+    names = ", ".join(f"`{m or '(root)'}` ×{f:.3g}" for m, f in list(layers.items())[:4])
+    more = f" and {len(layers) - 4} more layer(s)" if len(layers) > 4 else ""
+    when = (f"The optimizer update at step {worst['step']}" if one else
+            f"The {worst['updates']} optimizer updates between step {worst['between'][0]} and step "
+            f"{worst['between'][1]}")
+    msg = (f"{when} multiplied the weights of {names}{more} (‖w‖ {worst['before']:.3g} → {worst['after']:.3g})"
+           + (f"; the run went non-finite at step {went_bad}." if went_bad is not None else "."))
+    causes = []
+    if lr is not None:
+        ratio = lr / worst["rms_before"] if worst["rms_before"] else math.inf
+        causes.append(f"a learning rate too high for these weights (lr={lr:g}; Adam-type optimizers move every "
+                      f"weight by about ±lr per update, here {ratio:.3g}× the weights' typical size)")
+    else:
+        causes.append("a learning rate too high for these weights")
+    causes.append("no warmup (start from ~1% of the learning rate and ramp up over the first 1-2k steps)")
+    causes.append({"off": "no gradient clipping", "after": "gradient clipping after the optimizer step",
+                   "before": "clipping cannot help here: it bounds the gradient, not Adam's ±lr step"}[clip])
+    fix = ("Lower the learning rate or add a warmup, e.g. "
+           "`sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2000))`; "
+           "clip after unscale_ and before step:\n"
+           "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+           "scaler.step(optimizer)\nscaler.update()")
+    ev = {"factor": worst["factor"], "norm_before": worst["before"], "norm_after": worst["after"],
+          "param": worst["name"], "between_steps": worst["between"], "updates": worst["updates"],
+          "layers": [[m, f] for m, f in list(layers.items())[:20]], "lr": lr, "clipping": clip,
+          "causes": causes, "went_bad_at": went_bad, "rank_hint": 10 if went_bad is not None else 30}
+    return [Finding("update_spike", "error" if went_bad is not None else "warning", "optimizer", worst["module"],
+                    None, worst["step"], msg + " Usual causes: " + "; ".join(causes) + ".", fix, ev)]
