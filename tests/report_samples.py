@@ -4,10 +4,16 @@
 no findings; `replay_only_report()` has only a replay panel; `large_report()` is 500 layers x 1,000 steps with
 one known worst cell; `hostile_report()` carries HTML in every user-controlled string. `step_records()` gives a
 RunMeta and StepRecords for the TensorBoard sink.
+
+Real runs, for what only a real run shows (each a few seconds on a CPU): `nan_run(dir)` trains a small GPT whose
+second block's attention overflows fp16 (every step NaN, default sampling); `short_healthy_run(dir)` samples one
+step of 12; `crashed_run()` raises inside the forward (`masked_fill(-1e9)` on fp16 scores); `replay_fixture()`
+replays the committed T5 capture; `replay_without_loss(dir)` replays a capture whose model returns a tensor.
 """
 from __future__ import annotations
 
 import math
+import os
 import random
 
 from ampdoctor.findings import Finding, Report
@@ -263,3 +269,64 @@ def step_records(n_steps: int = 6, bad_step: int = 4) -> tuple[RunMeta, list[Ste
                                grad_norm=1.0 + s if not bad else float("inf"), modules=mods, params=params,
                                events=[CallEvent("scale", s, 0, "train.py", 10)]))
     return meta, recs
+
+
+# --- real runs ----------------------------------------------------------------------------------------------
+
+def nan_run(run_dir, steps: int = 12):
+    """TinyGPT whose blocks.1 attention scores overflow fp16 on every step; default sampling; returns run_dir."""
+    import torch
+    from scenarios import TinyGPT, gpt_batch, hf_loss, train
+    torch.manual_seed(0)
+    m = TinyGPT(n=2)
+    with torch.no_grad():
+        m.blocks[1].qkv.weight[:64].mul_(400.0)     # q and k rows: q @ k^T far beyond 65504
+    train(m, gpt_batch(), hf_loss, steps=steps, every=200, run_dir=str(run_dir))
+    return str(run_dir)
+
+
+def short_healthy_run(run_dir, steps: int = 12):
+    import torch
+    from scenarios import TwoLayerNet, mse_to_zero, train
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    train(TwoLayerNet(), lambda i: (x,), mse_to_zero, steps=steps, every=200, run_dir=str(run_dir))
+    return str(run_dir)
+
+
+def crashed_run():
+    """A watched run whose forward raises (masked_fill(-1e9) on fp16 scores); returns (report, exception)."""
+    import torch
+    import ampdoctor
+    import failing_models as fm
+    c = fm.case_masked_fill()
+    opt = torch.optim.SGD(c.model.parameters(), lr=0.1)
+    sc = torch.amp.GradScaler("cpu")
+    err = None
+    try:
+        with ampdoctor.watch(c.model, optimizer=opt, scaler=sc) as w:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = fm.mean_sq(c.model(*c.args))
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+    except RuntimeError as e:
+        err = e
+    assert err is not None, "the masked_fill case no longer raises"
+    return w.report(), err
+
+
+def replay_fixture():
+    import ampdoctor
+    from fixtures.models import t5_block
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return ampdoctor.replay(os.path.join(root, "fixtures", "captures", "t5_ffn_overflow"), model=t5_block())
+
+
+def replay_without_loss(cap_dir):
+    import ampdoctor
+    import failing_models as fm
+    c = fm.case_attn()
+    ampdoctor.save_batch(str(cap_dir), c.model, *c.args)
+    return ampdoctor.replay(str(cap_dir), model=fm.AttnModel(), shadow=False, whatif=False, fix_search=False)

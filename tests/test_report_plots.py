@@ -49,3 +49,32 @@ def test_timeline_without_scaler():
     assert list(render_plots(Report(data={"timeline": tl}))) == [PLOT_FILES["timeline"]]
     empty = [{"step": s, "loss": None, "scale": None, "skipped": False} for s in range(10)]
     assert render_plots(Report(data={"timeline": empty})) == {}
+
+
+def test_nothing_finite_to_draw_is_a_sentence_not_a_warning():
+    """All gradient norms NaN: no plot (an empty axis with a legend and no lines), no matplotlib warning, and
+    one sentence saying why."""
+    import warnings
+    from ampdoctor.report import panels
+    d = rs.overflow_report().to_dict()
+    d["grad_norms"]["values"] = [["nan"] * len(d["grad_norms"]["steps"]) for _ in d["grad_norms"]["values"]]
+    for r in d["timeline"]:
+        r["loss"] = "nan"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = render_plots(d)
+    assert PLOT_FILES["grad_norms"] not in out and PLOT_FILES["timeline"] in out
+    assert "inf/NaN" in panels.empty_reasons(d)["grad_norms"]
+
+
+def test_one_sampled_step_is_a_sentence():
+    d = rs.overflow_report().to_dict()
+    hm, gn = d["heatmap"], d["grad_norms"]
+    hm["steps"], hm["headroom"] = hm["steps"][:1], [r[:1] for r in hm["headroom"]]
+    gn["steps"], gn["values"] = gn["steps"][:1], [v[:1] for v in gn["values"]]
+    d["summary"]["every"] = 200
+    out = render_plots(d)
+    assert PLOT_FILES["heatmap"] not in out and PLOT_FILES["grad_norms"] not in out
+    from ampdoctor.report import panels
+    reasons = panels.empty_reasons(d)
+    assert "every=1" in reasons["heatmap"] and "every 200 steps" in reasons["grad_norms"]

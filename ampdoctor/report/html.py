@@ -104,11 +104,6 @@ def _calls(calls: list[dict], first_bad) -> tuple[list[dict], str]:
 _BAD_KINDS = ("overflow", "nan", "inf", "posinf", "neginf", "constant", "exception", "first NaN", "nan_origin")
 
 
-NO_LOSS = ("not computed: the model's output is neither a scalar nor has `.loss`, so the backward was not run. "
-           "To replay the backward too, pass `--loss pkg.mod:fn` (or `loss_fn=` to `ampdoctor.replay`), or use a "
-           "model whose output has `.loss`.")
-
-
 def _op_numbers(c: dict, ops: list[dict]) -> str:
     """What the op did, in numbers, from replay's op record: 'max |in| 883.5 → 55 ±inf of 512 (float16)'."""
     o = next((o for o in ops if o.get("op") == c.get("op") and o.get("module") == c.get("module")
@@ -144,7 +139,8 @@ def _chain(items: list[dict], ops: list[dict] | None = None) -> list[dict]:
         elif stage == "loss":
             if c.get("finite") is None:
                 row.update(badge="loss", cls="skip",
-                           detail="not computed: the forward raised" if raised else NO_LOSS)
+                           detail="not computed: the forward raised" if raised
+                           else "not computed: " + prose.NO_LOSS_TEXT)
             else:
                 row.update(badge="loss", detail="finite" if c.get("finite") else "inf/NaN",
                            cls="ok" if c.get("finite") else "error")
@@ -229,6 +225,7 @@ def _plots(d: dict, plots: dict | None) -> tuple[list[dict], dict[str, str]]:
         sid, title, note = PLOT_INFO[key]
         if key in rendered:
             rows.append({"id": sid, "title": title, "note": note, "areas": rendered[key].areas,
+                         "caption": rendered[key].caption,
                          "b64": base64.b64encode(rendered[key].png).decode("ascii")})
         elif key in reasons:
             rows.append({"id": sid, "title": title, "note": "", "empty": reasons[key]})

@@ -29,6 +29,7 @@ class Plot:
     left/top/width/height, with title, module, nonfinite, cols)."""
     png: bytes
     areas: list[dict] = field(default_factory=list)
+    caption: str = ""      # what the picture points at, in words (the HTML shows it under the image)
 
 
 def _style() -> dict:
@@ -98,11 +99,13 @@ def _heatmap(hm: dict, d: dict) -> Plot | None:
         title += f" — {ds['n_modules']} layers binned"
     ax.set_title(title, color=INK, pad=16)
     bad_cols = np.isneginf(grid).any(axis=0)
+    caption = []
     if bad_cols.any():   # the first bad step: a line on the left edge of its column (cells stay visible)
         j0 = int(np.argmax(bad_cols))
         ax.axvline(j0 - 0.5, color=RED, lw=2.0, ls="--")
         ax.annotate(f"first inf/NaN: step {ds['steps'][j0]}", xy=(j0 - 0.5, -0.5), xytext=(2, 2),
                     textcoords="offset points", color=RED, fontsize=8, va="bottom", annotation_clip=False)
+        caption.append(f"Dashed line: step {ds['steps'][j0]}, the first step with an inf/NaN output.")
     c = panels.culprit_cell(ds, d)
     if c is not None:
         wi, wj = c["cell"]
@@ -112,6 +115,9 @@ def _heatmap(hm: dict, d: dict) -> Plot | None:
             ax.plot([wj], [wi], marker="o", ms=19, mfc="none", mec=RED if v <= 0 else INK, mew=1.4)
         what = "inf/NaN" if math.isinf(v) else f"{v:.2f} bits"
         lead = {"first non-finite": "first inf/NaN", "lowest headroom": "lowest headroom"}.get(c["why"], c["why"])
+        said = {"first non-finite": "the first inf/NaN output", "lowest headroom": "the lowest headroom"}.get(
+            c["why"], f"named as the root cause by the {c['why']} finding")
+        caption.insert(0, f"{'Circled' if v < 4 else 'Noted'}: `{c['module']}` at step {c['step']} ({what}), {said}.")
         ax.annotate(f"{lead}: {c['module']} at step {c['step']} ({what}){'  — circled' if v < 4 else ''}",
                     xy=(1.0, 1.0), xycoords="axes fraction", xytext=(0, 3), textcoords="offset points",
                     va="bottom", ha="right", fontsize=8.5, fontweight="bold" if v <= 0 else "normal",
@@ -141,7 +147,7 @@ def _heatmap(hm: dict, d: dict) -> Plot | None:
         areas.append({"left": 100 * x0 / W, "top": 100 * (y_top + i * (y_bot - y_top) / rows) / H,
                       "width": 100 * (x1 - x0) / W, "height": 100 * (y_bot - y_top) / rows / H, "title": tip,
                       "module": label, "nonfinite": bool(nonfin), "cols": cols})
-    return Plot(png, areas)
+    return Plot(png, areas, " ".join(caption))
 
 
 def _timeline(tl: list[dict], d: dict) -> Plot | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["headline", "fix_blocks", "code_spans", "crash_line", "evidence_label", "HIDDEN_EVIDENCE"]
+__all__ = ["headline", "fix_blocks", "code_spans", "crash_line", "evidence_label", "HIDDEN_EVIDENCE", "NO_LOSS_TEXT"]
 
 _VERBS = {"overflow": "overflowed", "nan_origin": "produced NaN", "overflow_risk": "is within a bit of the max",
           "underflow": "underflowed", "mask_value_overflow": "used a mask constant out of range",
@@ -24,7 +24,10 @@ _GENERAL = {"loss_scale_collapse": "The loss scale collapsed", "skipped_steps": 
 _CODE = re.compile(r"^(\s|with |for |def |import |from |class |return |if |try:|except|@|#|[)\]}]|"
                    r"[A-Za-z_][\w.]*(\[[^\]]*\])?\s*(=|\+=|-=|\*=|/=|\()|\w+\.\w+(\.\w+)*\s*$)")
 
-HIDDEN_EVIDENCE = {"rank_hint"}     # ranking internals, not evidence a person reads
+HIDDEN_EVIDENCE = {"rank_hint"}
+NO_LOSS_TEXT = ("no loss was computed (the model's output is neither a scalar nor has `.loss`), so the backward was "
+                "not run. To replay the backward too, pass `--loss pkg.mod:fn` (or `loss_fn=` to `ampdoctor.replay`), "
+                "or use a model whose output has `.loss`.")     # ranking internals, not evidence a person reads
 
 
 def headline(f: dict | None, verdict: str = "") -> str:

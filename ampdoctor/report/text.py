@@ -1,10 +1,14 @@
 """The terminal reporter: `render_text(report)` gives the verdict, the findings root cause first, then counts.
 
-One line per finding (`Finding.one_line()`), its fix indented below; a healthy run gets two lines.
+A crashed run says so on the line after the header. The verdict line is the root finding's short headline
+(prose.headline); its message follows once, in finding 1. One line per finding (`Finding.one_line()`), its fix
+indented below; a replay that computed no loss says that its backward was not run; a healthy run gets two lines.
 """
 from __future__ import annotations
 
 import textwrap
+
+from . import prose
 
 __all__ = ["render_text"]
 
@@ -41,16 +45,28 @@ def render_text(report, width: int = 100) -> str:
     if s.get("first_bad_step") is not None:
         head += f" · first bad step {s['first_bad_step']}"
     out = [head]
+    crash = s.get("crash") if isinstance(s.get("crash"), dict) else None
+    if crash:
+        out.append(f"CRASHED: {prose.crash_line(crash)}")
     counts = f"{n['error']} errors, {n['warning']} warnings, {n['info']} info"
     if s.get("skipped_steps"):
         counts += f" · {s['skipped_steps']} skipped steps"
     if not problems:
         verdict = s.get("verdict") or "No mixed-precision problems found."
+        if crash:
+            out.append(f"verdict: {verdict}")
+            out.append(counts)
+            return "\n".join(out) + "\n"
         out.append(f"healthy: no problems found. {verdict}".rstrip() if "no " not in verdict.lower()
                    else f"healthy: {verdict}")
         out.append(counts)
         return "\n".join(out) + "\n"
-    out.append(f"verdict: {s.get('verdict') or report.findings[0].message}")
+    root = next(f for f in report.findings if f.severity in ("error", "warning"))
+    out.append(f"verdict: {prose.headline(root.to_dict(), s.get('verdict') or root.message)}")
+    chain = (report.data.get("replay") or {}).get("chain") or []
+    if any(c.get("stage") == "loss" and c.get("finite") is None for c in chain) and \
+            not any(c.get("stage") == "exception" for c in chain):
+        out.append("replay: " + prose.NO_LOSS_TEXT)
     out.append("")
     out.append("findings (root cause first):")
     for i, f in enumerate(report.findings, 1):
