@@ -16,6 +16,7 @@ from . import __version__
 from .config import WatchConfig
 from .env import collect_env, deprecated_amp_in_use
 from .errors import WatchError
+from .integrations import deepspeed as _deepspeed
 from .monitor import ClipPatch, OptimizerPatch, ScalerPatch
 from .records import RunMeta
 from .stepstate import StepMachine
@@ -39,6 +40,11 @@ class Watch:
 
     def __init__(self, model, optimizer=None, scaler=None, run_dir=None, *, every=None, config=None,
                  tensorboard_dir=None, writer=None):
+        # -- DeepSpeed (ampdoctor/integrations/deepspeed.py): watch the engine's module, patch the engine
+        ds_engine = _deepspeed.engine_of(model, optimizer)
+        if ds_engine is not None:
+            model, optimizer = ds_engine.module, None  # its optimizer steps fp32 masters: the engine is watched
+        # -- end DeepSpeed
         if isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule":
             model = model._orig_mod  # torch.compile's wrapper: hooks belong on the module it compiles
         if not isinstance(model, nn.Module):
@@ -71,12 +77,16 @@ class Watch:
             names.setdefault(id(m), name)
         self._names = names
         self.meta = self._build_meta()
+        if ds_engine is not None:  # DeepSpeed: its optimizer, loss scaler and config (before the meta is written)
+            _deepspeed.describe(ds_engine, self.meta)
         sinks = []
         if tensorboard_dir is not None or writer is not None:
             from .report.tensorboard import TensorBoardSink
             sinks.append(TensorBoardSink(logdir=tensorboard_dir, writer=writer))
         self.machine = StepMachine(self, sinks)
         self._install()
+        if ds_engine is not None:  # DeepSpeed: engine.backward / engine.step mark the steps
+            self._patches.append(_deepspeed.EnginePatch(ds_engine, self.machine))
         _WATCHED[model] = self
 
     # -- lifecycle -------------------------------------------------------------------------------------

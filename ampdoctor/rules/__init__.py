@@ -89,3 +89,4 @@ def run_rules(run: RunData, config: RuleConfig | None = None) -> list[Finding]:
 
 
 from . import origins, numeric, scaler, weights, updates, envrules  # noqa: E402,F401  (registration)
+from . import deepspeed  # noqa: E402,F401  (DeepSpeed runs: rules/deepspeed.py)

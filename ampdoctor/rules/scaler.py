@@ -37,6 +37,8 @@ def scale_after(r: StepRecord, scaler: dict) -> float | None:
 def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler or not run.steps:
         return []
+    if run.meta.scaler.get("dynamic") is False:
+        return []  # a static scale (DeepSpeed's loss_scale) never backs off: rules/deepspeed.py reads its skips
     steps = run.steps
     skipped = [r.step for r in steps if r.skipped]
     if not skipped:
