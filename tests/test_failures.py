@@ -424,3 +424,61 @@ def test_overflow_inside_a_module_whose_child_turns_it_into_nan_names_the_module
     rep = top3(w, "overflow", "mlp")
     assert rep.findings[0].op == "aten::mul"
     assert not any(f.module == "mlp.down" and f.severity == "error" for f in rep.findings)
+
+
+class _GPTMLP(nn.Module):
+    """nanoGPT's MLP: c_fc -> GELU -> c_proj -> dropout."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj, self.dropout = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), \
+            nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class _MLPNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln, self.mlp, self.head = nn.Linear(8, 16), nn.LayerNorm(16), _GPTMLP(), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(h + self.mlp(self.ln(h)))
+
+
+def test_minus_inf_only_overflow_mid_run_is_named_at_the_linear_and_its_first_bad_step():
+    """issue 13.4/13.5: at step 3 c_fc's output overflows only to -inf (GELU then makes NaN). Default sampling:
+    step 3 is seen by the trip-wire only, step 4 is sampled. The Linear is the producer (not a mask, not the
+    parent MLP), at step 3; the summary's first bad step is 3."""
+    torch.manual_seed(0)
+    m = _MLPNet()
+    x = torch.randn(8, 8)
+
+    def batch(i):
+        if i == 3:
+            with torch.no_grad():
+                m.mlp.c_fc.bias.fill_(-65000.0)
+                m.mlp.c_fc.weight.mul_(1000)
+        return (x,)
+    w = train(m, batch, mse_to_zero, steps=6, every=200)
+    rep = top3(w, "overflow", "mlp.c_fc")
+    f = next(f for f in rep.findings if f.module == "mlp.c_fc")
+    assert f.step == 3 and f.phase == "forward", f.one_line()
+    assert not any(g.module == "mlp" and g.severity == "error" for g in rep.findings)
+    assert rep.summary["first_bad_step"] == 3
+
+
+def test_learning_rate_ten_is_an_update_spike_at_the_first_update():
+    """issue 13.7: AdamW with lr=10 moves every weight by ±10 in one update; the next forward overflows."""
+    torch.manual_seed(0)
+    m = _MLPNet()
+    x = torch.randn(8, 8) * 4
+    w = train(m, lambda i: (x,), mse_to_zero, steps=4, every=200, lr=10.0)
+    rep = w.report()
+    top = [(f.rule, f.step) for f in rep.findings[:3]]
+    spike = next((f for f in rep.findings if f.rule == "update_spike"), None)
+    assert spike is not None and ("update_spike", spike.step) in top, [f.one_line() for f in rep.findings]
+    first_update = next(r.step for r in w.steps if not r.skipped)
+    assert spike.step == first_update and "lr=10" in spike.message and "warmup" in spike.message

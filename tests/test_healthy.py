@@ -58,6 +58,9 @@ def test_first_steps_backoff_is_info_only():
     assert any(f.rule == "skipped_steps" and f.severity == "info" for f in rep.findings)
     assert not any(f.rule == "loss_scale_collapse" for f in rep.findings)
     assert sum(r.skipped for r in w.steps) >= 1
+    # the backoff is shown as such, and is not the run's first bad step (issue 18)
+    assert rep.summary["first_bad_step"] is None and rep.summary["bad_steps"] == 0
+    assert rep.summary["benign_backoff_steps"] and rep.summary["verdict"].startswith("Healthy")
 
 
 def test_default_sampling_is_healthy_and_sparse():
