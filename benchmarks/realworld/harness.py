@@ -202,6 +202,8 @@ def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None):
             if not good:
                 why.append(f"no {label}")
     res["verdict"] = "PASS" if not why else "FAIL"
+    if case.kind == "injected" and case.needs_bad_step and gt["first_bad"] is None:
+        res["verdict"], why[:] = "N/A", why + ["the unwatched run never went bad"]
     res["why"] = why
     if not keep_dir:
         shutil.rmtree(run_dir, ignore_errors=True)

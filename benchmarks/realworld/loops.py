@@ -2,6 +2,8 @@
 recipe), and the injections that break a run at a realistic point. nanoGPT has its own loop (nanogpt.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .models import SPECS
@@ -69,13 +71,14 @@ def _module_out_absmax(model, module, run_forward, reduce="absmax"):
         h.remove()
         model.train(was)
     o = seen[0]
-    return float(o.abs().max()) if reduce == "absmax" else float(o.min())
+    return {"absmax": lambda: o.abs().max(), "min": o.min, "negmax": lambda: -o.max()}[reduce]().item()
 
 
-def spike(module_name, step, probe, target=4 * FP16_MAX, weight_cap=FP16_MAX / 8):
+def spike(module_name, step, probe, target=4 * FP16_MAX, weight_cap=FP16_MAX / 2):
     """At `step`, multiply one projection's weight by the power of ten that puts its output's abs-max above
-    `target` (the weight itself stays below `weight_cap`, so the autocast cast of the weight is finite and the
-    overflow is the matmul's). `probe(model)` runs one fp32 forward. Records the factor in `info`."""
+    `target`, capped so that the weight itself stays below `weight_cap` (the autocast cast of the weight stays
+    finite, so the overflow is the matmul's/conv's). `probe(model)` runs one fp32 forward. `info` records the
+    factor and the predicted output abs-max (> 65504 means the injection overflows)."""
     info = {"module": module_name, "step": step}
 
     def inject(it, model, opt):
@@ -83,31 +86,37 @@ def spike(module_name, step, probe, target=4 * FP16_MAX, weight_cap=FP16_MAX / 8
             return
         mod = model.get_submodule(module_name)
         amax = _module_out_absmax(model, mod, lambda: probe(model))
-        f = 10.0 ** max(1, int(torch.tensor(target / max(amax, 1e-6)).log10().ceil()))
-        f = min(f, weight_cap / float(mod.weight.abs().max()))
-        info.update(factor=f, out_absmax_before=amax)
+        f = 10.0 ** max(1, math.ceil(math.log10(target / max(amax, 1e-6))))
+        f = min(f, weight_cap / float(mod.weight.detach().abs().max()))
         with torch.no_grad():
             mod.weight.mul_(f)
+        info.update(factor=f, out_absmax_before=amax, out_absmax_after=_module_out_absmax(model, mod,
+                                                                                         lambda: probe(model)))
     inject.info = info
     return inject
 
 
-def neg_overflow(module_name, step, probe, target=4 * FP16_MAX):
-    """At `step`, make a Linear fed by non-negative activations (after a GELU) output large NEGATIVE values:
-    weight <- -|weight| * s, so the output overflows to -inf only (never +inf)."""
+def neg_overflow(module_name, feeder_name, step, probe, target=4 * FP16_MAX, weight_cap=FP16_MAX / 2):
+    """At `step`, make a Linear fed by GELU outputs overflow to -inf only: its feeder (the Linear before the
+    GELU) is scaled so that the GELU outputs are O(10) (mostly large positive or ~0), and the Linear's weight
+    becomes -|weight| * s, so every output is a large negative sum. `info` records the predicted min and max."""
     info = {"module": module_name, "step": step}
 
     def inject(it, model, opt):
         if it != step:
             return
-        mod = model.get_submodule(module_name)
+        feeder, mod = model.get_submodule(feeder_name), model.get_submodule(module_name)
+        famax = _module_out_absmax(model, feeder, lambda: probe(model))
         with torch.no_grad():
+            feeder.weight.mul_(16.0 / max(famax, 1e-6))
             mod.weight.copy_(-mod.weight.abs())
         lo = _module_out_absmax(model, mod, lambda: probe(model), reduce="min")
-        s = target / max(-lo, 1e-6)
-        info.update(factor=s, out_min_before=lo)
+        s = min(target / max(-lo, 1e-6), weight_cap / float(mod.weight.detach().abs().max()))
         with torch.no_grad():
             mod.weight.mul_(s)
+        info.update(factor=s, feeder_factor=16.0 / max(famax, 1e-6),
+                    out_min_after=_module_out_absmax(model, mod, lambda: probe(model), reduce="min"),
+                    out_max_after=-_module_out_absmax(model, mod, lambda: probe(model), reduce="negmax"))
     inject.info = info
     return inject
 

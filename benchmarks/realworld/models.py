@@ -182,10 +182,10 @@ def _img_loss(out, target):
 
 
 SPECS = {
-    "gpt2": ModelSpec("gpt2", gpt2, _lm_batch, _hf_loss, "transformer.h.1.mlp.c_proj"),
-    "llama": ModelSpec("llama", llama, _lm_batch, _hf_loss, "model.layers.1.mlp.down_proj"),
+    "gpt2": ModelSpec("gpt2", gpt2, _lm_batch, _hf_loss, "transformer.h.1.mlp.c_fc"),
+    "llama": ModelSpec("llama", llama, _lm_batch, _hf_loss, "model.layers.1.mlp.up_proj"),
     "t5": ModelSpec("t5", t5, _t5_batch, _hf_loss, "encoder.block.1.layer.1.DenseReluDense.wo"),
-    "bert": ModelSpec("bert", bert, _mlm_batch, _hf_loss, "bert.encoder.layer.1.output.dense"),
+    "bert": ModelSpec("bert", bert, _mlm_batch, _hf_loss, "bert.encoder.layer.1.intermediate.dense"),
     "resnet": ModelSpec("resnet", resnet, _img_batch, _img_loss, "layer3.0.conv2",
                         spike_ops=("aten::convolution", "aten::conv2d", "aten::_convolution",
                                    "aten::mkldnn_convolution", "aten::cudnn_convolution"), lr=1e-3),
