@@ -19,6 +19,8 @@ class _Call:
     grad_enabled: bool
     rows: dict = field(default_factory=lambda: {"inp": [], "par": [], "out": [], "gout": [], "gin": []})
     bseq: int | None = None
+    grad_inputs: list | None = None  # inputs that require grad, from forward_pre until forward_post
+    seq0: int = 0                    # the autograd sequence number when the forward began
 
 
 @dataclass

@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from . import cpustats, fused
+from .modulehooks import ModuleHook, hookable, in_compiled_frame
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
@@ -58,6 +59,7 @@ class StepMachine(MonitorCallbacks):
         self._skip_streak = 0
         self._disabled = False
         self.suspended = False
+        self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)
         self._root = watch.model
         self._model_params = None
         self.writer = None
@@ -89,14 +91,14 @@ class StepMachine(MonitorCallbacks):
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
     # with the root's two hooks alone (the cheapest watch is the one that is not there).
     def sync_module_hooks(self) -> None:
-        want = self.st.sampled and not self._disabled
+        want = self.st.sampled and not self._disabled and not self.compiled
         if want and not self._mod_handles:
+            pre, post = ModuleHook(self.forward_pre, "pre"), ModuleHook(self.forward_post, "post")
             for mod in self.w.model.modules():
-                if mod is self._root:
+                if mod is self._root or not hookable(mod):
                     continue
-                self._mod_handles.append(mod.register_forward_pre_hook(self.forward_pre, with_kwargs=True))
-                self._mod_handles.append(mod.register_forward_hook(self.forward_post, with_kwargs=True,
-                                                                   always_call=True))
+                self._mod_handles.append(pre.register(mod))
+                self._mod_handles.append(post.register(mod))
         elif not want and self._mod_handles:
             self.remove_module_hooks()
 
@@ -107,7 +109,9 @@ class StepMachine(MonitorCallbacks):
 
     def finish_open_step(self) -> None:
         st = self.st
-        trained = st.ended or st.events or st.losses or st.micro or st.exception
+        # a zero_grad alone (nanoGPT's after scaler.update()) opens no step
+        trained = st.ended or any(e.kind != "zero_grad" for e in st.events) or st.losses or st.micro \
+            or st.exception
         if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
             self.finalize()
             self.st = self._new_step(st.step + 1)
@@ -143,17 +147,22 @@ class StepMachine(MonitorCallbacks):
 
     # -- module hooks --------------------------------------------------------------------------------
     def forward_pre(self, module, args, kwargs):
-        if self._disabled or self.suspended:
-            return None
+        if self._disabled or self.suspended or torch.compiler.is_compiling():
+            return None  # under torch.compile the hook compiles away: nothing of ampdoctor's enters the graph
         try:
-            return self._forward_pre(module, args, kwargs)
+            self._forward_pre(module, args, kwargs)
         except Exception as e:  # never break the user's model
             self._fail(e)
-            return None
+        return None  # the arguments are never replaced: the module sees the caller's own objects
 
     def _forward_pre(self, module, args, kwargs):
         st = self.st
         if module is self._root and not st.stack:
+            if not self.compiled and in_compiled_frame():
+                # torch.compile'd after the watch began: the other modules' hooks would be traced into the
+                # graph (and recompile it whenever they change); they come off for good
+                self.compiled = True
+                self.remove_module_hooks()
             self._begin()
             st = self.st
             if torch.is_grad_enabled():
@@ -163,7 +172,7 @@ class StepMachine(MonitorCallbacks):
                 st.autocast = autocast_str()
         if not st.sampled or len(st.calls) >= self.cfg.max_module_calls:
             st.stack.append(None)
-            return None
+            return
         name = self.w._names.get(id(module), "?")
         n = st.counts.get(name, 0)
         st.counts[name] = n + 1
@@ -177,22 +186,14 @@ class StepMachine(MonitorCallbacks):
         for t in tensors:
             if is_measurable(t):
                 self._row(c, "inp", t, light=True)
-        if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-            return self._wrap_inputs(c, args, kwargs)
-        return None
-
-    def _wrap_inputs(self, c: _Call, args, kwargs):
-        """Give the module a view of each input that requires grad, so the gradient flowing out of *this*
-        module (not the sum over all consumers) can be measured. Identical tensors get one view, so
-        identity checks such as MultiheadAttention's `query is key` behave as before."""
-        memo: dict[int, torch.Tensor] = {}
-        hook = self._grad_hook(c, "gin")
-        new_args = tuple(_view_of(a, memo, hook) for a in args)
-        new_kwargs = {k: _view_of(v, memo, hook) for k, v in kwargs.items()} if kwargs else kwargs
-        return new_args, new_kwargs
+        if grad and _SEQ_NR is not None:
+            ins = [t for t in tensors if t.requires_grad and is_measurable(t)]
+            if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)
+                c.grad_inputs = ins
+                c.seq0 = _SEQ_NR()
 
     def forward_post(self, module, args, kwargs, output):
-        if self._disabled or self.suspended:
+        if self._disabled or self.suspended or torch.compiler.is_compiling():
             return None
         try:
             self._forward_post(module, output)
@@ -205,11 +206,7 @@ class StepMachine(MonitorCallbacks):
         c = st.stack.pop() if st.stack else None
         exc = sys.exc_info()[1]
         if exc is not None and st.exception is None:
-            f, ln = tb_location(exc)
-            st.exception = {"module": tb_module(exc, self.w._names, self.w._names.get(id(module), "?")),
-                            "type": type(exc).__name__,
-                            "message": str(exc).split("\n")[0][:500], "file": f, "line": ln,
-                            "autocast": autocast_str()}
+            st.exception = self.exception_info(exc, self.w._names.get(id(module), "?"))
         if module is self._root and not st.stack and exc is None and torch.is_grad_enabled():
             loss = loss_of(output)
             if loss is not None and self.w.scaler is None:
@@ -222,13 +219,26 @@ class StepMachine(MonitorCallbacks):
                 sums = [t.sum(dtype=torch.float32 if t.dtype == torch.float16 else torch.float64).reshape(1)
                         for t in outs]
                 st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
-        if c is None or exc is not None:
+        if c is None:
             return
-        for t in flatten_tensors(output, []):
-            if is_measurable(t):
-                self._row(c, "out", t, light=False)
-                if t.requires_grad and c.grad_enabled:
-                    t.register_hook(self._grad_hook(c, "gout"))
+        ins, c.grad_inputs = c.grad_inputs, None
+        if exc is not None:
+            return
+        outs = [t for t in flatten_tensors(output, []) if is_measurable(t)]
+        for t in outs:
+            self._row(c, "out", t, light=False)
+            # a tensor hook on a leaf (a module that returns its own Parameter) would outlive the step
+            if t.requires_grad and c.grad_enabled and t.grad_fn is not None:
+                t.register_hook(self._grad_hook(c, "gout"))
+        if ins:
+            hook = self._grad_hook(c, "gin")
+            for node, idx in gradient_exits(outs, ins, c.seq0):
+                node.register_hook(_ExitHook(idx, hook))
+
+    def exception_info(self, exc: BaseException, default_module: str | None) -> dict:
+        f, ln = tb_location(exc)
+        return {"module": tb_module(exc, self.w._names, default_module), "type": type(exc).__name__,
+                "message": str(exc).split("\n")[0][:500], "file": f, "line": ln, "autocast": autocast_str()}
 
     def _row(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None) -> None:
         st = self.st
@@ -303,19 +313,55 @@ class StepMachine(MonitorCallbacks):
             self._fail(e)
 
 
-def _view_of(x, memo: dict, hook, depth: int = 0):
-    """x with each measurable tensor that requires grad replaced by a hooked view of it (see _wrap_inputs).
-    A plain function, not a closure calling itself: such a closure is a reference cycle, and its views (and
-    so the module's inputs) would stay alive until Python's cyclic GC ran (+250 MiB at GPT-2's peak)."""
-    if isinstance(x, torch.Tensor):
-        if not (x.requires_grad and is_measurable(x)):
-            return x
-        v = memo.get(id(x))
-        if v is None:
-            v = x.view_as(x)
-            v.register_hook(hook)
-            memo[id(x)] = v
-        return v
-    if depth < 2 and type(x) in (tuple, list):
-        return type(x)(_view_of(y, memo, hook, depth + 1) for y in x)
-    return x
+_SEQ_NR = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next autograd node's sequence number
+_NO_SEQ = (1 << 64) - 1  # AccumulateGrad nodes (leaves) carry the largest sequence number
+
+
+def gradient_exits(outputs: list, inputs: list, seq0: int) -> list[tuple[object, list[int]]]:
+    """The autograd nodes a module's forward created that hand a gradient straight to one of its inputs, each
+    with the positions of those inputs among the node's next functions.
+
+    The gradient flowing out of *this* module towards an input (not the sum over all the input's consumers)
+    is the node's output at those positions, read by a post-hook on the node. Nothing is added to the graph,
+    so autograd sums an input used several times in exactly the order it does without a watch (a hooked view
+    per input would reorder those sums and change the gradients' last bits). Only nodes created during the
+    module's forward (sequence number >= seq0) are walked."""
+    targets = {(id(t.grad_fn), t.output_nr) for t in inputs if t.grad_fn is not None}
+    leaves = {id(t) for t in inputs if t.grad_fn is None}
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: dict[int, object] = {}
+    exits = []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        sq = node._sequence_nr()
+        if sq < seq0 or sq == _NO_SEQ:
+            continue  # made before this module ran (an input's own node), or a leaf's accumulator
+        hit = []
+        for i, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if (id(nxt), nr) in targets or (leaves and type(nxt).__name__ == "AccumulateGrad"
+                                             and id(nxt.variable) in leaves):
+                hit.append(i)
+            elif id(nxt) not in seen:
+                stack.append(nxt)
+        if hit:
+            exits.append((node, hit))
+    return exits
+
+
+class _ExitHook:
+    """Node post-hook: measure the gradients a node hands to the module's inputs (see gradient_exits)."""
+    __slots__ = ("idx", "hook")
+
+    def __init__(self, idx: list[int], hook):
+        self.idx, self.hook = idx, hook
+
+    def __call__(self, grad_inputs, grad_outputs):
+        for i in self.idx:
+            if i < len(grad_inputs) and grad_inputs[i] is not None:
+                self.hook(grad_inputs[i])
+        return None

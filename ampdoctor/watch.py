@@ -6,6 +6,8 @@ come from the optimizer / GradScaler themselves; the user's loop needs no extra 
 """
 from __future__ import annotations
 
+import atexit
+import sys
 import weakref
 
 import torch
@@ -17,6 +19,7 @@ from .config import WatchConfig
 from .env import collect_env, deprecated_amp_in_use
 from .errors import WatchError
 from .integrations import deepspeed as _deepspeed
+from .modulehooks import ModuleHook, hookable
 from .monitor import ClipPatch, OptimizerPatch, ScalerPatch
 from .records import RunMeta
 from .stepstate import StepMachine
@@ -25,6 +28,22 @@ from .tensors import module_type
 __all__ = ["Watch", "watch"]
 
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, Watch]" = weakref.WeakKeyDictionary()
+_OPEN: "weakref.WeakSet[Watch]" = weakref.WeakSet()  # closed at interpreter exit (see _close_at_exit)
+
+
+def _close_at_exit() -> None:
+    """A script that ends without w.close() — or dies on an uncaught exception — still leaves its last step in
+    the run directory; the exception that ended the process is recorded on that step."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    for w in list(_OPEN):
+        try:
+            w._record_fatal(exc)
+            w.close()
+        except Exception:
+            pass
+
+
+atexit.register(_close_at_exit)
 
 
 def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None = None,
@@ -45,11 +64,15 @@ class Watch:
         if ds_engine is not None:
             model, optimizer = ds_engine.module, None  # its optimizer steps fp32 masters: the engine is watched
         # -- end DeepSpeed
+        wrapper = None
         if isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule":
-            model = model._orig_mod  # torch.compile's wrapper: hooks belong on the module it compiles
+            wrapper, model = model, model._orig_mod  # torch.compile's wrapper: the root's hooks go on it
         if not isinstance(model, nn.Module):
             raise WatchError(f"ampdoctor.watch expects a torch.nn.Module, got {type(model).__name__}; pass the "
                              "model itself (e.g. watch(model, optimizer=opt, scaler=scaler)).")
+        if not hookable(model):
+            raise WatchError(f"{type(model).__name__} is a TorchScript module, which takes no Python hooks; watch "
+                             "the Python model before torch.jit.script (scripted submodules are left unwatched).")
         if model in _WATCHED and not _WATCHED[model].closed:
             raise WatchError("this model is already watched by another ampdoctor.watch; close that one first "
                              "(w.close() or leave its `with` block).")
@@ -75,6 +98,8 @@ class Watch:
         names = {}
         for name, m in model.named_modules(remove_duplicate=False):
             names.setdefault(id(m), name)
+        if wrapper is not None:
+            names[id(wrapper)] = ""  # the compiled wrapper stands for the root
         self._names = names
         self.meta = self._build_meta()
         if ds_engine is not None:  # DeepSpeed: its optimizer, loss scaler and config (before the meta is written)
@@ -84,10 +109,17 @@ class Watch:
             from .report.tensorboard import TensorBoardSink
             sinks.append(TensorBoardSink(logdir=tensorboard_dir, writer=writer))
         self.machine = StepMachine(self, sinks)
-        self._install()
-        if ds_engine is not None:  # DeepSpeed: engine.backward / engine.step mark the steps
-            self._patches.append(_deepspeed.EnginePatch(ds_engine, self.machine))
+        self._wrapper = wrapper
+        try:
+            self._install()
+            if ds_engine is not None:  # DeepSpeed: engine.backward / engine.step mark the steps
+                self._patches.append(_deepspeed.EnginePatch(ds_engine, self.machine))
+        except Exception as e:  # leave nothing half-installed behind
+            self.close()
+            raise WatchError(f"ampdoctor.watch could not install its hooks ({type(e).__name__}: {e}); the model "
+                             "is left as it was.") from e
         _WATCHED[model] = self
+        _OPEN.add(self)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @property
@@ -119,6 +151,16 @@ class Watch:
             self.machine.close()
             if _WATCHED.get(self.model) is self:
                 del _WATCHED[self.model]
+            _OPEN.discard(self)
+
+    def _record_fatal(self, exc) -> None:
+        """The process is ending on `exc` (uncaught): mark the open step as the one that raised it."""
+        m = self.machine
+        if self._closed or m._disabled or not isinstance(exc, BaseException) or isinstance(exc, SystemExit):
+            return
+        if m.st.exception is None:
+            m.st.exception = m.exception_info(exc, None)
+        m.st.exception["fatal"] = True
 
     def __del__(self):  # pragma: no cover - best effort when a user forgets close()
         try:
@@ -210,9 +252,11 @@ class Watch:
 
     def _install(self) -> None:
         m = self.machine
-        root = self.model
-        self._handles.append(root.register_forward_pre_hook(m.forward_pre, with_kwargs=True))
-        self._handles.append(root.register_forward_hook(m.forward_post, with_kwargs=True, always_call=True))
+        m._root = root = self._wrapper if self._wrapper is not None else self.model
+        self._handles.append(ModuleHook(m.forward_pre, "pre", eager=True).register(root))
+        self._handles.append(ModuleHook(m.forward_post, "post", eager=True).register(root))
+        if self._wrapper is not None:
+            m.compiled = True  # the compiled graph carries no hooks of ampdoctor's (see modulehooks.py)
         m.sync_module_hooks()  # step 0 is sampled: the other modules' hooks go on now
         self._handles.append(_optim.register_optimizer_step_pre_hook(m.global_opt_pre))
         self._handles.append(_optim.register_optimizer_step_post_hook(m.global_opt_post))
