@@ -20,8 +20,11 @@ class WatchConfig:
     capture: bool = True
     """Write a capture of the first bad step's batch under run_dir/captures/ (needs run_dir)."""
 
-    max_captures: int = 2
-    """How many captures one run may write (the first forward failure, the first persistent skip)."""
+    max_captures: int = 3
+    """How many captures one run may write: at most one of each kind of bad step (the first forward failure, the
+    first skip after GradScaler's loss scale had settled, the first persistent run of skips); GradScaler's normal
+    early backoff writes none. Each capture holds the model's weights, so a run directory holds at most this
+    many copies of them."""
 
     update_sample: int = 256
     """Elements per low-precision parameter checked for updates that round away (w + Δw == w)."""

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "Producer", "StepRecord", "RunMeta",
-           "STAT_FIELDS", "DTYPE_LIMITS"]
+           "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK"]
 
 # Order of the numbers in a device-side stats vector (ampdoctor/stats.py) and in TensorStats.
 STAT_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "absmax", "min_nonzero", "near_max", "subnormal",
@@ -24,6 +24,11 @@ DTYPE_LIMITS = {
     "float32": (3.4028234663852886e38, 1.1754943508222875e-38, 2.0 ** 127),
     "float64": (1.7976931348623157e308, 2.2250738585072014e-308, 2.0 ** 1023),
 }
+
+BACKOFF_MAX_STREAK = 10
+"""A streak of this many skipped steps in a row is a collapse, never GradScaler's normal search for a loss scale:
+one definition for the recorder (which bad steps get a capture) and the rules (rules/steps.benign_backoff; the
+`loss_scale_collapse` rule's `collapse_consecutive` defaults to the same number)."""
 
 
 def _fromd(cls, d: dict):

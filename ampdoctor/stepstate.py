@@ -56,7 +56,9 @@ class StepMachine(MonitorCallbacks):
         self._detailed: list = []      # sampled records whose module details are kept in memory
         self._last_seq: tuple = ()     # the last routine call sequence (see storage.store)
         self._routine_count = 0        # routine steps stored so far (see storage.store)
-        self._skip_streak = 0
+        self._skip_streak = 0          # consecutive skipped steps with a finite forward (sync.capture_kind)
+        self._stepped = False          # an update has been applied (GradScaler's initial search is over)
+        self._prev_scale = None        # the loss scale of the step before
         self._disabled = False
         self.suspended = False
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)

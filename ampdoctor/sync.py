@@ -15,11 +15,11 @@ import torch
 from .autocapture import maybe_capture
 from .gradients import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
-from .records import ModuleCall, ParamStat, StepRecord, TensorStats
+from .records import BACKOFF_MAX_STREAK, ModuleCall, ParamStat, StepRecord, TensorStats
 from .stats import NSTAT, combine, vector_to_stats
 from .storage import store
 
-__all__ = ["presync", "resolve", "finalize", "found_inf_all"]
+__all__ = ["presync", "resolve", "finalize", "found_inf_all", "capture_kind"]
 
 
 class _Pending:
@@ -176,16 +176,33 @@ def resolve(m) -> None:
     if bad_fwd or bad_bwd:
         if not st.sampled:
             m._followup = max(m._followup, m.cfg.bad_step_followup)
-    # Capture a forward failure at once; a skipped step with a finite loss only when it persists (a few
-    # skipped steps while GradScaler searches for its scale are normal and not worth copying the weights for).
+    kind = capture_kind(m, bad_fwd, bad_bwd, scale)
+    if kind is not None and kind not in m._captured_kinds:
+        m._captured_kinds.add(kind)
+        maybe_capture(m, st)
+
+
+def capture_kind(m, bad_fwd: bool, bad_bwd: bool, scale) -> str | None:
+    """Which kind of bad step this is, for the capture budget (one capture of each kind), decided online.
+
+    GradScaler's normal search for a loss scale is not worth a capture: skipped steps with a finite forward
+    before the first applied update (a streak shorter than records.BACKOFF_MAX_STREAK),
+    or a single skip right after the scale grew (the scaler probing upwards). What is: a forward failure
+    (`forward`); a skip after the scale had settled (`backward`); skips that persist (`persistent`)."""
+    prev, m._prev_scale = m._prev_scale, scale
     m._skip_streak = m._skip_streak + 1 if (bad_bwd and not bad_fwd) else 0
-    if bad_fwd and "forward" not in m._captured_kinds:
-        m._captured_kinds.add("forward")
-        maybe_capture(m, st)
-    elif bad_bwd and not bad_fwd and "backward" not in m._captured_kinds and (
-            m.w.scaler is None or m._skip_streak >= 3):
-        m._captured_kinds.add("backward")
-        maybe_capture(m, st)
+    if bad_fwd:
+        return "forward"
+    if not bad_bwd:
+        m._stepped = True
+        return None
+    if m.w.scaler is None:
+        return "backward"  # without a scaler nothing explains a non-finite gradient
+    if not m._stepped:  # the initial search
+        return "persistent" if m._skip_streak >= BACKOFF_MAX_STREAK else None
+    if m._skip_streak == 1 and prev is not None and scale is not None and scale > prev:
+        return None  # the scale had just grown: the scaler probing
+    return "persistent" if m._skip_streak >= 3 else "backward"
 
 
 def _weights(module: str, w_bad: dict, m):

@@ -6,14 +6,11 @@ Pure functions of records; no import of anything above `records` (rules and anal
 """
 from __future__ import annotations
 
-from ..records import ModuleCall, StepRecord
+from ..records import BACKOFF_MAX_STREAK, ModuleCall, StepRecord
 
 __all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "absorbed_modules", "absorbed",
            "real_bad", "first_bad_step", "onset_step", "crash", "parents", "descendants"]
 
-BACKOFF_MAX_STREAK = 10
-"""A streak of this many skipped steps in a row is a collapse, never the scaler's normal search (the
-`loss_scale_collapse` rule's `collapse_consecutive` defaults to the same number)."""
 BACKOFF_MIN_SCALE = 1.0
 """Below this loss scale a skipped step is no longer the scaler searching: gradients overflow unscaled."""
 
