@@ -226,6 +226,7 @@ class StepRecord:
     events: list[CallEvent] = field(default_factory=list)
     exception: dict | None = None
     capture: str | None = None
+    internal_error: dict | None = None  # ampdoctor itself failed here and stopped watching (type, message)
 
     @property
     def forward_bad(self) -> bool:

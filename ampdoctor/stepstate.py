@@ -134,11 +134,21 @@ class StepMachine(MonitorCallbacks):
                 pass
 
     def _fail(self, e: BaseException) -> None:
-        """An error inside ampdoctor itself: switch ampdoctor off, keep the user's training running."""
-        if not self._disabled:
-            self._disabled = True
-            warnings.warn(f"ampdoctor disabled itself after an internal error ({type(e).__name__}: {e}); "
-                          "training continues unwatched. Please report this.", RuntimeWarning, stacklevel=3)
+        """An error inside ampdoctor itself: switch ampdoctor off, keep the user's training running, and leave a
+        record of the step where it happened, so that the report says so on its first line."""
+        if self._disabled:
+            return
+        self._disabled = True
+        self.remove_module_hooks()
+        warnings.warn(f"ampdoctor disabled itself after an internal error ({type(e).__name__}: {e}); "
+                      "training continues unwatched. Please report this.", RuntimeWarning, stacklevel=3)
+        try:
+            from .storage import store
+            st = self.st
+            store(self, StepRecord(step=st.step, exception=st.exception, internal_error={
+                "type": type(e).__name__, "message": str(e).split("\n")[0][:500]}))
+        except Exception:
+            pass
 
     def _event(self, kind: str, **kw) -> CallEvent:
         f, ln = caller_location(3)

@@ -21,9 +21,15 @@ def _where(f: Finding, rank: int | None = None) -> str:
 
 
 def verdict(findings: list[Finding], n_steps: int, crash: dict | None = None, *, rank: int | None = None,
-            benign: list[int] | None = None) -> str:
-    """One line: the crash first (it ended the run), then the most important warning or error; a run with no
-    recorded step is never called healthy."""
+            benign: list[int] | None = None, internal: dict | None = None) -> str:
+    """One line: ampdoctor's own failure first (what follows covers only the steps before it), then the crash
+    (it ended the run), then the most important warning or error; a run with no recorded step is never called
+    healthy."""
+    if internal is not None:
+        head = (f"ampdoctor stopped watching at step {internal['step']} after an internal error "
+                f"({internal['type']}: {internal['message']}); later steps were not recorded (please report this).")
+        rest = verdict(findings, n_steps, crash, rank=rank, benign=benign)
+        return f"{head} Before it: {rest}"
     top = next((f for f in findings if f.severity in ("error", "warning")), None)
     if crash is not None:
         at = f" in `{crash['module'] or '(root)'}`" if crash.get("module") is not None else ""
@@ -60,7 +66,9 @@ def summarize(meta: RunMeta, steps: list[StepRecord], findings: list[Finding], r
     bad = [r for r in steps if real_bad(r, benign, mods)]
     crash = crash_of(steps)
     errors = sum(f.severity == "error" for f in findings) + (crash is not None and not crash_covered(crash, findings))
-    return {"verdict": verdict(findings, len(steps), crash, benign=sorted(benign)), "steps": len(steps),
+    internal = next(({"step": r.step, **r.internal_error} for r in steps if r.internal_error), None)
+    return {"verdict": verdict(findings, len(steps), crash, benign=sorted(benign), internal=internal),
+            "steps": len(steps), "internal_error": internal,
             "bad_steps": len(bad), "skipped_steps": sum(r.skipped for r in steps),
             "first_bad_step": bad[0].step if bad else None, "benign_backoff_steps": sorted(benign),
             "crash": crash, "errors": errors,

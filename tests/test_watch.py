@@ -219,6 +219,28 @@ def test_internal_error_disables_with_one_warning_and_training_continues():
     assert len(msgs) == 1
 
 
+def test_an_internal_error_is_the_first_line_of_the_report(tmp_path):
+    """The watch turning itself off is never silent: the run dir keeps the step where it happened and the
+    report's verdict begins with it."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = ampdoctor.watch(m, optimizer=opt, every=1, run_dir=tmp_path)
+    for step in range(4):
+        if step == 2:
+            def boom(*a, **k):
+                raise RuntimeError("synthetic")
+            w.machine._row = boom
+        opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()
+    w.close()
+    for rep in (w.report(), ampdoctor.diagnose(tmp_path)):
+        assert rep.summary["verdict"].startswith("ampdoctor stopped watching at step 2 after an internal error"), \
+            rep.summary["verdict"]
+
+
 def test_inference_mode_and_eval_only_watch():
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     with warnings.catch_warnings():
