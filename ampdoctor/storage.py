@@ -1,53 +1,151 @@
-"""Where finished StepRecords go: memory (`Watch.steps`) and the run directory, with long runs kept bounded."""
+"""Where finished StepRecords go: the run directory and `Watch.steps` (a `StepStore`), with long runs bounded.
+
+Every step is kept and counted: its loss, scale, skipped flag, finiteness checks (the trip-wire), gradient
+norm and producers are written to the run directory and stay in `Watch.steps`, for any number of steps. What is
+thinned is detail only:
+
+- routine steps (not sampled, not bad, the usual call sequence) keep no call events (they repeat the last ones);
+- per-module and per-parameter statistics (`modules`, `params`) of sampled steps are kept for the first
+  1,000 sampled steps, then for 1 in 10 up to 10,000, 1 in 100 up to 100,000 and 1 in 1,000 after that —
+  always for step 0, bad steps, steps with a capture and the 8 steps after a bad one.
+
+`StepStore` holds the newest records in memory and spills older ones to an unnamed temporary file (one JSON
+line each, plus an 8-byte offset), so a watch's memory stays flat in the number of steps.
+"""
 from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from array import array
+from collections.abc import Sequence
 
 from .records import StepRecord
 
-__all__ = ["store", "MEMORY_STEPS", "KEEP_DETAILED"]
+__all__ = ["store", "StepStore", "keeps_detail", "MEMORY_STEPS", "FULL_DETAIL_STEPS", "FOLLOWUP_STEPS"]
+
+MEMORY_STEPS = 256          # newest records held in memory; older ones live in the spill file
+FULL_DETAIL_STEPS = 1000    # sampled steps that all keep their module/parameter statistics
+FOLLOWUP_STEPS = 8          # steps after a bad one that keep their detail
 
 
-# Long runs stay bounded: routine steps (not sampled, not bad, the usual call sequence) keep no call events,
-# are written with a growing stride past 10k steps, and are thinned in memory past MEMORY_STEPS records.
-# Sampled and bad steps are always kept; module details of old sampled steps live on disk only.
-MEMORY_STEPS = 4096
-KEEP_DETAILED = 32
+def _stride(sampled_seen: int) -> int:
+    if sampled_seen < FULL_DETAIL_STEPS:
+        return 1
+    return 10 if sampled_seen < 10_000 else 100 if sampled_seen < 100_000 else 1000
 
 
-def _routine(m, rec: StepRecord) -> bool:
-    if rec.sampled or rec.bad or rec.capture:
-        return False
-    seq = tuple(e.kind for e in rec.events)
-    if any(e.error or e.scaled for e in rec.events) or seq != m._last_seq:
-        m._last_seq = seq
-        return False
-    return True
+def keeps_detail(sampled_seen: int, since_bad: int | None, rec: StepRecord) -> bool:
+    """Whether a record keeps its per-module/per-parameter statistics (the thinning rule in the docstring)."""
+    if rec.step == 0 or rec.bad or rec.capture:
+        return True
+    if since_bad is not None and since_bad <= FOLLOWUP_STEPS:
+        return True
+    return sampled_seen % _stride(sampled_seen) == 0
+
+
+def _slim(rec: StepRecord) -> StepRecord:
+    return dataclasses.replace(rec, modules=[], params=[]) if (rec.modules or rec.params) else rec
+
+
+class StepStore(Sequence):
+    """A sequence of StepRecords: the newest `hot` in memory, the rest in a spill file read back on access."""
+
+    def __init__(self, initial=(), hot: int = MEMORY_STEPS):
+        self._hot: list[StepRecord] = []
+        self._slim: list[bool] = []          # per hot record: spill it without detail
+        self._hot_max = max(int(hot), 1)
+        self._offsets = array("q")
+        self._spill = None
+        self._sampled = 0                    # sampled records seen (for the detail stride)
+        self._since_bad: int | None = None   # steps since the last bad one
+        self._last_seq: tuple = ()
+        self.routine = 0                     # routine steps stored
+        for r in initial:
+            self.add(r)
+
+    # ---------------------------------------------------------------------------------------------- writing
+    def routine_step(self, rec: StepRecord) -> bool:
+        """A step with nothing to tell: not sampled or bad, no capture, the same call sequence as before."""
+        if rec.sampled or rec.bad or rec.capture:
+            return False
+        seq = tuple(e.kind for e in rec.events)
+        if any(e.error or e.scaled for e in rec.events) or seq != self._last_seq:
+            self._last_seq = seq
+            return False
+        return True
+
+    def add(self, rec: StepRecord, writer=None) -> None:
+        """Keep `rec` (events dropped when routine), write it (thinned) to `writer`, spill old records."""
+        if self.routine_step(rec):
+            rec.events = []
+            self.routine += 1
+        self._since_bad = 0 if rec.bad else (None if self._since_bad is None else self._since_bad + 1)
+        keep = True
+        if rec.modules or rec.params:
+            keep = keeps_detail(self._sampled, self._since_bad, rec)
+            self._sampled += bool(rec.sampled)
+        if writer is not None:
+            writer.append(rec if keep else _slim(rec))
+        self._hot.append(rec)
+        self._slim.append(not keep)
+        if len(self._hot) > self._hot_max:
+            self._spill_oldest(max(self._hot_max // 4, 1))
+
+    append = add
+
+    def _spill_oldest(self, n: int) -> None:
+        if self._spill is None:
+            self._spill = tempfile.TemporaryFile(prefix="ampdoctor-steps-")
+        f = self._spill
+        f.seek(0, 2)
+        for rec, slim in zip(self._hot[:n], self._slim[:n]):
+            self._offsets.append(f.tell())
+            f.write(json.dumps((_slim(rec) if slim else rec).to_dict(), separators=(",", ":")).encode() + b"\n")
+        del self._hot[:n], self._slim[:n]
+
+    # ---------------------------------------------------------------------------------------------- reading
+    def __len__(self) -> int:
+        return len(self._offsets) + len(self._hot)
+
+    def _read(self, i: int) -> StepRecord:
+        f = self._spill
+        f.seek(self._offsets[i])
+        return StepRecord.from_dict(json.loads(f.readline()))
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("step record index out of range")
+        k = len(self._offsets)
+        return self._read(i) if i < k else self._hot[i - k]
+
+    def __iter__(self):
+        k, pos = len(self._offsets), 0
+        for _ in range(k):   # seek each time: another reader of the same store may have moved the file
+            f = self._spill
+            f.seek(pos)
+            line = f.readline()
+            pos = f.tell()
+            yield StepRecord.from_dict(json.loads(line))
+        yield from list(self._hot[: len(self) - k])
+
+    def __repr__(self) -> str:
+        return f"StepStore({len(self)} records, {len(self._hot)} in memory)"
+
+    def close(self) -> None:
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
+            self._offsets = array("q")
 
 
 def store(m, rec: StepRecord) -> None:
-    routine = _routine(m, rec)
-    if routine:
-        rec.events = []
-    m._routine_count += routine
-    n = m._routine_count
-    stride = 1 if n < 10_000 else 10 if n < 100_000 else 100
-    if m.writer is not None and (not routine or n % stride == 0):
-        m.writer.append(rec)
-    m.records.append(rec)
-    if rec.sampled:
-        m._detailed.append(rec)
-        if len(m._detailed) > KEEP_DETAILED:
-            old = m._detailed.pop(0)
-            if not old.bad:
-                old.modules = []
-    if len(m.records) > MEMORY_STEPS:
-        half = len(m.records) // 2
-        head, tail = m.records[:half], m.records[half:]
-        keep, drop = [], True
-        for r in head:
-            if r.sampled or r.bad or r.capture or r.events or r.step == 0:
-                keep.append(r)
-            else:
-                drop = not drop
-                if not drop:
-                    keep.append(r)
-        m.records[:] = keep + tail
+    """Store a finished step of machine `m`: into `m.records` (a StepStore) and its run-directory writer."""
+    if not isinstance(m.records, StepStore):   # a machine that started with a plain list
+        m.records = StepStore(m.records)
+    m.records.add(rec, m.writer)
