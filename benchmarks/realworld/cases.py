@@ -4,6 +4,7 @@ findings. Expected steps that depend on the run (the first bad step, the first a
 unwatched run of the same case (`gt`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -137,10 +138,14 @@ def injected_cases() -> list[Case]:
         k = _benign_skips("gpt2", size, dev) + 2
         return {"init_scale": 2.0 ** 20, "checkpointing": True,
                 "inject": loops.spike(SPECS["gpt2"].spike, k, hf_probe("gpt2", size))}
-    cases.append(Case("gpt2/backoff+spike", "gpt2", "float16", kind="injected", options=benign_then_spike,
-                      iters={"tiny": 10, "small": 30},
-                      expect=lambda gt, info: [[Expect(("overflow",), info["module"], LINEAR_OPS, (info["step"],))]],
-                      extra=_capture_at_step, note="init_scale 2**20 + gradient checkpointing"))
+    for ckpt in (True, False):
+        cases.append(Case("gpt2/backoff+spike" + ("" if ckpt else ",no-ckpt"), "gpt2", "float16", kind="injected",
+                          options=lambda size, dev, ckpt=ckpt: dict(benign_then_spike(size, dev), checkpointing=ckpt),
+                          iters={"tiny": 10, "small": 30},
+                          expect=lambda gt, info: [[Expect(("overflow",), info["module"], LINEAR_OPS,
+                                                           (info["step"],))]],
+                          extra=_capture_at_step,
+                          note="init_scale 2**20" + (" + gradient checkpointing" if ckpt else "")))
     # (g) one layer's weights grow 15% per step (issue 15): headroom_trend >= 10 steps before the first inf
     cases.append(Case("nanogpt/grow15%", "nanogpt", "float16", kind="injected", needs_bad_step=True,
                       iters={"tiny": 40, "small": 40},
@@ -171,4 +176,8 @@ def _capture_at_step(rep, gt, info):
 
 
 def all_cases(compile_models=("nanogpt",)) -> list[Case]:
-    return healthy_cases(compile_models) + injected_cases()
+    inj = injected_cases()
+    # one failure through torch.compile too, for each compiled model (a user's compile=True run)
+    comp = [dataclasses.replace(c, compiled=True) for c in inj if c.name.endswith("/spike@3") and
+            c.model in compile_models]
+    return healthy_cases(compile_models) + inj + comp

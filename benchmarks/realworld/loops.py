@@ -19,8 +19,8 @@ def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=Fal
     torch.manual_seed(seed)
     model = spec.build(size).to(device)
     model.train()
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    if checkpointing:  # transformers 5.x renamed it; older releases only have gradient_checkpointing_enable
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr if lr is None else lr)
     fp16 = dtype == "float16"
     scaler = torch.amp.GradScaler(device, init_scale=init_scale) if fp16 else None

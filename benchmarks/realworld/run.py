@@ -25,9 +25,11 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.realworld` im
     sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _select(cases, wanted, dtypes, kinds):
+def _select(cases, wanted, dtypes, kinds, compiled="both"):
     out = []
     for c in cases:
+        if compiled != "both" and c.compiled != (compiled == "yes"):
+            continue
         if dtypes and c.dtype not in dtypes:
             continue
         if kinds and c.kind not in kinds:
@@ -36,6 +38,18 @@ def _select(cases, wanted, dtypes, kinds):
             continue
         out.append(c)
     return out
+
+
+def _commit(root):
+    """The commit of the ampdoctor measured: a COMMIT file beside a snapshot (git archive), else git describe."""
+    if os.path.exists(os.path.join(root, "COMMIT")):
+        return open(os.path.join(root, "COMMIT")).read().strip() + " (snapshot)"
+    try:
+        import subprocess
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                              cwd=root, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def table(results) -> str:
@@ -70,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="nanogpt",
                    help="models whose healthy runs are also compiled: comma list, 'all' or 'none' (default nanogpt)")
     p.add_argument("--no-compile", action="store_true", help="same as --compile none")
+    p.add_argument("--compiled", default="both", choices=["both", "yes", "no"],
+                   help="run only the compiled (yes) or only the eager (no) cases")
     p.add_argument("--quick", action="store_true", help="half the iterations")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
     p.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
@@ -86,7 +102,7 @@ def main(argv=None) -> int:
 
     comp = () if a.no_compile or a.compile == "none" else (C.MODELS if a.compile == "all" else
                                                           tuple(x for x in a.compile.split(",") if x))
-    sel = _select(C.all_cases(comp), a.cases, a.dtype, a.kind)
+    sel = _select(C.all_cases(comp), a.cases, a.dtype, a.kind, a.compiled)
     # eager healthy first, then the injected failures, compiled runs last (the slow ones)
     sel.sort(key=lambda c: (c.compiled, c.kind != "healthy"))
     if a.list:
@@ -109,14 +125,9 @@ def main(argv=None) -> int:
         env["transformers"] = transformers.__version__
     except ImportError:
         env["transformers"] = None
-    try:
-        import subprocess
-        env["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        env["git"] = None
     import ampdoctor
-    env["ampdoctor"] = os.path.dirname(ampdoctor.__file__)
+    env["ampdoctor"] = root = os.path.dirname(os.path.dirname(os.path.abspath(ampdoctor.__file__)))
+    env["git"] = _commit(root)
     results, t0 = [], time.perf_counter()
     for i, c in enumerate(sel):
         tag = f"{c.name} {c.dtype} {'compiled' if c.compiled else 'eager'}"
