@@ -195,8 +195,9 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
         found.append(Finding(
             "precision_loss", "warning", "forward", s["module"], None, step,
             f"{_where(s['module'])} in {dtype} is {s['rel_err']:.3g} away from fp32 (relative) although its inputs were "
-            f"within {s['in_rel_err'] or 0.0:.2g}" + (f"; {s['rel_err'] / max(s['median'], 1e-12):.0f}× the median "
-                                                      "module" if s["rel_err"] >= 2 * s["median"] else "") +
+            f"within {s['in_rel_err'] or 0.0:.2g}" + (f"; {s['rel_err'] / s['median']:.0f}× the median module"
+                                                      if s["median"] > 1e-9 and s["rel_err"] >= 2 * s["median"]
+                                                      else "") +
             " (e.g. large positions or timesteps rounded in low precision)",
             "run this module in fp32 (autocast off) or use bf16 / a more stable formulation:\n"
             + fp32_snippet(s["module"], device),

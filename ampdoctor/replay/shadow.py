@@ -173,6 +173,7 @@ def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e
     fin = [r for r in rows if math.isfinite(r["rel_err"]) and math.isfinite(r["in_rel_err"] or 0.0)]
     if len(fin) < 3:
         return []
+    fin = [r for i, r in enumerate(fin) if not _carried_from_inside(r, fin[:i])]
     own = {id(r): max(r["rel_err"] - (r["in_rel_err"] or 0.0), 0.0) for r in fin}
     med = statistics.median(own.values())
     hits = [r for r in fin if r["rel_err"] > floor and r["rel_err"] > factor * (r["in_rel_err"] or 0.0)
@@ -180,6 +181,16 @@ def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e
     names = {r["module"] for r in hits}
     return [dict(r, median=med) for r in hits
             if not any(o != r["module"] and (r["module"] == "" or o.startswith(r["module"] + ".")) for o in names)]
+
+
+def _carried_from_inside(row: dict, before: list[dict]) -> bool:
+    """The module's output error is (up to 2×) the error of the last of its own submodules to finish before it
+    (rows are in completion order: children first): a parent — the root above all — whose error was made inside
+    it, by submodules that each only added a little, is not where precision was lost."""
+    name = row["module"]
+    last = next((r for r in reversed(before) if r["module"] != name and
+                 (name == "" or r["module"].startswith(name + "."))), None)
+    return last is not None and row["rel_err"] <= 2.0 * last["rel_err"]
 
 
 def whatif(model32, args, kwargs, *, device, rng, loss_fn, ref: Recorder, scale=None) -> dict:
