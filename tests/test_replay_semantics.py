@@ -145,26 +145,31 @@ def test_backward_inf_at_every_scale_stays_an_error(tmp_path):
     assert f.op == "aten::div" and f.evidence["autograd_node"] == "SqrtBackward0"
 
 
-def test_watch_capture_of_early_backoff_replays_as_info(tmp_path):
-    """The issue's scenario: a real GradScaler loop; the watch writes a capture of a skipped first step; its
-    replay says the scaler's normal search, not an error."""
+def test_capture_of_a_real_early_backoff_replays_as_info(tmp_path):
+    """The issue's scenario: a real GradScaler loop whose first steps are skipped (the scaler's search) and then
+    recovers; a capture of the first skipped step (its batch, weights and scaler state, as a watch writes it)
+    replays as the scaler's normal search, not as an error."""
     torch.manual_seed(0)
     m = BigGrad()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu")
-    w = ampdoctor.watch(m, optimizer=opt, scaler=scaler, run_dir=str(tmp_path / "run"), every=1)
-    for _ in range(6):
+    x = torch.ones(2, 4)
+    cap = write_capture(tmp_path / "c", m, (x,), {}, autocast=AC, scaler_state=scaler.state_dict(), step=0)
+    skipped = []
+    for _ in range(12):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = m(torch.ones(2, 4))
+            loss = m(x)
         scaler.scale(loss).backward()
+        before = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
-    w.close()
-    caps = sorted((tmp_path / "run" / "captures").iterdir())
-    assert caps
-    rep = replay(str(caps[0]), model=m, whatif=False)
+        skipped.append(scaler.get_scale() < before)
+    assert skipped[0] and not skipped[-1]                 # skipped at first, then a scale that works
+    rep = replay(cap, model=m, whatif=False)
     assert not _problems(rep), _problems(rep)
+    ss = rep.data["replay"]["scaler_search"]
+    assert ss["backoffs"] == sum(skipped) and ss["finite_at"] == scaler.get_scale()   # what GradScaler found
 
 
 # ------------------------------------------------------------------------------------------ 13.9 replay_error
