@@ -35,12 +35,14 @@ def maybe_capture(m, st) -> None:
         k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else -1  # else the last micro-batch
         args, kwargs, rng = st.batches[k]
         m.suspended = True
+        hr_on, m.hr.on = m.hr.on, False  # the capture's own forward is not the step's
         try:
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
                                        step=st.step)
         finally:
             m.suspended = False
+            m.hr.on = hr_on
     except Exception as e:  # a capture must never break training
         warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=4)

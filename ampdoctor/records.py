@@ -227,6 +227,19 @@ class StepRecord:
     exception: dict | None = None
     capture: str | None = None
     internal_error: dict | None = None  # ampdoctor itself failed here and stopped watching (type, message)
+    headroom: dict | None = None
+    """Every step, every module (ampdoctor/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
+    lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it
+    (scaled, as autograd saw it), 3 significant digits, Infinity/NaN when not finite, null when not measured;
+    `dtype` one character per module (h float16, b bfloat16, f float32, d float64, - none)."""
+
+    def headroom_of(self, slot: int) -> tuple[float | None, float | None, str]:
+        """(forward abs-max, backward abs-max, dtype code) of the module at `slot` in RunMeta.modules."""
+        h = self.headroom
+        if not h or slot >= len(h.get("fwd") or ()):
+            return None, None, "-"
+        dt = h.get("dtype") or ""
+        return h["fwd"][slot], (h.get("bwd") or [None] * (slot + 1))[slot], dt[slot] if slot < len(dt) else "-"
 
     @property
     def forward_bad(self) -> bool:

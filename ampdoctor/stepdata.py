@@ -58,4 +58,5 @@ class _Step:
     pending: object = None
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
+    headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/headroom.py)
     late: object = None  # values queued after presync (sync.found_inf_all), read at finalize

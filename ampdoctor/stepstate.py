@@ -20,6 +20,7 @@ from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
 from .stepdata import _Call, _Step
 from .gradients import update_check_post, update_check_pre
+from .headroom import Headroom, HeadroomHook, _GradTap
 from .sync import finalize, presync
 from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
 from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
@@ -44,6 +45,13 @@ class StepMachine(MonitorCallbacks):
         self._captures = 0
         self._captured_kinds: set[str] = set()
         self._mod_handles: list = []
+        # always-on headroom (ampdoctor/headroom.py): one slot per module, in RunMeta.modules order
+        mods = [m for _, m in watch.model.named_modules()]
+        self.slot_of = {id(m): i for i, m in enumerate(mods)}
+        self.slot_of_name = {n: i for i, (n, _) in enumerate(watch.model.named_modules())}
+        self.hr = Headroom(len(mods))
+        self._root_tap = _GradTap(self.hr, 0)
+        self._hr_handles: list = []
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
@@ -81,6 +89,8 @@ class StepMachine(MonitorCallbacks):
         sampled = step % every == 0 or self._followup > 0
         if self._followup > 0:
             self._followup -= 1
+        self.hr.reset()
+        self.hr.on = not sampled and not self._disabled  # sampled steps: the full statistics give the series
         return _Step(step=step, sampled=sampled)
 
     def _begin(self) -> None:
@@ -108,6 +118,21 @@ class StepMachine(MonitorCallbacks):
         for h in self._mod_handles:
             h.remove()
         self._mod_handles = []
+
+    def install_headroom_hooks(self) -> None:
+        """The always-on headroom hooks: one forward post-hook per module below the root, for the watch's life
+        (none on a compiled model: the root's eager hooks record the root's headroom)."""
+        if self.compiled or self._disabled or self._hr_handles:
+            return
+        for mod in self.w.model.modules():
+            if mod is self._root or mod is self.w.model or not hookable(mod):
+                continue
+            self._hr_handles.append(HeadroomHook(self.hr, self.slot_of[id(mod)], self._fail).register(mod))
+
+    def remove_headroom_hooks(self) -> None:
+        for h in self._hr_handles:
+            h.remove()
+        self._hr_handles = []
 
     def finish_open_step(self) -> None:
         st = self.st
@@ -139,7 +164,9 @@ class StepMachine(MonitorCallbacks):
         if self._disabled:
             return
         self._disabled = True
+        self.hr.on = False
         self.remove_module_hooks()
+        self.remove_headroom_hooks()
         warnings.warn(f"ampdoctor disabled itself after an internal error ({type(e).__name__}: {e}); "
                       "training continues unwatched. Please report this.", RuntimeWarning, stacklevel=3)
         try:
@@ -175,6 +202,7 @@ class StepMachine(MonitorCallbacks):
                 # graph (and recompile it whenever they change); they come off for good
                 self.compiled = True
                 self.remove_module_hooks()
+                self.remove_headroom_hooks()
             self._begin()
             st = self.st
             if torch.is_grad_enabled():
@@ -231,6 +259,8 @@ class StepMachine(MonitorCallbacks):
                 sums = [t.sum(dtype=torch.float32 if t.dtype == torch.float16 else torch.float64).reshape(1)
                         for t in outs]
                 st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
+        if module is self._root and self.hr.on and exc is None:
+            self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
         if c is None:
             return
         ins, c.grad_inputs = c.grad_inputs, None

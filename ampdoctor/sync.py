@@ -13,6 +13,7 @@ import math
 import torch
 
 from .autocapture import maybe_capture
+from .headroom import from_calls
 from .gradients import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
 from .records import BACKOFF_MAX_STREAK, ModuleCall, ParamStat, StepRecord, TensorStats
@@ -117,6 +118,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         for dev, idx in by_dev.items():
             parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
         st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
+    parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/headroom.py)
     asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
     st.pending = (_Pending(parts, asynchronous), via_scaler, grads_scaled)
     if not asynchronous:
@@ -138,6 +140,7 @@ def resolve(m) -> None:
             for k, i in enumerate(idx):
                 rows[i] = vals[k * NSTAT:(k + 1) * NSTAT]
     st.vecs = []  # release device memory
+    st.headroom = m.hr.host_series(host)
     for j, ev in enumerate(st.events):
         if f"clip{j}" in host:
             ev.detail["total_norm"] = host[f"clip{j}"][0]
@@ -274,7 +277,8 @@ def finalize(m) -> None:
                      skipped=bool(found_inf and found_inf > 0), grad_finite=s["grad_finite"], grad_norm=gnorm,
                      micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
-                     exception=st.exception, capture=st.capture, output_finite=st.output_finite)
+                     exception=st.exception, capture=st.capture, output_finite=st.output_finite,
+                     headroom=from_calls(calls, m.slot_of_name, m.hr.n) if st.sampled else st.headroom)
     if s.get("grads_scaled"):
         rec.events and rec.events[-1].detail.setdefault("grads_scaled", True)
     for sink in m.sinks:  # sinks see the full record; storage keeps a slim one for routine steps

@@ -141,6 +141,7 @@ class Watch:
             self.machine.finish()
         finally:
             self.machine.remove_module_hooks()
+            self.machine.remove_headroom_hooks()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -258,6 +259,7 @@ class Watch:
         if self._wrapper is not None:
             m.compiled = True  # the compiled graph carries no hooks of ampdoctor's (see modulehooks.py)
         m.sync_module_hooks()  # step 0 is sampled: the other modules' hooks go on now
+        m.install_headroom_hooks()  # every step, every module: abs-max forward and backward (headroom.py)
         self._handles.append(_optim.register_optimizer_step_pre_hook(m.global_opt_pre))
         self._handles.append(_optim.register_optimizer_step_post_hook(m.global_opt_post))
         if self.optimizer is not None:

@@ -48,6 +48,12 @@ class RuleConfig:
     """update_spike: one update multiplied a weight's L2 norm by at least this (healthy updates change it by %)."""
     spike_window_factor: float = 10.0
     """update_spike: the updates between two sampled steps multiplied it by at least this."""
+    headroom_max_bits: float = 8.0
+    """headroom_trend: warn only when a layer has at most this many bits left (fp16: abs-max >= 256)."""
+    headroom_min_rate: float = 0.03
+    """headroom_trend: ... and its headroom falls at least this many bits per step (a steady trend)."""
+    headroom_horizon: int = 300
+    """headroom_trend: ... and the forecast overflow is at most this many steps away."""
     only: tuple[str, ...] | None = None
     """Run only these rule ids."""
 
@@ -90,3 +96,4 @@ def run_rules(run: RunData, config: RuleConfig | None = None) -> list[Finding]:
 
 from . import origins, numeric, scaler, weights, updates, envrules  # noqa: E402,F401  (registration)
 from . import deepspeed  # noqa: E402,F401  (DeepSpeed runs: rules/deepspeed.py)
+from . import headroom  # noqa: E402,F401  (headroom_trend: rules/headroom.py)

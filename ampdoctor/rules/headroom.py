@@ -1,0 +1,175 @@
+"""headroom_trend: an early warning from the always-on headroom series (StepRecord.headroom, every step).
+
+Per module and phase, headroom bits = log2(dtype max / abs-max) over the steps. A robust trend — the median of
+lagged slopes over the last `window` points (a Theil–Sen estimate on half-window pairs) that must also be
+steady (most of those slopes negative) — and a forecast of the step at which the headroom reaches zero. The
+rule warns the first time a layer is close (`max_bits`), falling (`min_rate` bits/step) and forecast to overflow
+within `horizon` steps, while there is still time to act.
+
+Silent by construction on:
+- values that never meet a low-precision op: only fp16/bf16 outputs (and the gradients into them) are read; an
+  fp32 residual stream that only reaches LayerNorm in fp32 is not at risk;
+- activations that grow and settle early in training: far from the max, and a settled series has no steady
+  negative slope;
+- gradients scaled by a GradScaler: judged unscaled (the scaler's own growth and backoff are its job).
+
+One finding per chain, at the producer: a parent passing on its child's value is dropped for the child, and
+of the layers falling at the same rate the first in forward order (the one the others take their input from)
+is named; the layer forecast to overflow first is given in the evidence.
+"""
+from __future__ import annotations
+
+import math
+
+from ..findings import Finding
+from ..records import DTYPE_LIMITS
+from . import RuleConfig, RunData, register
+from .origins import AUTOCAST_OFF, autocast_device
+
+__all__ = ["headroom_trend", "trend", "series"]
+
+WINDOW = 12          # points in the trend window
+MIN_RATE = 0.03      # bits/step: slower declines are drift, not a trend
+MAX_BITS = 8.0       # warn only this close to the max (fp16: abs-max >= 256)
+HORIZON = 300        # ... and when the forecast overflow is this many steps away at most
+STEADY = 0.75        # share of the window's slopes that must be negative
+_MAX = {"h": DTYPE_LIMITS["float16"][0], "b": DTYPE_LIMITS["bfloat16"][0]}
+_NAME = {"h": "float16", "b": "bfloat16"}
+
+
+def series(run: RunData, slot: int, phase: str) -> list[tuple[int, float, str]]:
+    """(step, headroom bits, dtype code) of one module's low-precision values, up to the first non-finite one
+    (the overflow itself ends the series). Backward values are unscaled by the step's loss scale."""
+    out = []
+    key = "fwd" if phase == "forward" else "bwd"
+    for r in run.steps:
+        h = r.headroom
+        if not h or slot >= len(h.get(key) or ()):
+            continue
+        dt = (h.get("dtype") or "")[slot:slot + 1]
+        v = h[key][slot]
+        if dt not in _MAX or v is None:
+            continue
+        if not math.isfinite(v):
+            break
+        if phase == "backward" and run.has_scaler and r.scale:
+            v = v / r.scale
+        if v > 0:
+            out.append((r.step, math.log2(_MAX[dt] / v), dt))
+    return out
+
+
+def trend(pts: list[tuple[int, float, str]], k: int, window: int = WINDOW) -> tuple[float, float] | None:
+    """(slope in bits/step, share of negative pair slopes) over the `window` points ending at index k."""
+    if k + 1 < window:
+        return None
+    w = pts[k + 1 - window:k + 1]
+    half = window // 2
+    slopes = sorted((w[j + half][1] - w[j][1]) / max(w[j + half][0] - w[j][0], 1) for j in range(half))
+    mid = len(slopes) // 2
+    slope = slopes[mid] if len(slopes) % 2 else 0.5 * (slopes[mid - 1] + slopes[mid])
+    return slope, sum(1 for s in slopes if s < 0) / len(slopes)
+
+
+def _first_warning(pts, cfg: RuleConfig):
+    """The first point where the series is close, falling steadily and forecast to reach zero in time."""
+    for k in range(len(pts)):
+        bits = pts[k][1]
+        if bits > cfg.headroom_max_bits:
+            continue
+        t = trend(pts, k)
+        if t is None:
+            continue
+        slope, steady = t
+        if slope > -cfg.headroom_min_rate or steady < STEADY:
+            continue
+        left = max(bits, 0.0) / -slope
+        if left <= cfg.headroom_horizon:
+            return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
+                    "dtype": pts[k][2]}
+    return None
+
+
+def _rate_at(pts, step: int) -> float | None:
+    """The series' steady slope at `step` (None when it is not falling steadily there)."""
+    idx = [i for i, p in enumerate(pts) if p[0] <= step]
+    if not idx:
+        return None
+    t = trend(pts, idx[-1])
+    if t is None or t[1] < STEADY or t[0] > -MIN_RATE:
+        return None
+    return t[0]
+
+
+def _bits_at(pts, step: int) -> float:
+    cur = [p[1] for p in pts if p[0] <= step]
+    return cur[-1] if cur else math.inf
+
+
+def _order(run: RunData) -> dict[str, int]:
+    """Forward call order of the modules (from the first step with full statistics), else RunMeta order."""
+    order = {m[0]: i for i, m in enumerate(run.meta.modules)}
+    rec = next((r for r in run.steps if r.modules), None)
+    if rec is not None:
+        first: dict[str, int] = {}
+        for c in rec.modules:
+            first.setdefault(c.module, c.seq)
+        base = len(order)
+        order = {n: first.get(n, base + i) for n, i in order.items()}
+    return order
+
+
+def _inside(child: str, parent: str) -> bool:
+    return parent == "" and child != "" or child.startswith(parent + ".")
+
+
+@register("headroom_trend", emits=("headroom_trend",))
+def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    mods = run.meta.modules
+    if not mods or not any(r.headroom for r in run.steps):
+        return []
+    order = _order(run)
+    out: list[Finding] = []
+    for phase in ("forward", "backward"):
+        pts = {i: series(run, i, phase) for i in range(len(mods))}
+        warn = {i: w for i, p in pts.items() if (w := _first_warning(p, cfg)) is not None}
+        # a parent whose child warns too only passes the child's value on
+        warn = {i: w for i, w in warn.items()
+                if not any(j != i and _inside(mods[j][0], mods[i][0]) for j in warn)}
+        named: set[int] = set()
+        for i, w in sorted(warn.items(), key=lambda kv: (kv[1]["step"], order.get(mods[kv[0]][0], 0))):
+            if i in named:
+                continue
+            # the producer: of the layers falling at about this rate at this step, the first in forward order
+            # that is not an ancestor of another such layer
+            chain = [j for j, p in pts.items() if j not in named and not _inside(mods[i][0], mods[j][0])
+                     and (r := _rate_at(p, w["step"])) is not None and 0.5 <= r / w["rate"] <= 2.0]
+            chain = [j for j in chain if not any(o != j and _inside(mods[o][0], mods[j][0]) for o in chain)]
+            if i not in chain:
+                chain.append(i)
+            prod = min(chain, key=lambda j: order.get(mods[j][0], 0))
+            named.update(chain)
+            named.update(j for j in warn if any(_inside(mods[j][0], mods[c][0]) or j == c for c in chain))
+            first = min(chain, key=lambda j: _bits_at(pts[j], w["step"]))
+            out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"]))
+    return out
+
+
+def _finding(run, phase, mod, pts, w, first_name: str, step: int) -> Finding:
+    name, typ = mod[0], mod[1]
+    cur = [p for p in pts if p[0] <= step]
+    bits = cur[-1][1] if cur else w["bits"]
+    rate = _rate_at(pts, step) or w["rate"]
+    dt = _NAME.get(w["dtype"], "float16")
+    what = "output" if phase == "forward" else "gradient (unscaled) flowing into its output"
+    via = "" if first_name == name else f"; `{first_name}`, which takes its values, is the first to reach the max"
+    msg = (f"`{name or '(root)'}` ({typ}) {what} is losing headroom to the {dt} maximum steadily: "
+           f"{bits:.1f} bits left at step {step}, falling {-rate:.2f} bits/step, forecast to overflow around "
+           f"step {w['forecast']}{via}.")
+    fix = ("Act before it overflows: lower the learning rate or add warmup, clip gradients (after "
+           "`scaler.unscale_`), check weight decay on this layer, or keep it in fp32:\n"
+           + AUTOCAST_OFF.format(m=name or "(root)", dev=autocast_device(run)))
+    return Finding("headroom_trend", "warning", phase, name, None, step, msg, fix,
+                   {"headroom_bits": round(bits, 3), "rate_bits_per_step": round(rate, 4),
+                    "forecast_step": w["forecast"], "first_to_overflow": first_name,
+                    "first_headroom_bits": round(w["bits"], 3), "dtype": dt, "rank_hint": 28})

@@ -1,0 +1,103 @@
+"""Always-on headroom (ampdoctor/headroom.py): every step, every module, forward and backward abs-max with inf/NaN,
+batched and read with the step's one transfer; the series round-trips through the run dir and old run dirs
+without it still load."""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampdoctor
+from ampdoctor.records import StepRecord
+from ampdoctor.rundir import read_run
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def _train(model, steps, every, x_of=None, run_dir=None, dtype=torch.float16):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    g = torch.Generator().manual_seed(0)
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, every=every, run_dir=run_dir)
+    for i in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=g) if x_of is None else x_of(i, g)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.mse_loss(model(x).float(), torch.zeros(4, 4))
+        sc.scale(loss).backward()
+        sc.step(opt)
+        sc.update()
+    w.close()
+    return w
+
+
+def test_every_step_every_module_on_the_default_watch():
+    w = _train(Net(), 6, every=200)
+    names = [m[0] for m in w.meta.modules]
+    for r in w.steps:
+        h = r.headroom
+        assert h is not None and len(h["fwd"]) == len(h["bwd"]) == len(h["dtype"]) == len(names), r.step
+        for i, n in enumerate(names):
+            assert h["fwd"][i] is not None and h["fwd"][i] > 0, (r.step, n)
+            assert h["bwd"][i] is not None and h["bwd"][i] > 0, (r.step, n)
+        assert h["dtype"][names.index("a")] == "h"  # an fp16 Linear output under autocast
+
+
+def test_routine_steps_agree_with_the_full_statistics():
+    """every=1 (full statistics) and the default (always-on) see the same abs-max on the same step."""
+    torch.manual_seed(0)
+    m1 = Net()
+    m2 = Net()
+    m2.load_state_dict(m1.state_dict())
+    full = _train(m1, 4, every=1)
+    fast = _train(m2, 4, every=200)
+    for a, b in zip(list(full.steps)[1:], list(fast.steps)[1:]):
+        assert a.sampled and not b.sampled
+        for key in ("fwd", "bwd"):
+            for x, y in zip(a.headroom[key], b.headroom[key]):
+                assert x == y or math.isclose(x, y, rel_tol=1e-2), (key, a.headroom, b.headroom)
+        assert a.headroom["dtype"] == b.headroom["dtype"]
+
+
+def test_non_finite_values_show_through():
+    def x_of(i, g):
+        x = torch.randn(4, 8, generator=g)
+        if i == 2:
+            x[0, 0] = math.inf
+        return x
+    w = _train(Net(), 4, every=200, x_of=x_of)
+    r = list(w.steps)[2]
+    assert not r.sampled
+    i = [m[0] for m in w.meta.modules].index("a")
+    v = r.headroom["fwd"][i]
+    assert not math.isfinite(v)
+
+
+def test_series_round_trips_and_old_run_dirs_load(tmp_path):
+    w = _train(Net(), 3, every=200, run_dir=tmp_path / "run")
+    meta, steps = read_run(str(tmp_path / "run"))
+    assert [s.headroom for s in steps] == [s.headroom for s in w.steps]
+    d = steps[1].to_dict()
+    d.pop("headroom")
+    assert StepRecord.from_dict(d).headroom is None  # a run dir written before the field existed
+    assert len(json.dumps(steps[1].headroom)) < 40 * len(meta.modules)  # compact
+
+
+def test_hooks_removed_on_close():
+    model = Net()
+    w = _train(model, 2, every=200)
+    assert w.closed
+    for mod in model.modules():
+        assert not mod._forward_hooks and not mod._forward_pre_hooks

@@ -1,0 +1,106 @@
+"""The headroom_trend rule (ampdoctor/rules/headroom.py): on hand-made series, and on a real nanoGPT-style run
+(benchmarks/realworld/nanogpt.py, fp16 + GradScaler, CPU) where one layer's weights grow by 15% per step."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ampdoctor
+from ampdoctor.records import RunMeta, StepRecord
+from ampdoctor.rules import RuleConfig, RunData
+from ampdoctor.rules.headroom import headroom_trend
+
+MODS = [["", "Net", 0], ["blk", "Block", 1], ["blk.fc", "Linear", 2], ["blk.act", "GELU", 2],
+        ["blk.proj", "Linear", 2], ["ln", "LayerNorm", 1]]
+
+
+def run_of(values: dict[str, list[float]], dtype="h", scaler=True, scale=65536.0):
+    """Steps whose forward abs-max per module is given (other modules unmeasured)."""
+    n = max(len(v) for v in values.values())
+    steps = []
+    for s in range(n):
+        fwd = [values[m[0]][s] if m[0] in values else None for m in MODS]
+        dts = "".join((dtype if m[0] != "ln" else "f") if m[0] in values else "-" for m in MODS)
+        steps.append(StepRecord(step=s, scale=scale, headroom={"fwd": fwd, "bwd": [None] * len(MODS),
+                                                               "dtype": dts}))
+    return RunData(RunMeta(modules=MODS, scaler={"enabled": True} if scaler else {}), steps)
+
+
+def grow(start, factor, n, cap=math.inf):
+    return [min(start * factor ** i, cap) for i in range(n)]
+
+
+def test_steady_growth_warns_with_rate_and_forecast():
+    vals = grow(300.0, 1.15, 40)   # 7.8 bits left, 0.2 bits/step: overflow near step 38
+    f = headroom_trend(run_of({"blk.fc": vals}), RuleConfig())
+    assert len(f) == 1 and f[0].rule == "headroom_trend" and f[0].module == "blk.fc"
+    ev = f[0].evidence
+    assert ev["rate_bits_per_step"] == pytest.approx(-math.log2(1.15), rel=0.05)
+    first_inf = next(i for i, v in enumerate(vals) if v > 65504)
+    assert abs(ev["forecast_step"] - first_inf) <= 2
+    assert f[0].step <= first_inf - 10
+
+
+def test_growth_that_settles_far_from_the_max_is_silent():
+    vals = [min(1.0 * 1.05 ** i, 40.0) + 0.5 * (i % 3) for i in range(400)]  # the first hundreds of steps
+    assert headroom_trend(run_of({"blk.fc": vals}), RuleConfig()) == []
+
+
+def test_close_to_the_max_but_flat_is_silent():
+    vals = [20000.0 * (1 + 0.05 * ((i * 7) % 5)) for i in range(100)]  # noisy, no trend
+    assert headroom_trend(run_of({"blk.fc": vals}), RuleConfig()) == []
+
+
+def test_fp32_values_are_not_judged():
+    vals = grow(300.0, 1.15, 60)
+    assert headroom_trend(run_of({"ln": vals}), RuleConfig()) == []
+    assert headroom_trend(run_of({"blk.fc": vals}, dtype="f"), RuleConfig()) == []
+
+
+def test_bf16_far_from_its_max_is_silent():
+    assert headroom_trend(run_of({"blk.fc": grow(300.0, 1.15, 60)}, dtype="b"), RuleConfig()) == []
+
+
+def test_one_finding_per_chain_at_the_producer():
+    """fc grows; act passes it on; proj (downstream, larger) reaches the max first; blk is proj's value.
+    The finding is at fc, the first in forward order of the layers falling at that rate."""
+    fc = grow(60.0, 1.15, 60, cap=1e9)
+    proj = [v * 8 for v in fc]
+    f = headroom_trend(run_of({"blk.fc": fc, "blk.act": fc, "blk.proj": proj, "blk": proj}), RuleConfig())
+    assert [x.module for x in f] == ["blk.fc"]
+    assert f[0].evidence["first_to_overflow"] == "blk.proj"
+
+
+def test_series_stops_at_the_overflow():
+    vals = grow(300.0, 1.15, 40) + [math.inf] * 20
+    f = headroom_trend(run_of({"blk.fc": vals}), RuleConfig())
+    assert len(f) == 1 and f[0].step < 30
+
+
+# -- a real run ------------------------------------------------------------------------------------------------
+def test_nanogpt_layer_whose_weights_grow_is_named_early():
+    nanogpt = pytest.importorskip("benchmarks.realworld.nanogpt")
+    target = "transformer.h.1.mlp.c_fc"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c = nanogpt.TrainConfig(size="tiny", dtype="float16", iters=72, learning_rate=1e-3)
+
+        def inject(it, model, opt):
+            with torch.no_grad():
+                model.get_submodule(target).weight.mul_(1.15 * (32.0 if it == 0 else 1.0))
+        _, w, _ = nanogpt.train(c, watch=lambda m, o, s: ampdoctor.watch(m, optimizer=o, scaler=s),
+                                inject=inject)
+        w.close()
+    finally:
+        torch.set_num_threads(n)
+    steps = list(w.steps)
+    first_bad = next(r.step for r in steps if r.bad)
+    rep = w.report(replay=False)
+    hits = [f for f in rep.findings if f.rule == "headroom_trend"]
+    assert hits and hits[0].module == target, [(f.rule, f.module, f.step) for f in rep.findings]
+    assert hits[0].step <= first_bad - 10, (hits[0].step, first_bad)
+    assert abs(hits[0].evidence["forecast_step"] - first_bad) <= 5
+    assert not any(f.rule == "headroom_trend" and f.module != target for f in rep.findings)
