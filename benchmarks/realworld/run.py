@@ -66,11 +66,15 @@ def table(results) -> str:
                      ", ".join(r.get("top3") or []) or "-", r.get("expected", "-"),
                      r["verdict"] + (f" ({'; '.join(r['why'])})" if r.get("why") else "")])
     w = [max(len(c), *(len(x[i]) for x in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    w = [min(x, 90) for x in w]
+    w = [min(x, cap) for x, cap in zip(w, (28, 5, 4, 7, 11, 7, 5, 5, 75, 60, 60))]
     fmt = lambda xs: " | ".join(str(x)[:w[i]].ljust(w[i]) for i, x in enumerate(xs))  # noqa: E731
     lines = [fmt(cols), "-+-".join("-" * x for x in w)] + [fmt(x) for x in rows]
     n = sum(r["verdict"] == "PASS" for r in results)
-    lines.append(f"{n}/{len(results)} PASS   (W/E: report warnings/errors; +N: the healthy batch's save_batch+replay)")
+    lines.append(f"{n}/{len(results)} PASS   (W/E: report warnings/errors; +N: the healthy batch's save_batch+replay;"
+                 " losses: == bitwise, ~x within a tolerance where a kernel is nondeterministic, DIFF)")
+    nd = sorted({k for r in results for k in r.get("nondeterministic_ops") or []})
+    if nd:
+        lines.append("nondeterministic kernels seen (torch.use_deterministic_algorithms warn_only): " + " | ".join(nd))
     return "\n".join(lines)
 
 
@@ -87,6 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--compiled", default="both", choices=["both", "yes", "no"],
                    help="run only the compiled (yes) or only the eager (no) cases")
     p.add_argument("--quick", action="store_true", help="half the iterations")
+    p.add_argument("--max-iters", type=int, default=0, help="cap every case's iterations (a smoke test)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
     p.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
     p.add_argument("--keep-runs", default=None, help="keep each watched run's run_dir under this folder")
@@ -105,6 +110,9 @@ def main(argv=None) -> int:
     sel = _select(C.all_cases(comp), a.cases, a.dtype, a.kind, a.compiled)
     # eager healthy first, then the injected failures, compiled runs last (the slow ones)
     sel.sort(key=lambda c: (c.compiled, c.kind != "healthy"))
+    if a.max_iters:
+        import dataclasses
+        sel = [dataclasses.replace(c, iters={k: min(v, a.max_iters) for k, v in c.iters.items()}) for c in sel]
     if a.list:
         for c in sel:
             print(c.name, c.dtype, "compiled" if c.compiled else "eager", c.kind)
@@ -114,6 +122,7 @@ def main(argv=None) -> int:
     if a.device == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
     if a.keep_runs:
         os.makedirs(a.keep_runs, exist_ok=True)
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
