@@ -34,7 +34,7 @@ def _bits(x: float) -> bytes:
     return struct.pack("<d", x) if not math.isnan(x) else b"nan"
 
 
-def run_once(case: Case, size, device, iters, *, watched, run_dir=None):
+def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=None):
     """One run. Returns a dict with losses, per-step scales, warnings, the report (watched) and timings."""
     opts = case.options(size, device)
     inject = opts.get("inject")
@@ -47,7 +47,8 @@ def run_once(case: Case, size, device, iters, *, watched, run_dir=None):
             wfn = None
             if watched:
                 import ampdoctor
-                wfn = lambda m, o, s: ampdoctor.watch(m, optimizer=o, scaler=s, run_dir=run_dir)  # noqa: E731
+                wfn = lambda m, o, s: ampdoctor.watch(m, optimizer=o, scaler=s, run_dir=run_dir,  # noqa: E731
+                                                      every=every)
             losses, w, model = _train(case, size, device, iters, opts, wfn,
                                       lambda it, l, s0, s1: rows.append((l, s0, s1)))
             out.update(losses=losses, model=model, watch=w)
@@ -121,13 +122,13 @@ def healthy_replay(case: Case, size, device, model):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None):
+def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, every=None):
     iters = case.iters[size] if not quick else max(4, case.iters[size] // 2)
     res = {"case": case.name, "model": case.model, "dtype": case.dtype, "compiled": case.compiled,
-           "kind": case.kind, "iterations": iters, "note": case.note}
+           "kind": case.kind, "iterations": iters, "note": case.note, "every": every}
     un = run_once(case, size, device, iters, watched=False)
     run_dir = tempfile.mkdtemp(prefix="rw-run-", dir=keep_dir)
-    wa = run_once(case, size, device, iters, watched=True, run_dir=run_dir)
+    wa = run_once(case, size, device, iters, watched=True, run_dir=run_dir, every=every)
     gt = ground_truth(un["rows"])
     nondet = _nondeterministic(un["warnings"] + wa["warnings"])
     base = None

@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--compiled", default="both", choices=["both", "yes", "no"],
                    help="run only the compiled (yes) or only the eager (no) cases")
     p.add_argument("--quick", action="store_true", help="half the iterations")
+    p.add_argument("--every", type=int, default=None, help="watch(every=N) (default: ampdoctor's default)")
     p.add_argument("--max-iters", type=int, default=0, help="cap every case's iterations (a smoke test)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
     p.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
         os.makedirs(a.keep_runs, exist_ok=True)
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
            "python": platform.python_version(), "device": a.device, "size": a.size, "quick": a.quick,
+           "every": a.every,
            "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
            "threads": torch.get_num_threads()}
     try:
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         print(f"[{i + 1}/{len(sel)}] {tag} ...", file=sys.stderr, flush=True)
         try:
-            r = harness.run_case(c, a.size, a.device, a.quick, a.keep_runs)
+            r = harness.run_case(c, a.size, a.device, a.quick, a.keep_runs, a.every)
         except Exception as e:  # noqa: BLE001 - the harness itself failed on this case
             import traceback
             r = {"case": c.name, "dtype": c.dtype, "compiled": c.compiled, "kind": c.kind, "iterations": 0,
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
                           default=str)
     env["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"\nrealworld corpus · {env['date']} · torch {env['torch']} · {env['gpu'] or 'cpu'} · size {a.size}"
-          f" · {env['seconds']} s · ampdoctor from {env['ampdoctor']} ({env['git']})")
+          f" · every={a.every or 'default'} · {env['seconds']} s · ampdoctor from {env['ampdoctor']} ({env['git']})")
     print(table(results))
     return 0
 
