@@ -9,7 +9,8 @@ turns the pending tensors into a small vector of abs-maxes on the device (NaN an
 falls out of the same number). At the step's one transfer (ampdoctor/sync.py `presync`) those vectors go to the
 host with the step's other values; `host_series` folds them into one value per module.
 
-On sampled steps the full statistics hooks measure the same tensors, and the series comes from those records
+Only values that can meet a low-precision op are read: fp16/bf16 tensors, and fp32 ones inside an autocast
+region (a watch on an fp32 run without autocast reads nothing). On sampled steps the full statistics hooks measure the same tensors, and the series comes from those records
 (`from_calls`), so there is one definition of a step's headroom either way.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 
 import torch
 
+from . import cpustats
 from .modulehooks import InertHook
 from .tensors import flatten_tensors
 
@@ -29,15 +31,18 @@ DTYPE_CODES = {torch.float16: "h", torch.bfloat16: "b", torch.float32: "f", torc
 _CODE_OF_NAME = {"float16": "h", "bfloat16": "b", "float32": "f", "float64": "d"}
 _Tensor = torch.Tensor
 _INF = math.inf
+_LOW = (torch.float16, torch.bfloat16)
 
 
 class Headroom:
     """The pending tensors and reduced abs-max vectors of the open step (owned by the StepMachine)."""
 
-    __slots__ = ("on", "n", "ft", "fs", "bt", "bs", "nbytes", "done", "alias", "last", "last_slot", "dtypes")
+    __slots__ = ("on", "wide", "n", "ft", "fs", "bt", "bs", "nbytes", "done", "alias", "last", "last_slot", "dtypes")
 
     def __init__(self, n_slots: int):
         self.on = False            # recording (routine steps); off on sampled steps, when disabled or suspended
+        self.wide = False          # fp32/fp64 values too: only inside an autocast region, where they may be cast
+        #                            down (set at the root's forward); outside one nothing low-precision meets them
         self.n = n_slots
         self.dtypes: list[str] = ["-"] * n_slots
         self.reset()
@@ -62,7 +67,7 @@ class Headroom:
         else:
             tensors = flatten_tensors(out, [])
         for t in tensors:
-            if not t.is_floating_point() or t.layout != torch.strided:
+            if t.dtype not in _LOW and (not self.wide or not t.is_floating_point()) or t.layout != torch.strided:
                 continue
             self.ft.append(t)  # not detached (no allocation): flush reduces under no_grad
             self.fs.append(slot)
@@ -99,8 +104,11 @@ class Headroom:
                     g = groups[(t.device, t.dtype)] = ([], [])
                 g[0].append(t)
                 g[1].append(s)
-            for (_, dt), (gt, gs) in groups.items():
-                v = torch.stack(torch._foreach_norm(gt, _INF))
+            for (dev, dt), (gt, gs) in groups.items():
+                if dev.type == "cpu" and cpustats.available() and all(cpustats.supports(t) for t in gt):
+                    v = _cpu_absmax(gt)
+                else:  # one multi-tensor kernel: NaN and inf propagate into the abs-max
+                    v = torch.stack(torch._foreach_norm(gt, _INF))
                 self.done.append((phase, v if dt in (torch.float32, torch.float64) else v.float(), gs))
                 code = DTYPE_CODES.get(dt, "f")
                 for s in gs:
@@ -134,6 +142,16 @@ class Headroom:
         out = encode(fwd, bwd, "".join(self.dtypes))
         self.reset()
         return out
+
+
+def _cpu_absmax(ts: list) -> torch.Tensor:
+    """On the CPU, `_foreach_norm(ord=inf)` is a slow per-tensor loop (several times a plain pass): the one-pass C
+    statistics (ampdoctor/cpustats.py) give the finite abs-max and the NaN/inf counts, folded into one number."""
+    rows = torch.stack([cpustats.stats(t, t.dtype) for t in ts])   # records.STAT_FIELDS order
+    v = rows[:, 5].clone()
+    v[(rows[:, 2] + rows[:, 3]) > 0] = _INF
+    v[rows[:, 1] > 0] = math.nan
+    return v
 
 
 def _merge(a, b):
@@ -170,8 +188,8 @@ def from_calls(calls, slots: dict[str, int], n: int) -> dict | None:
     dts = ["-"] * n
     for c in calls:
         s = slots.get(c.module)
-        if s is None:
-            continue
+        if s is None or c.out is None or not (c.autocast or c.out.dtype in ("float16", "bfloat16")):
+            continue  # as on routine steps: fp32 values outside autocast meet no low-precision op
         for dst, st in ((fwd, c.out), (bwd, c.gout)):
             if st is None:
                 continue

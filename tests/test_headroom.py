@@ -101,3 +101,33 @@ def test_hooks_removed_on_close():
     assert w.closed
     for mod in model.modules():
         assert not mod._forward_hooks and not mod._forward_pre_hooks
+
+
+class _Writer:
+    """A SummaryWriter-like recorder (the sink's documented `writer=` interface)."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, global_step=None):
+        self.scalars.append((tag, value, global_step))
+
+
+def test_tensorboard_headroom_bits_every_step():
+    wr = _Writer()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, writer=wr)
+    for _ in range(4):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        sc.scale(loss).backward()
+        sc.step(opt)
+        sc.update()
+    w.close()
+    steps = sorted({s for tag, _, s in wr.scalars if tag == "headroom_bits/a"})
+    assert steps == [0, 1, 2, 3]
+    v = next(v for tag, v, s in wr.scalars if tag == "headroom_bits/a" and s == 2)
+    assert 5 < v < 20

@@ -1,6 +1,7 @@
 """The TensorBoard reporter: scalars per step, live from a watch (`TensorBoardSink`) or after the fact.
 
 Tags are grouped so the UI stays navigable: `ampdoctor/{loss_scale,skipped,loss,grad_norm_total}` every step;
+every step `headroom_bits/<module>` from the always-on series (fp16/bf16 outputs);
 on sampled steps (StepRecord.modules non-empty) `absmax/<module>`, `headroom_bits/<module>`,
 `underflow_share/<module>`, `nonfinite/<module>` from the module's forward output (all its calls in the step
 pooled), and `grad_norm/<param>` from the optimizer-step parameter stats. Headroom is log2(max of the ref
@@ -38,7 +39,28 @@ def _module_scalars(rec: StepRecord) -> dict[str, float]:
     return out
 
 
-def step_scalars(rec: StepRecord) -> dict[str, float]:
+_CODE_MAX = {"h": DTYPE_LIMITS["float16"][0], "b": DTYPE_LIMITS["bfloat16"][0]}
+
+
+def headroom_scalars(meta: RunMeta | None, rec: StepRecord) -> dict[str, float]:
+    """`headroom_bits/<module>` on every step from the always-on series (StepRecord.headroom): log2(max of the
+    output's low-precision dtype / abs-max), -inf when the output was not finite; fp32 values are left out."""
+    h = rec.headroom
+    if meta is None or not h:
+        return {}
+    out = {}
+    dts = h.get("dtype") or ""
+    for i, v in enumerate(h.get("fwd") or ()):
+        mx = _CODE_MAX.get(dts[i:i + 1])
+        if v is None or mx is None or i >= len(meta.modules):
+            continue
+        name = meta.modules[i][0] or "(root)"
+        out[f"headroom_bits/{name}"] = math.log2(mx / v) if math.isfinite(v) and v > 0 else (
+            -math.inf if not math.isfinite(v) else math.inf)
+    return {k: v for k, v in out.items() if v != math.inf}
+
+
+def step_scalars(rec: StepRecord, meta: RunMeta | None = None) -> dict[str, float]:
     """Every scalar one step contributes, by tag (None values are left out)."""
     out = {"ampdoctor/skipped": 1.0 if rec.skipped else 0.0}
     for tag, v in (("ampdoctor/loss_scale", rec.scale), ("ampdoctor/loss", rec.loss),
@@ -47,6 +69,7 @@ def step_scalars(rec: StepRecord) -> dict[str, float]:
             out[tag] = float(v)
     if rec.modules:
         out.update(_module_scalars(rec))
+    out.update(headroom_scalars(meta, rec))  # every step; the same series on sampled and routine steps
     for p in rec.params:
         if p.grad_norm is not None:
             out[f"grad_norm/{p.name}"] = float(p.grad_norm)
@@ -79,7 +102,7 @@ class TensorBoardSink:
     def on_step(self, meta: RunMeta | None, rec: StepRecord) -> None:
         if self._closed:
             raise RuntimeError("TensorBoardSink.on_step called after close(); create a new sink to keep logging.")
-        for tag, value in step_scalars(rec).items():
+        for tag, value in step_scalars(rec, meta).items():
             self.writer.add_scalar(tag, value, global_step=rec.step)
 
     def flush(self) -> None:
