@@ -5,6 +5,7 @@ Usage
     python benchmarks/overhead.py --model cpu-gpt --device cpu               # small GPT, 2 CPU cores: ~1 min
     python benchmarks/overhead.py --model convnet --device cpu
     python benchmarks/overhead.py --model gpt2 --device cuda --json gpt2.json  # GPT-2 small, B=8, T=1024
+    python benchmarks/overhead.py --model nanogpt --device cuda                # nanoGPT-style 6x384, block 256, B=64
     python benchmarks/overhead.py --bitwise --device cuda                    # watched == unwatched, 50 fp16 steps
 
 Options: --steps N (timed steps per variant, default 30), --warmup N (untimed steps per variant, default 5),
@@ -151,6 +152,16 @@ def build(model_name: str, device: torch.device, seed: int = 0):
         batches = [((torch.randn(B, 3, 32, 32, generator=g).to(device),
                      torch.randint(0, 10, (B,), generator=g).to(device)), {}) for _ in range(4)]
         loss_of = _identity
+    elif model_name == "nanogpt":  # issue 15's small real step: 6 layers, 384 wide, block 256, batch 64
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from benchmarks.realworld.nanogpt import GPT, GPTConfig
+        model = GPT(GPTConfig(block_size=256, vocab_size=65, n_layer=6, n_head=6, n_embd=384, dropout=0.2))
+        B, T = 64, 256
+        batches = []
+        for _ in range(4):
+            idx = torch.randint(0, 65, (B, T + 1), generator=g)
+            batches.append(((idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)), {}))
+        loss_of = _second
     elif model_name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
         model = GPT2LMHeadModel(GPT2Config(n_layer=12))
@@ -161,12 +172,16 @@ def build(model_name: str, device: torch.device, seed: int = 0):
             batches.append(((), {"input_ids": ids, "labels": ids}))
         loss_of = _hf_loss
     else:
-        raise SystemExit(f"unknown --model {model_name!r} (cpu-gpt, convnet, gpt2, tiny)")
+        raise SystemExit(f"unknown --model {model_name!r} (cpu-gpt, convnet, gpt2, nanogpt, tiny)")
     return model.to(device).train(), batches, loss_of
 
 
 def _identity(out):
     return out
+
+
+def _second(out):
+    return out[1]
 
 
 def _hf_loss(out):
@@ -264,7 +279,7 @@ def count_syncs(v: Variant, batches, loss_of, steps: int) -> float:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="cpu-gpt", choices=["cpu-gpt", "convnet", "gpt2", "tiny"])
+    p.add_argument("--model", default="cpu-gpt", choices=["cpu-gpt", "convnet", "gpt2", "nanogpt", "tiny"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
