@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import tempfile
 import time
@@ -19,7 +20,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "clean_stale_temps", "loads_bounded", "json_depth",
-           "read_regular", "locked", "check_out_dir", "check_out_file", "mark_out_dir", "TEMP_PREFIX", "OUT_MARKER"]
+           "raw_depth_within", "read_regular", "locked", "check_out_dir", "check_out_file", "mark_out_dir", "TEMP_PREFIX", "OUT_MARKER"]
 
 TEMP_PREFIX = ".ampdoctor-"
 OUT_MARKER = ".ampdoctor.out"   # in a directory ampdoctor wrote a report into (not TEMP_PREFIX: never cleaned)
@@ -115,6 +116,25 @@ def json_depth(obj, limit: int = MAX_DEPTH) -> int:
                 return deepest
             stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
     return deepest
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def raw_depth_within(raw: bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether the JSON text `raw` nests at most `limit` deep, judged on the bytes (no parse, C-speed: strings
+    dropped, then innermost bracket pairs removed once per level)."""
+    s = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    for _ in range(limit):
+        if not s:
+            return True
+        t = _INNERMOST.sub(b"", s)   # one pass removes exactly one level
+        if t == s:
+            return True   # unbalanced: not JSON, the parser will say so
+        s = t
+    return not s
 
 
 def loads_bounded(data: bytes | str, what: str, max_depth: int = MAX_DEPTH):

@@ -25,7 +25,7 @@ import time
 import warnings
 
 from .errors import BadInput
-from .fsutil import atomic_write_text, clean_stale_temps, json_depth, loads_bounded, locked, read_regular
+from .fsutil import atomic_write_text, clean_stale_temps, loads_bounded, locked, raw_depth_within, read_regular
 from .records import RunMeta, StepRecord
 
 __all__ = ["RunDirWriter", "read_run", "find_rank_dirs", "FORMAT", "FORMAT_VERSION"]
@@ -237,6 +237,8 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
                     raise BadInput(f"{sp}:{lineno}: record larger than {MAX_LINE >> 20} MiB; refusing")
                 if not raw.strip():
                     continue
+                if not raw_depth_within(raw, MAX_RECORD_DEPTH):
+                    raise BadInput(f"{sp}:{lineno}: record nested deeper than {MAX_RECORD_DEPTH} levels; refusing")
                 try:
                     d = json.loads(raw)
                 except (ValueError, UnicodeDecodeError, RecursionError):  # torn, corrupt, 5000-digit numbers
@@ -247,8 +249,6 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
                 good += 1
                 if d.get("run", 0) != run_id:
                     continue
-                if json_depth(d, MAX_RECORD_DEPTH) > MAX_RECORD_DEPTH:
-                    raise BadInput(f"{sp}:{lineno}: record nested deeper than {MAX_RECORD_DEPTH} levels; refusing")
                 try:
                     steps.append(StepRecord.from_dict(d))
                 except (TypeError, ValueError, AttributeError, KeyError) as e:

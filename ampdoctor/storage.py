@@ -4,7 +4,8 @@ Every step is kept and counted: its loss, scale, skipped flag, finiteness checks
 norm and producers are written to the run directory and stay in `Watch.steps`, for any number of steps. What is
 thinned is detail only:
 
-- routine steps (not sampled, not bad, the usual call sequence) keep no call events (they repeat the last ones);
+- routine steps (not sampled, not bad, the usual call sequence) keep no call events (they repeat the last ones),
+  nor do thinned sampled steps whose call sequence repeats;
 - per-module and per-parameter statistics (`modules`, `params`) of sampled steps are kept for the first
   1,000 sampled steps, then for 1 in 10 up to 10,000, 1 in 100 up to 100,000 and 1 in 1,000 after that —
   always for step 0, bad steps, steps with a capture and the 8 steps after a bad one.
@@ -44,8 +45,11 @@ def keeps_detail(sampled_seen: int, since_bad: int | None, rec: StepRecord) -> b
     return sampled_seen % _stride(sampled_seen) == 0
 
 
-def _slim(rec: StepRecord) -> StepRecord:
-    return dataclasses.replace(rec, modules=[], params=[]) if (rec.modules or rec.params) else rec
+def _slim(rec: StepRecord, drop_events: bool = False) -> StepRecord:
+    """The record without its detail: module/parameter statistics, and its call events when they repeat."""
+    if rec.modules or rec.params or (drop_events and rec.events):
+        return dataclasses.replace(rec, modules=[], params=[], events=[] if drop_events else rec.events)
+    return rec
 
 
 class StepStore(Sequence):
@@ -53,7 +57,7 @@ class StepStore(Sequence):
 
     def __init__(self, initial=(), hot: int = MEMORY_STEPS):
         self._hot: list[StepRecord] = []
-        self._slim: list[bool] = []          # per hot record: spill it without detail
+        self._slim: list = []                # per hot record: the thinned record to spill, or None (keep it)
         self._hot_max = max(int(hot), 1)
         self._offsets = array("q")
         self._spill = None
@@ -65,19 +69,18 @@ class StepStore(Sequence):
             self.add(r)
 
     # ---------------------------------------------------------------------------------------------- writing
-    def routine_step(self, rec: StepRecord) -> bool:
-        """A step with nothing to tell: not sampled or bad, no capture, the same call sequence as before."""
-        if rec.sampled or rec.bad or rec.capture:
-            return False
+    def _repeats(self, rec: StepRecord) -> bool:
+        """The same call sequence as the step before, nothing wrong in it, no capture: its events say nothing new."""
         seq = tuple(e.kind for e in rec.events)
-        if any(e.error or e.scaled for e in rec.events) or seq != self._last_seq:
+        if rec.bad or rec.capture or any(e.error or e.scaled for e in rec.events) or seq != self._last_seq:
             self._last_seq = seq
             return False
         return True
 
     def add(self, rec: StepRecord, writer=None) -> None:
         """Keep `rec` (events dropped when routine), write it (thinned) to `writer`, spill old records."""
-        if self.routine_step(rec):
+        repeats = self._repeats(rec)
+        if repeats and not rec.sampled:   # a routine step
             rec.events = []
             self.routine += 1
         self._since_bad = 0 if rec.bad else (None if self._since_bad is None else self._since_bad + 1)
@@ -85,10 +88,11 @@ class StepStore(Sequence):
         if rec.modules or rec.params:
             keep = keeps_detail(self._sampled, self._since_bad, rec)
             self._sampled += bool(rec.sampled)
+        slim = None if keep else _slim(rec, repeats)
         if writer is not None:
-            writer.append(rec if keep else _slim(rec))
+            writer.append(slim or rec)
         self._hot.append(rec)
-        self._slim.append(not keep)
+        self._slim.append(slim)
         if len(self._hot) > self._hot_max:
             self._spill_oldest(max(self._hot_max // 4, 1))
 
@@ -101,7 +105,7 @@ class StepStore(Sequence):
         f.seek(0, 2)
         for rec, slim in zip(self._hot[:n], self._slim[:n]):
             self._offsets.append(f.tell())
-            f.write(json.dumps((_slim(rec) if slim else rec).to_dict(), separators=(",", ":")).encode() + b"\n")
+            f.write(json.dumps((slim or rec).to_dict(), separators=(",", ":")).encode() + b"\n")
         del self._hot[:n], self._slim[:n]
 
     # ---------------------------------------------------------------------------------------------- reading
