@@ -53,6 +53,15 @@ def test_benign_backoff_is_the_scalers_search_and_nothing_else():
     assert benign_backoff(steady, True) == set()                        # a rate: the skipped_steps rule's
 
 
+def test_a_search_whose_overflow_turned_into_nan_is_still_benign_once_an_update_lands():
+    """At a loss scale of 2**24 a GPT-2's backward overflows and LayerNorm's backward turns the inf into NaN: the
+    backward 'makes NaN' on every skipped step, yet the scaler finds a working scale after six halvings."""
+    nan = Producer(module="transformer.ln_f", call=0, phase="backward", kind="nan")
+    search = [skip(i, 2.0 ** (24 - i), backward_producer=nan) for i in range(6)]
+    assert benign_backoff(search + [ok(6, 2.0 ** 18)], True) == set(range(6))
+    assert benign_backoff(search, True) == set()                        # never resolved: not the scale's doing
+
+
 def test_first_bad_step_skips_the_early_backoff_and_a_mask():
     """issue 18: a benign backoff at step 0, the real failure at step 4."""
     mask = Producer("mask", 0, "forward", "inf", detail={"mask_like": True})

@@ -32,13 +32,14 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
                    min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
     """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
     (loss, outputs, no crash, no inf/NaN producer other than a mask), the scale was still >= `min_scale`, the
-    streak of consecutive skips is shorter than `max_streak`, and it is not NaN made in the backward three times
-    running (halving the scale does nothing to a NaN). Skips after the first stepped update count only while
+    streak of consecutive skips is shorter than `max_streak`, and either it ended in an applied update or it is not
+    NaN made in the backward three times running (halving the scale does nothing to a NaN). Skips after the first stepped update count only while
     they stay rare (fewer than `later_min`, or under `later_share` of the steps after it): a steady rate of
     skips is the `skipped_steps` rule's business, not a benign search."""
     if not has_scaler:
         return set()
     out: set[int] = set()
+    by_step = {r.step: r for r in steps}
     first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
     later = [r for r in steps if r.skipped and first_good is not None and r.step > first_good]
     after = sum(1 for r in steps if first_good is not None and r.step > first_good)
@@ -48,8 +49,13 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
             continue
         if any(r.forward_bad or r.exception or (r.scale is not None and r.scale < min_scale) for r in s):
             continue
+        # A streak that ended in an applied update proves the scale was the trouble (the scaler found one that
+        # works), whatever the overflow turned into on the way (LayerNorm's backward makes NaN from an inf).
+        # One still running at the end of the run: NaN made in the backward three times is no scale's doing.
+        nxt = by_step.get(s[-1].step + 1)
+        ended = nxt is not None and not nxt.skipped and nxt.grad_finite is not False
         nan_made = sum(1 for r in s if r.backward_producer is not None and r.backward_producer.kind == "nan")
-        if nan_made >= 3:
+        if nan_made >= 3 and not ended:
             continue
         if first_good is not None and s[0].step > first_good and not later_ok:
             continue
