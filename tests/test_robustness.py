@@ -26,7 +26,9 @@ class Odd(nn.Module):
 def test_odd_model_trains_unchanged_and_quietly():
     torch.manual_seed(0)
     m = Odd()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    # lr 0.01: at 0.1 the sum-of-outputs loss multiplies `lin`'s weights by 5.5 in one step, which the
+    # update_spike rule rightly reports; this test is about odd outputs and tensors, not the learning rate
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
     idx = torch.randint(0, 10, (4, 3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

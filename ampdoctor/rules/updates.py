@@ -7,6 +7,7 @@ left out: their first updates multiply them by any factor, as designed.
 """
 from __future__ import annotations
 
+import bisect
 import math
 
 from ..findings import Finding
@@ -38,6 +39,10 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
     """Per parameter: the first window (one update on a sampled step, or the updates between two sampled
     steps) over which its weight norm grew by `factor` (one update) or `window_factor` (several)."""
     updated = {r.step for r in run.steps if not r.skipped}
+    order = sorted(updated)
+
+    def between(s0: int, s1: int) -> list[int]:  # the updated steps strictly between two steps (bisect: long runs)
+        return order[bisect.bisect_right(order, s0):bisect.bisect_left(order, s1)]
     ref: dict[str, tuple[int, float, int]] = {}   # name -> (step, norm after that step's update, numel)
     out: dict[str, dict] = {}
     for r in run.steps:
@@ -47,11 +52,12 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
             rms = p.weight_norm / math.sqrt(max(p.numel, 1))
             if p.name in ref:  # several updates since the last sampled step
                 s0, n0, numel = ref[p.name]
-                n_upd = sum(1 for s in updated if s0 < s < r.step)
+                upd = between(s0, r.step)
+                n_upd = len(upd)
                 f = p.weight_norm / n0 if n0 > 0 else 0.0
                 rms0 = n0 / math.sqrt(max(numel, 1))
                 if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)):
-                    first = min(s for s in updated if s0 < s < r.step)
+                    first = upd[0]
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
                                    "after": p.weight_norm, "step": first if n_upd == 1 else s0 + 1,
                                    "between": [s0, r.step], "updates": n_upd, "rms_before": rms0}
