@@ -62,6 +62,14 @@ def test_a_search_whose_overflow_turned_into_nan_is_still_benign_once_an_update_
     assert benign_backoff(search, True) == set()                        # never resolved: not the scale's doing
 
 
+def test_a_backoff_right_before_a_forward_failure_stays_benign():
+    """Step 0 skipped for the scale (the shared first_step_overflow_benign case), step 1 a batch that overflows
+    the forward: step 0 is the search, step 1 the failure (DDP test: rank 1's batch x 1e6 at step 1)."""
+    run = [skip(0), skip(1, 32768.0, loss_finite=False, loss=float("inf")), ok(2, 16384.0), ok(3, 16384.0)]
+    assert benign_backoff(run, True) == {0}
+    assert first_bad_step(run, True) == 1
+
+
 def test_first_bad_step_skips_the_early_backoff_and_a_mask():
     """issue 18: a benign backoff at step 0, the real failure at step 4."""
     mask = Producer("mask", 0, "forward", "inf", detail={"mask_like": True})

@@ -47,13 +47,18 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     for s in _streaks(steps):
         if len(s) >= max_streak:
             continue
-        if any(r.forward_bad or r.exception or (r.scale is not None and r.scale < min_scale) for r in s):
+        # skips before a forward failure in the same streak can still be the search (a first-step backoff, then
+        # a batch that overflows the forward); from the failure on, nothing in the streak is
+        k = next((i for i, r in enumerate(s) if r.forward_bad or r.exception), len(s))
+        ended_by_failure = k < len(s)
+        s = s[:k]
+        if not s or any(r.scale is not None and r.scale < min_scale for r in s):
             continue
         # A streak that ended in an applied update proves the scale was the trouble (the scaler found one that
         # works), whatever the overflow turned into on the way (LayerNorm's backward makes NaN from an inf).
         # One still running at the end of the run: NaN made in the backward three times is no scale's doing.
         nxt = by_step.get(s[-1].step + 1)
-        ended = nxt is not None and not nxt.skipped and nxt.grad_finite is not False
+        ended = nxt is not None and not nxt.skipped and nxt.grad_finite is not False and not ended_by_failure
         nan_made = sum(1 for r in s if r.backward_producer is not None and r.backward_producer.kind == "nan")
         if nan_made >= 3 and not ended:
             continue
