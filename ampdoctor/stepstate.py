@@ -186,8 +186,10 @@ class StepMachine(MonitorCallbacks):
 
     # -- module hooks --------------------------------------------------------------------------------
     def forward_pre(self, module, args, kwargs):
-        if self._disabled or self.suspended or torch.compiler.is_compiling():
-            return None  # under torch.compile the hook compiles away: nothing of ampdoctor's enters the graph
+        # under torch.compile the hook compiles away (nothing of ampdoctor's enters the graph); inside a backward
+        # it is activation checkpointing re-running the forward: not a forward of the step
+        if self._disabled or self.suspended or torch.compiler.is_compiling() or _in_backward():
+            return None
         try:
             self._forward_pre(module, args, kwargs)
         except Exception as e:  # never break the user's model
@@ -234,7 +236,7 @@ class StepMachine(MonitorCallbacks):
                 c.seq0 = _SEQ_NR()
 
     def forward_post(self, module, args, kwargs, output):
-        if self._disabled or self.suspended or torch.compiler.is_compiling():
+        if self._disabled or self.suspended or torch.compiler.is_compiling() or _in_backward():
             return None
         try:
             self._forward_post(module, output)
@@ -354,6 +356,14 @@ class StepMachine(MonitorCallbacks):
             finalize(self)
         except Exception as e:
             self._fail(e)
+
+
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (checkpointing's recomputation)."""
+    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
 _SEQ_NR = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next autograd node's sequence number
