@@ -195,6 +195,23 @@ def merge_replay(rep: Report, watch) -> Report:
         m.suspended = False
 
 
+def _follow_refined(findings: list[Finding], refined: set[int], before: list[str | None]) -> None:
+    """The scaler findings that named a producer module (loss_scale_collapse, skipped_steps: "it comes from X")
+    follow the replay where it located that producer more precisely inside X (under torch.compile the watch sees
+    only the root module; the replay of the capture names the layer)."""
+    moved: dict[str | None, str] = {}
+    for i, old in enumerate(before):
+        f = findings[i]
+        if id(f) in refined and old is not None and f.module and f.module != old and (
+                not old or f.module.startswith(old + ".")):
+            moved.setdefault(old, f.module)
+    for i, f in enumerate(findings):
+        if f.phase == "scaler" and f.module in moved and id(f) not in refined:
+            new = moved[f.module]
+            msg = f.message.replace(f"`{f.module or '(root)'}`", f"`{new}`")
+            findings[i] = Finding(f.rule, f.severity, f.phase, new, f.op, f.step, msg, f.fix, f.evidence)
+
+
 def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=None, *, strict: bool = False) -> Report:
     """`merge_replay` for any model (e.g. `ampdoctor report RUN_DIR --model pkg.mod:factory`). With `strict`, a
     replay that fails raises (BadInput); otherwise it only warns and the report stands as it was."""
@@ -217,6 +234,7 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
                       stacklevel=3)
         return rep
     findings = list(rep.findings)
+    before = [f.module for f in findings]
     refined: set[int] = set()
     ops = (rr.data.get("replay") or {}).get("ops") or []
     for i, g in enumerate(findings):  # the op inside each module-level producer, from the replay's op events
@@ -270,6 +288,7 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
             if f.step is None:
                 f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
+    _follow_refined(findings, refined, before)
     rep.findings = rank(findings)
     if rr.data.get("replay"):
         rep.data["replay"] = rr.data["replay"]

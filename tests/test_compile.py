@@ -117,7 +117,7 @@ def test_compiled_overflow_is_named_by_the_replay_of_its_capture(tmp_path):
     compiled = torch.compile(m, backend="aot_eager")
     w = ampdoctor.watch(compiled, optimizer=opt, scaler=sc, run_dir=tmp_path)
     g = torch.Generator().manual_seed(0)
-    for _ in range(2):
+    for _ in range(11):
         opt.zero_grad()
         x, y = torch.randn(4, 8, generator=g) * 10, torch.randn(4, 1, generator=g)
         with torch.autocast("cpu", dtype=torch.float16):
@@ -126,10 +126,15 @@ def test_compiled_overflow_is_named_by_the_replay_of_its_capture(tmp_path):
         sc.step(opt)
         sc.update()
     w.close()
-    assert len(w.steps) == 2 and w.steps[0].capture
-    top = w.report().findings[:3]
+    assert len(w.steps) == 11 and w.steps[0].capture
+    rep = w.report()
+    top = rep.findings[:3]
     assert any(f.rule == "overflow" and f.module == "fc1" and f.op and f.step == 0 for f in top), \
         [(f.rule, f.module, f.op, f.step) for f in top]
+    # the scaler's findings name the layer the replay found, not the root the compiled watch saw
+    scaler = [f for f in rep.findings if f.phase == "scaler"]
+    assert scaler and all(f.module == "fc1" and "`fc1`" in f.message for f in scaler), \
+        [(f.rule, f.module, f.message) for f in scaler]
 
 
 def test_no_recompiles_while_watching():

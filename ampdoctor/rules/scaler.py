@@ -73,7 +73,7 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
         if cause is not None:
             p = (cause.forward_producer if cause.forward_bad else None) or cause.backward_producer
             cause_module = p.module if p else None
-            why = (f" The inf/NaN is not transient: it comes from `{p.module}` ({p.phase})." if p else
+            why = (f" The inf/NaN is not transient: it comes from `{p.module or '(root)'}` ({p.phase})." if p else
                    " The loss itself is non-finite on these steps.")
         out.append(Finding(
             "loss_scale_collapse", "error", "scaler", cause_module, None, skipped[0],
