@@ -80,9 +80,14 @@ def main() -> int:
     top = [(f.rule, f.module) for f in rep.findings[:3]]
     rows.append(("SwiGLU product overflow", ("overflow", "mlp") in top, str(top)))
 
+    def fp16_sum(out):
+        # autocast runs pow and sum in fp32 on CUDA (not on the CPU): the user's fp16 sum is written with
+        # autocast off, so that it overflows fp16 on both
+        with torch.autocast(DEV.type, enabled=False):
+            return (out.half() * 30).pow(2).sum()
     m = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64)).to(DEV)
     rep = loop([m], [torch.optim.AdamW(m.parameters(), lr=1e-3)], (torch.randn(256, 8, device=DEV) * 10,),
-               lambda out: (out.half() * 30).pow(2).sum(), steps=3)
+               fp16_sum, steps=3)
     top = [(f.rule, f.module) for f in rep.findings[:3]]
     rows.append(("fp16 sum loss outside the model", ("overflow", None) in top, str(top)))
 
