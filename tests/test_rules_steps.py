@@ -235,3 +235,23 @@ def test_root_module_is_named_root_in_messages():
     f = run_rules(RunData(meta(False), [r]))[0]
     assert "`(root)`" in f.message and "``" not in f.message and "NaN" in f.message and "±inf" not in f.message
     assert "at (root)" in f.one_line()
+
+
+def test_rule_fix_snippets_are_python_for_numbered_modules():
+    """The watch's own findings use the one fp32 snippet (ampdoctor/fixes.py): a numbered child compiles."""
+    import torch
+    import torch.nn as nn
+    import ampdoctor
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        m[2].weight.mul_(1e5)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with ampdoctor.watch(m, optimizer=opt, every=1) as w:
+        with torch.autocast("cpu", dtype=torch.float16):
+            m(torch.randn(3, 4) * 100).float().sum().backward()
+        opt.step()
+    f = next(f for f in w.report(replay=False).findings if f.rule == "overflow")
+    assert f.module == "2"
+    code = f.fix[f.fix.index("with torch.autocast"):].split("\nRun ")[0]
+    compile(code, "<fix>", "exec")
+    assert "self[2](x.float())" in code

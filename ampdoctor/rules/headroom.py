@@ -24,7 +24,8 @@ import math
 from ..findings import Finding
 from ..records import DTYPE_LIMITS
 from . import RuleConfig, RunData, register
-from .origins import AUTOCAST_OFF, autocast_device
+from ..fixes import fp32_snippet
+from .origins import autocast_device
 
 __all__ = ["headroom_trend", "trend", "series"]
 
@@ -168,7 +169,7 @@ def _finding(run, phase, mod, pts, w, first_name: str, step: int) -> Finding:
            f"step {w['forecast']}{via}.")
     fix = ("Act before it overflows: lower the learning rate or add warmup, clip gradients (after "
            "`scaler.unscale_`), check weight decay on this layer, or keep it in fp32:\n"
-           + AUTOCAST_OFF.format(m=name or "(root)", dev=autocast_device(run)))
+           + fp32_snippet(name, autocast_device(run)))
     return Finding("headroom_trend", "warning", phase, name, None, step, msg, fix,
                    {"headroom_bits": round(bits, 3), "rate_bits_per_step": round(rate, 4),
                     "forecast_step": w["forecast"], "first_to_overflow": first_name,

@@ -10,7 +10,8 @@ import re
 from ..findings import Finding
 from ..records import DTYPE_LIMITS
 from . import RuleConfig, RunData, register
-from .origins import AUTOCAST_OFF, autocast_device
+from ..fixes import fp32_snippet
+from .origins import autocast_device
 from .steps import descendants, parents
 
 
@@ -65,7 +66,7 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 f"`{c.module or '(root)'}` ({c.type}) output reached {o.absmax:.4g}, which {what}.",
                 "Bound the values where they are made (normalise or rescale the input, a smaller init or "
                 "learning rate), clamp them before the low-precision op, or keep this module in fp32:\n"
-                + AUTOCAST_OFF.format(m=c.module or "(root)", dev=autocast_device(run)),
+                + fp32_snippet(c.module, autocast_device(run)),
                 {"absmax_out": o.absmax, "headroom_bits": head, "near_max": o.near_max, "dtype_out": o.dtype,
                  "overflow_as_ref": o.overflow_as_ref, "ref": o.ref, "rank_hint": 30})
     return list(seen.values())
@@ -110,8 +111,8 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    if not scaled else "The loss scale is too small for these gradients: do not pin a small "
                    "`init_scale`, check for a collapsed scale, or switch to bf16.")
             if phase == "forward":
-                fix = "Rescale these activations or keep the module in fp32 / use bf16:\n" + AUTOCAST_OFF.format(
-                    m=c.module, dev=autocast_device(run))
+                fix = ("Rescale these activations or keep the module in fp32 / use bf16:\n"
+                       + fp32_snippet(c.module, autocast_device(run)))
             out.append(Finding(
                 "underflow", "error" if phase == "backward" else "warning", phase, c.module, None, r.step,
                 f"{share:.0%} of the nonzero {'gradients flowing into' if phase == 'backward' else 'outputs of'} "
@@ -177,7 +178,7 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 f"up to {c.inp.absmax:.4g}: an intermediate overflowed in fp16 (e.g. x² > 65504 in a variance, "
                 "then x * rsqrt(inf) = 0) and was silently flushed to zero.",
                 "Compute the statistics in fp32 (`x.float().pow(2).mean(...)`, as HF's RMSNorm/T5LayerNorm do) or "
-                "keep the norm in fp32:\n" + AUTOCAST_OFF.format(m=c.module, dev=autocast_device(run)),
+                "keep the norm in fp32:\n" + fp32_snippet(c.module, autocast_device(run)),
                 {"absmax_in": c.inp.absmax, "zeros_out": c.out.zeros, "numel_out": c.out.numel,
                  "zeros_in": c.inp.zeros, "rank_hint": 15})]
     return []

@@ -9,10 +9,8 @@ from ..findings import Finding
 from ..producers import ACCUMULATING
 from ..records import ModuleCall, StepRecord
 from . import RuleConfig, RunData, register
+from ..fixes import fp32_snippet
 from .steps import absorbed, benign_backoff, onset_step
-
-AUTOCAST_OFF = ("with torch.autocast(device_type=\"{dev}\", enabled=False):\n"
-                "    out = module(x.float())   # run {m} in fp32")
 
 
 def autocast_device(run: RunData) -> str:
@@ -120,7 +118,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    f"{' (' + c.autocast + ' autocast)' if c and c.autocast else ''}; everything after it only "
                    "passed the non-finite values on.")
             fix = ("Keep this module in fp32 or rescale before the operation that overflows, e.g.\n"
-                   + AUTOCAST_OFF.format(m=module or "(root)", dev=dev)
+                   + fp32_snippet(module, dev)
                    + ("\nRun `ampdoctor replay` on the capture to see the exact op."
                       if any(r.capture for r in run.steps)
                       else "\nTo see the exact op, save a failing batch (`ampdoctor.save_batch`) and replay it.")
@@ -132,7 +130,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    f"{', on every step' if len(steps) > 2 else ''}; the forward was finite.")
             fix = ("Find the op whose derivative is unbounded here (log/log1p/sqrt/div/pow near 0, norms of tiny "
                    "vectors) and guard it with an epsilon representable in the working dtype, or run the module "
-                   "in fp32:\n" + AUTOCAST_OFF.format(m=module or "(root)", dev=dev))
+                   "in fp32:\n" + fp32_snippet(module, dev))
         out.append(Finding(rule, sev, phase, module, None, step, msg, fix, ev))
     out.extend(outside)
     if not groups and not out:
