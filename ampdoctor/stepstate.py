@@ -90,7 +90,8 @@ class StepMachine(MonitorCallbacks):
         if self._followup > 0:
             self._followup -= 1
         self.hr.reset()
-        self.hr.on = not sampled and not self._disabled  # sampled steps: the full statistics give the series
+        # sampled steps: the full statistics give the series; routine steps only with WatchConfig.headroom
+        self.hr.on = self.cfg.headroom and not sampled and not self._disabled
         return _Step(step=step, sampled=sampled)
 
     def _begin(self) -> None:

@@ -7,6 +7,7 @@ come from the optimizer / GradScaler themselves; the user's loop needs no extra 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import sys
 import weakref
 
@@ -47,18 +48,19 @@ atexit.register(_close_at_exit)
 
 
 def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None = None,
-          config: WatchConfig | None = None, tensorboard_dir=None, writer=None) -> "Watch":
+          config: WatchConfig | None = None, tensorboard_dir=None, writer=None,
+          headroom: bool | None = None) -> "Watch":
     """Start watching `model` (and optionally its optimizer and GradScaler). Returns a `Watch`; use it as a
     context manager or call `.close()`. See shared/CONTRACT.md."""
     return Watch(model, optimizer=optimizer, scaler=scaler, run_dir=run_dir, every=every, config=config,
-                 tensorboard_dir=tensorboard_dir, writer=writer)
+                 tensorboard_dir=tensorboard_dir, writer=writer, headroom=headroom)
 
 
 class Watch:
     """Owns the hooks and patches of one watched model. `close()` removes all of them and is idempotent."""
 
     def __init__(self, model, optimizer=None, scaler=None, run_dir=None, *, every=None, config=None,
-                 tensorboard_dir=None, writer=None):
+                 tensorboard_dir=None, writer=None, headroom=None):
         # -- DeepSpeed (ampdoctor/integrations/deepspeed.py): watch the engine's module, patch the engine
         ds_engine = _deepspeed.engine_of(model, optimizer)
         if ds_engine is not None:
@@ -79,6 +81,8 @@ class Watch:
         if config is not None and every is not None:
             raise WatchError("pass either every= or config=, not both")
         self.config = config or (WatchConfig(every=every) if every is not None else WatchConfig())
+        if headroom is not None:  # always-on headroom (WatchConfig.headroom)
+            self.config = dataclasses.replace(self.config, headroom=bool(headroom))
         self.model = model
         self.run_dir = None if run_dir is None else str(run_dir)
         params = {id(p) for p in model.parameters()}
@@ -259,7 +263,8 @@ class Watch:
         if self._wrapper is not None:
             m.compiled = True  # the compiled graph carries no hooks of ampdoctor's (see modulehooks.py)
         m.sync_module_hooks()  # step 0 is sampled: the other modules' hooks go on now
-        m.install_headroom_hooks()  # every step, every module: abs-max forward and backward (headroom.py)
+        if self.config.headroom:  # every step, every module: abs-max forward and backward (headroom.py)
+            m.install_headroom_hooks()
         self._handles.append(_optim.register_optimizer_step_pre_hook(m.global_opt_pre))
         self._handles.append(_optim.register_optimizer_step_post_hook(m.global_opt_post))
         if self.optimizer is not None:

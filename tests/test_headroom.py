@@ -26,11 +26,11 @@ class Net(nn.Module):
         return self.b(self.act(self.a(x)))
 
 
-def _train(model, steps, every, x_of=None, run_dir=None, dtype=torch.float16):
+def _train(model, steps, every, x_of=None, run_dir=None, dtype=torch.float16, headroom=True):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
     g = torch.Generator().manual_seed(0)
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, every=every, run_dir=run_dir)
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, every=every, run_dir=run_dir, headroom=headroom)
     for i in range(steps):
         opt.zero_grad()
         x = torch.randn(4, 8, generator=g) if x_of is None else x_of(i, g)
@@ -118,7 +118,7 @@ def test_tensorboard_headroom_bits_every_step():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sc = torch.amp.GradScaler("cpu")
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, writer=wr)
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, writer=wr, headroom=True)
     for _ in range(4):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
@@ -131,3 +131,11 @@ def test_tensorboard_headroom_bits_every_step():
     assert steps == [0, 1, 2, 3]
     v = next(v for tag, v, s in wr.scalars if tag == "headroom_bits/a" and s == 2)
     assert 5 < v < 20
+
+
+def test_always_on_headroom_is_opt_in():
+    """The default watch keeps its cost: no headroom hooks below the root, and routine steps carry no series."""
+    model = Net()
+    w = _train(model, 4, None, headroom=None)
+    assert not any(hasattr(h, "hr") for m in model.modules() for h in m._forward_hooks.values())
+    assert [r.headroom is not None for r in w.steps] == [True, False, False, False]  # step 0 is sampled

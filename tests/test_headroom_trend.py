@@ -91,7 +91,7 @@ def test_nanogpt_layer_whose_weights_grow_is_named_early():
         def inject(it, model, opt):
             with torch.no_grad():
                 model.get_submodule(target).weight.mul_(1.15 * (32.0 if it == 0 else 1.0))
-        _, w, _ = nanogpt.train(c, watch=lambda m, o, s: ampdoctor.watch(m, optimizer=o, scaler=s),
+        _, w, _ = nanogpt.train(c, watch=lambda m, o, s: ampdoctor.watch(m, optimizer=o, scaler=s, headroom=True),
                                 inject=inject)
         w.close()
     finally:

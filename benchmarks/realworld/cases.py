@@ -59,6 +59,7 @@ class Case:
     extra: Callable | None = None                # (report_dict, gt, info) -> (ok, label) an extra check
     note: str = ""
     needs_bad_step: bool = False                 # N/A (not FAIL) when the unwatched run never went bad
+    headroom: bool = False                       # watch with always-on headroom (WatchConfig.headroom)
 
 
 def nanogpt_probe(model):
@@ -147,7 +148,7 @@ def injected_cases() -> list[Case]:
                           extra=_capture_at_step,
                           note="init_scale 2**24" + (" + gradient checkpointing" if ckpt else "")))
     # (g) one layer's weights grow 15% per step (issue 15): headroom_trend >= 10 steps before the first inf
-    cases.append(Case("nanogpt/grow15%", "nanogpt", "float16", kind="injected", needs_bad_step=True,
+    cases.append(Case("nanogpt/grow15%", "nanogpt", "float16", kind="injected", needs_bad_step=True, headroom=True,
                       iters={"tiny": 40, "small": 40},
                       options=lambda size, dev: {"inject": loops.grow(f"transformer.h.{L(size) - 1}.mlp.c_fc", 2, 1.15,
                                                                       nanogpt_probe, start_absmax=1024.0)},

@@ -48,7 +48,7 @@ def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=No
             if watched:
                 import ampdoctor
                 wfn = lambda m, o, s: ampdoctor.watch(m, optimizer=o, scaler=s, run_dir=run_dir,  # noqa: E731
-                                                      every=every)
+                                                      every=every, headroom=case.headroom or None)
             losses, w, model = _train(case, size, device, iters, opts, wfn,
                                       lambda it, l, s0, s1: rows.append((l, s0, s1)))
             out.update(losses=losses, model=model, watch=w)
