@@ -102,6 +102,10 @@ def _rate_at(pts, step: int) -> float | None:
     return t[0]
 
 
+CHAIN_BITS = 4.0
+"""A layer joins a warned layer's chain only within this many bits (x16) of its headroom."""
+
+
 def _bits_at(pts, step: int) -> float:
     cur = [p[1] for p in pts if p[0] <= step]
     return cur[-1] if cur else math.inf
@@ -143,8 +147,12 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue
             # the producer: of the layers falling at about this rate at this step, the first in forward order
             # that is not an ancestor of another such layer
+            # (and close to it in headroom: a layer far from the max that drifts at a similar rate — training's
+            # own growth upstream — is not what carries this one towards it)
+            near = _bits_at(pts[i], w["step"]) + CHAIN_BITS
             chain = [j for j, p in pts.items() if j not in named and not _inside(mods[i][0], mods[j][0])
-                     and (r := _rate_at(p, w["step"])) is not None and 0.5 <= r / w["rate"] <= 2.0]
+                     and (r := _rate_at(p, w["step"])) is not None and 0.5 <= r / w["rate"] <= 2.0
+                     and _bits_at(p, w["step"]) <= near]
             chain = [j for j in chain if not any(o != j and _inside(mods[o][0], mods[j][0]) for o in chain)]
             if i not in chain:
                 chain.append(i)
