@@ -22,6 +22,7 @@ scaler.step(opt) -> scaler.update()` with AdamW and a GradScaler. The variants, 
 
     plain    the step as is
     default  ampdoctor.watch(model, optimizer=opt, scaler=scaler)          (ampdoctor's own sampling)
+    headroom ampdoctor.watch(model, optimizer=opt, scaler=scaler, headroom=True)  (always-on headroom, opt-in)
     every1   ampdoctor.watch(model, optimizer=opt, scaler=scaler, every=1)  (full per-layer stats every step)
     anomaly  the step inside torch.autograd.detect_anomaly()
     hf       transformers.debug_utils.DebugUnderflowOverflow(model)      (only when transformers imports)
@@ -62,7 +63,7 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ampdoctor
 
-ALL_VARIANTS = ("plain", "default", "every1", "anomaly", "hf")
+ALL_VARIANTS = ("plain", "default", "headroom", "every1", "anomaly", "hf")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,6 +214,8 @@ class Variant:
             self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler)
         elif self.name == "every1":
             self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, every=1)
+        elif self.name == "headroom":
+            self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, headroom=True)
         elif self.name == "hf":
             from transformers.debug_utils import DebugUnderflowOverflow
             self.debug = DebugUnderflowOverflow(self.model)
