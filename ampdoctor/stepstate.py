@@ -260,7 +260,10 @@ class StepMachine(MonitorCallbacks):
             if outs:
                 # a sum is non-finite when any value is (inf - inf = NaN); in a wider dtype it cannot overflow,
                 # and unlike isfinite(t).all() it allocates nothing the size of the output (e.g. the logits)
-                sums = [t.sum(dtype=torch.float32 if t.dtype == torch.float16 else torch.float64).reshape(1)
+                # (fp16/bf16 sum in fp32: asked for float64, CUDA's bf16 reduction first makes a copy the size of
+                # the output, +785 MiB on GPT-2's logits; a finite bf16 output whose fp32 sum overflows needs values
+                # near 1e34, already broken)
+                sums = [t.sum(dtype=torch.float32 if t.dtype in _HALF else torch.float64).reshape(1)
                         for t in outs]
                 st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
         if module is self._root and self.hr.on and exc is None:
@@ -359,6 +362,7 @@ class StepMachine(MonitorCallbacks):
             self._fail(e)
 
 
+_HALF = (torch.float16, torch.bfloat16)
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
 
