@@ -1,99 +1,14 @@
-"""The rule registry: pure functions `rule(run, config) -> list[Finding]`, one per rule id family.
+"""The rules: pure functions over a run's records, registered by id (ampdoctor/rules/registry.py).
 
-`run` is a `RunData` (RunMeta + StepRecords); `config` a `RuleConfig`. Registering a name twice is an error.
-`run_rules` applies every registered rule (or a chosen subset) and returns the findings unranked.
+Importing the package registers every rule module below; `run_rules(RunData(meta, steps), RuleConfig())` applies
+them. What a rule may import: records, findings, fixes, env and `registry`/`steps` here — never the recorder,
+the report or replay (tests/test_imports.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
-from ..errors import BadInput
-from ..findings import Finding
-from ..records import RunMeta, StepRecord
+from .registry import RULE_IDS, RULES, RuleConfig, RunData, register, run_rules
+from . import origins, numeric, scaler, weights, updates, envrules  # noqa: F401  (registration)
+from . import deepspeed  # noqa: F401  (DeepSpeed runs: rules/deepspeed.py)
+from . import headroom  # noqa: F401  (headroom_trend: rules/headroom.py)
 
 __all__ = ["RunData", "RuleConfig", "register", "RULES", "RULE_IDS", "run_rules"]
-
-# Every rule id of shared/CONTRACT.md (some are emitted by replay only).
-RULE_IDS = ("overflow", "nan_origin", "overflow_risk", "underflow", "loss_scale_collapse", "skipped_steps",
-            "clip_before_unscale", "scaler_misorder", "missing_scaler_update", "update_underflow",
-            "fp16_master_weights", "mask_value_overflow", "eps_underflow", "precision_loss", "env_tf32",
-            "headroom_trend", "update_spike", "deprecated_api", "replay_error")
-
-
-@dataclass
-class RunData:
-    meta: RunMeta
-    steps: list[StepRecord]
-
-    @property
-    def has_scaler(self) -> bool:
-        return bool(self.meta.scaler) and self.meta.scaler.get("enabled", True)
-
-
-@dataclass(kw_only=True)
-class RuleConfig:
-    near_max_bits: float = 1.0
-    """overflow_risk: warn when a forward activation has less than this many bits of headroom (fp16: > 2^15)."""
-    underflow_share: float = 0.25
-    """underflow: share of nonzero values below the normal range that counts as 'large'."""
-    underflow_min_nonzero: int = 16
-    collapse_consecutive: int = 10
-    """loss_scale_collapse: this many skipped steps in a row."""
-    collapse_min_scale: float = 1e-4
-    skipped_share: float = 0.05
-    skipped_min: int = 5
-    rounded_away_share: float = 0.5
-    spike_factor: float = 2.0
-    """update_spike: one update multiplied a weight's L2 norm by at least this (healthy updates change it by %)."""
-    spike_window_factor: float = 10.0
-    """update_spike: the updates between two sampled steps multiplied it by at least this."""
-    headroom_max_bits: float = 8.0
-    """headroom_trend: warn only when a layer has at most this many bits left (fp16: abs-max >= 256)."""
-    headroom_min_rate: float = 0.03
-    """headroom_trend: ... and its headroom falls at least this many bits per step (a steady trend)."""
-    headroom_horizon: int = 300
-    """headroom_trend: ... and the forecast overflow is at most this many steps away."""
-    only: tuple[str, ...] | None = None
-    """Run only these rule ids."""
-
-    def __post_init__(self) -> None:
-        if self.only is not None:
-            unknown = [r for r in self.only if r not in RULE_IDS]
-            if unknown:
-                raise BadInput(f"unknown rule id(s) {', '.join(unknown)}; known: {', '.join(RULE_IDS)}")
-
-
-RuleFn = Callable[[RunData, RuleConfig], "list[Finding]"]
-RULES: dict[str, tuple[tuple[str, ...], RuleFn]] = {}
-
-
-def register(name: str, emits: tuple[str, ...]):
-    """Decorator: register a rule function under `name`, emitting the rule ids in `emits`."""
-    def deco(fn: RuleFn) -> RuleFn:
-        if name in RULES:
-            raise RuntimeError(f"duplicate registrations for rule {name!r}")
-        bad = [e for e in emits if e not in RULE_IDS]
-        if bad:
-            raise RuntimeError(f"rule {name!r} emits unknown ids {bad}")
-        RULES[name] = (emits, fn)
-        return fn
-    return deco
-
-
-def run_rules(run: RunData, config: RuleConfig | None = None) -> list[Finding]:
-    config = config or RuleConfig()
-    out: list[Finding] = []
-    for name, (emits, fn) in RULES.items():
-        if config.only is not None and not set(emits) & set(config.only):
-            continue
-        found = fn(run, config)
-        if config.only is not None:
-            found = [f for f in found if f.rule in config.only]
-        out.extend(found)
-    return out
-
-
-from . import origins, numeric, scaler, weights, updates, envrules  # noqa: E402,F401  (registration)
-from . import deepspeed  # noqa: E402,F401  (DeepSpeed runs: rules/deepspeed.py)
-from . import headroom  # noqa: E402,F401  (headroom_trend: rules/headroom.py)

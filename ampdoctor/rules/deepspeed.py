@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..findings import Finding
-from . import RuleConfig, RunData, register
+from .registry import RuleConfig, RunData, register
 
 _AT_MIN = "Current loss scale already at minimum"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..env import MODERN
 from ..findings import Finding
-from . import RuleConfig, RunData, register
+from .registry import RuleConfig, RunData, register
 
 
 def check_env(env: dict, *, uses_fp32_compute: bool | None = None) -> list[Finding]:

@@ -9,7 +9,7 @@ import re
 
 from ..findings import Finding
 from ..records import DTYPE_LIMITS
-from . import RuleConfig, RunData, register
+from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .origins import autocast_device
 from .steps import descendants, parents

@@ -8,7 +8,7 @@ import math
 from ..findings import Finding
 from ..producers import ACCUMULATING
 from ..records import ModuleCall, StepRecord
-from . import RuleConfig, RunData, register
+from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .steps import absorbed, benign_backoff, onset_step
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..findings import Finding
 from ..records import CallEvent, StepRecord
-from . import RuleConfig, RunData, register
+from .registry import RuleConfig, RunData, register
 from .steps import benign_backoff
 
 ORDER = ("scaler.scale(loss).backward()\n"

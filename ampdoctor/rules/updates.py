@@ -12,7 +12,7 @@ import math
 
 from ..findings import Finding
 from ..records import StepRecord
-from . import RuleConfig, RunData, register
+from .registry import RuleConfig, RunData, register
 from .steps import absorbed_modules, benign_backoff, real_bad
 
 _MIN_RMS = 1e-3        # weights whose root-mean-square is below this have no scale to spike from

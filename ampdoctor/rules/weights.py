@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..findings import Finding
-from . import RuleConfig, RunData, register
+from .registry import RuleConfig, RunData, register
 
 _FP16_GRADS = "Attempting to unscale FP16 gradients"
 
