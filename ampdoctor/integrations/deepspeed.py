@@ -46,7 +46,10 @@ def engine_of(model, optimizer=None):
         return None
     if is_engine(model):
         return model
-    return find_engine(model) if isinstance(model, nn.Module) else None
+    # the engine's own module with its optimizer (a trainer's callback): only then search the heap for the engine
+    # (gc.get_referrers walks every object: not on each plain watch() of a process that merely imported deepspeed)
+    from_ds = optimizer is not None and (type(optimizer).__module__ or "").startswith("deepspeed")
+    return find_engine(model) if from_ds and isinstance(model, nn.Module) else None
 
 
 def find_engine(module: nn.Module):
