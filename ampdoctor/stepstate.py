@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from . import cpustats, fused
+from .gradexits import ExitHook, gradient_exits, in_backward, sequence_nr
 from .modulehooks import ModuleHook, hookable, in_compiled_frame
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
@@ -189,7 +190,7 @@ class StepMachine(MonitorCallbacks):
     def forward_pre(self, module, args, kwargs):
         # under torch.compile the hook compiles away (nothing of ampdoctor's enters the graph); inside a backward
         # it is activation checkpointing re-running the forward: not a forward of the step
-        if self._disabled or self.suspended or torch.compiler.is_compiling() or _in_backward():
+        if self._disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
             return None
         try:
             self._forward_pre(module, args, kwargs)
@@ -230,14 +231,14 @@ class StepMachine(MonitorCallbacks):
         for t in tensors:
             if is_measurable(t):
                 self._row(c, "inp", t, light=True)
-        if grad and _SEQ_NR is not None:
+        if grad and sequence_nr is not None:
             ins = [t for t in tensors if t.requires_grad and is_measurable(t)]
             if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)
                 c.grad_inputs = ins
-                c.seq0 = _SEQ_NR()
+                c.seq0 = sequence_nr()
 
     def forward_post(self, module, args, kwargs, output):
-        if self._disabled or self.suspended or torch.compiler.is_compiling() or _in_backward():
+        if self._disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
             return None
         try:
             self._forward_post(module, output)
@@ -282,7 +283,7 @@ class StepMachine(MonitorCallbacks):
         if ins:
             hook = self._grad_hook(c, "gin")
             for node, idx in gradient_exits(outs, ins, c.seq0):
-                node.register_hook(_ExitHook(idx, hook))
+                node.register_hook(ExitHook(idx, hook))
 
     def exception_info(self, exc: BaseException, default_module: str | None) -> dict:
         f, ln = tb_location(exc)
@@ -363,63 +364,3 @@ class StepMachine(MonitorCallbacks):
 
 
 _HALF = (torch.float16, torch.bfloat16)
-_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (checkpointing's recomputation)."""
-    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
-
-
-_SEQ_NR = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next autograd node's sequence number
-_NO_SEQ = (1 << 64) - 1  # AccumulateGrad nodes (leaves) carry the largest sequence number
-
-
-def gradient_exits(outputs: list, inputs: list, seq0: int) -> list[tuple[object, list[int]]]:
-    """The autograd nodes a module's forward created that hand a gradient straight to one of its inputs, each
-    with the positions of those inputs among the node's next functions.
-
-    The gradient flowing out of *this* module towards an input (not the sum over all the input's consumers)
-    is the node's output at those positions, read by a post-hook on the node. Nothing is added to the graph,
-    so autograd sums an input used several times in exactly the order it does without a watch (a hooked view
-    per input would reorder those sums and change the gradients' last bits). Only nodes created during the
-    module's forward (sequence number >= seq0) are walked."""
-    targets = {(id(t.grad_fn), t.output_nr) for t in inputs if t.grad_fn is not None}
-    leaves = {id(t) for t in inputs if t.grad_fn is None}
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: dict[int, object] = {}
-    exits = []
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        sq = node._sequence_nr()
-        if sq < seq0 or sq == _NO_SEQ:
-            continue  # made before this module ran (an input's own node), or a leaf's accumulator
-        hit = []
-        for i, (nxt, nr) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
-            if (id(nxt), nr) in targets or (leaves and type(nxt).__name__ == "AccumulateGrad"
-                                             and id(nxt.variable) in leaves):
-                hit.append(i)
-            elif id(nxt) not in seen:
-                stack.append(nxt)
-        if hit:
-            exits.append((node, hit))
-    return exits
-
-
-class _ExitHook:
-    """Node post-hook: measure the gradients a node hands to the module's inputs (see gradient_exits)."""
-    __slots__ = ("idx", "hook")
-
-    def __init__(self, idx: list[int], hook):
-        self.idx, self.hook = idx, hook
-
-    def __call__(self, grad_inputs, grad_outputs):
-        for i in self.idx:
-            if i < len(grad_inputs) and grad_inputs[i] is not None:
-                self.hook(grad_inputs[i])
-        return None
