@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "sequence_nr", "gradient_exits", "ExitHook"]
+__all__ = ["in_backward", "sequence_nr", "gradient_exits", "ExitHook", "Regions"]
 
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -24,7 +24,40 @@ sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next 
 _NO_SEQ = (1 << 64) - 1  # AccumulateGrad nodes (leaves) carry the largest sequence number
 
 
-def gradient_exits(outputs: list, inputs: list, seq0: int) -> list[tuple[object, list[int]]]:
+def _key(t):
+    return (id(t.grad_fn), t.output_nr) if t.grad_fn is not None else ("leaf", id(t))
+
+
+class Region:
+    """The autograd nodes one finished module call's walk covered, and its exits (node, position, input key).
+    An enclosing call's walk passes a finished region in one move: its exits that reach the enclosing call's
+    inputs are the enclosing call's too, and the walk goes on from the region's own inputs."""
+    __slots__ = ("nodes", "edges", "inputs", "outer", "done", "seq0")
+
+    def __init__(self, seq0: int = 0):
+        self.seq0 = seq0         # the call began here: only an enclosing call's walk (seq0 <= this) passes it
+        self.nodes: list = []    # kept alive for the step, so that their ids stay theirs
+        self.edges: list = []
+        self.inputs: list = []   # the grad_fns of the call's inputs
+        self.outer: Region | None = None
+        self.done = False
+
+
+class Regions:
+    """Per step: which finished region each walked node belongs to (the outermost one, through `outer`)."""
+    __slots__ = ("owner",)
+
+    def __init__(self):
+        self.owner: dict[int, Region] = {}
+
+    def top(self, node) -> Region | None:
+        r = self.owner.get(id(node))
+        while r is not None and r.outer is not None and r.outer.done:
+            r = r.outer
+        return r
+
+
+def gradient_exits(outputs: list, inputs: list, seq0: int, regions: Regions | None = None) -> list:
     """The autograd nodes a module's forward created that hand a gradient straight to one of its inputs, each
     with the positions of those inputs among the node's next functions.
 
@@ -32,32 +65,62 @@ def gradient_exits(outputs: list, inputs: list, seq0: int) -> list[tuple[object,
     is the node's output at those positions, read by a post-hook on the node. Nothing is added to the graph,
     so autograd sums an input used several times in exactly the order it does without a watch (a hooked view
     per input would reorder those sums and change the gradients' last bits). Only nodes created during the
-    module's forward (sequence number >= seq0) are walked."""
-    targets = {(id(t.grad_fn), t.output_nr) for t in inputs if t.grad_fn is not None}
-    leaves = {id(t) for t in inputs if t.grad_fn is None}
+    module's forward (sequence number >= seq0) are walked; with `regions`, a submodule call walked before is
+    passed in one move, so nested modules cost one walk of the graph, not one per level."""
+    targets = {_key(t) for t in inputs}
+    region = Region(seq0)
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: dict[int, object] = {}
-    exits = []
+    passed: set[int] = set()
+    hits: dict[int, tuple[object, list[int]]] = {}
+    mine: list = []
+
+    def hit(node, i, key):
+        region.edges.append((node, i, key))
+        h = hits.get(id(node))
+        if h is None:
+            hits[id(node)] = (node, [i])
+        elif i not in h[1]:
+            h[1].append(i)
+
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen[id(node)] = node
+        inner = regions.top(node) if regions is not None else None
+        if inner is not None and inner.done and inner.seq0 >= seq0:
+            if id(inner) not in passed:  # a finished submodule call: its exits and its inputs, once
+                passed.add(id(inner))
+                inner.outer = region
+                for n, i, key in inner.edges:
+                    if key in targets:
+                        hit(n, i, key)
+                for n in inner.inputs:
+                    if id(n) not in seen:
+                        stack.append(n)
+            continue
         sq = node._sequence_nr()
         if sq < seq0 or sq == _NO_SEQ:
             continue  # made before this module ran (an input's own node), or a leaf's accumulator
-        hit = []
+        mine.append(node)
         for i, (nxt, nr) in enumerate(node.next_functions):
             if nxt is None:
                 continue
-            if (id(nxt), nr) in targets or (leaves and type(nxt).__name__ == "AccumulateGrad"
-                                             and id(nxt.variable) in leaves):
-                hit.append(i)
+            key = (id(nxt), nr)
+            if key not in targets and type(nxt).__name__ == "AccumulateGrad":
+                key = ("leaf", id(nxt.variable))
+            if key in targets:
+                hit(node, i, key)
             elif id(nxt) not in seen:
                 stack.append(nxt)
-        if hit:
-            exits.append((node, hit))
-    return exits
+    if regions is not None:
+        region.nodes = list(seen.values())
+        region.inputs = [t.grad_fn for t in inputs if t.grad_fn is not None]
+        for n in mine:  # only nodes this call's forward made: not the inputs' nodes the walk stopped at
+            regions.owner.setdefault(id(n), region)
+        region.done = True
+    return list(hits.values())
 
 
 class ExitHook:

@@ -59,4 +59,5 @@ class _Step:
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
     headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/headroom.py)
+    regions: object = None  # gradexits.Regions of this step's walked module calls (released at presync)
     late: object = None  # values queued after presync (sync.found_inf_all), read at finalize

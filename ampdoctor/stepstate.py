@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from . import cpustats, fused
-from .gradexits import ExitHook, gradient_exits, in_backward, sequence_nr
+from .gradexits import ExitHook, Regions, gradient_exits, in_backward, sequence_nr
 from .modulehooks import ModuleHook, hookable, in_compiled_frame
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
@@ -282,7 +282,9 @@ class StepMachine(MonitorCallbacks):
                 t.register_hook(self._grad_hook(c, "gout"))
         if ins:
             hook = self._grad_hook(c, "gin")
-            for node, idx in gradient_exits(outs, ins, c.seq0):
+            if st.regions is None:
+                st.regions = Regions()
+            for node, idx in gradient_exits(outs, ins, c.seq0, st.regions):
                 node.register_hook(ExitHook(idx, hook))
 
     def exception_info(self, exc: BaseException, default_module: str | None) -> dict:

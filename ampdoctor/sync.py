@@ -72,6 +72,7 @@ def found_inf_all(m) -> None:
 
 def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
+    st.regions = None  # the backward is done: the walked autograd nodes need not stay referenced
     if st.synced is not None or st.pending is not None:
         return
     parts: list[tuple[str, torch.Tensor]] = []
