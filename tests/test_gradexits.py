@@ -3,7 +3,6 @@ forward made. With `Regions` a finished submodule's walk is reused by the enclos
 exactly the exits the full walk finds, on real nested models."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -71,12 +70,7 @@ def test_reused_regions_find_the_same_exits_as_full_walks():
 
 
 def test_same_exits_on_a_hugging_face_t5():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.0,
-                                decoder_start_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(cfg)
-    ids = torch.randint(1, 64, (2, 9))
-    full, fast, out = _exits_both_ways(model, input_ids=ids, labels=ids[:, :5].contiguous())
+    from test_identity import _t5  # the tiny T5 of the bitwise-identity tests
+    model, batch, _ = _t5()
+    full, fast, out = _exits_both_ways(model, **batch(0))
     assert len(full) > 20 and full == fast
