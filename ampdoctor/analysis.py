@@ -26,7 +26,8 @@ def build_report(meta: RunMeta, steps: list[StepRecord], *, run_dir: str | None 
                  config: RuleConfig | None = None) -> Report:
     run = RunData(meta, steps)
     findings = rank(run_rules(run, config))
-    return Report(findings, summarize(meta, steps, findings, run_dir, run.has_scaler), _panels(meta, steps))
+    return Report(findings, summarize(meta, steps, findings, run_dir, run.has_scaler),
+                  _panels(meta, steps, findings))
 
 
 def _headroom(s) -> float | None:
@@ -40,7 +41,7 @@ def _headroom(s) -> float | None:
     return math.log2(mx / s.absmax)
 
 
-def _panels(meta: RunMeta, steps: list[StepRecord]) -> dict:
+def _panels(meta: RunMeta, steps: list[StepRecord], findings: list[Finding] = ()) -> dict:
     benign = benign_backoff(steps, RunData(meta, steps).has_scaler)
     mods = absorbed_modules(steps)
     bad = {r.step for r in steps if real_bad(r, benign, mods)}
@@ -90,7 +91,46 @@ def _panels(meta: RunMeta, steps: list[StepRecord]) -> dict:
                         "headroom": [[head[m].get(s) for s in hsteps] for m in mods]},
             "grad_norms": {"names": gnames, "steps": gsteps,
                            "values": [[gval.get((s, n)) for s in gsteps] for n in gnames]},
-            "calls": calls[-2000:], "env": meta.env}
+            "calls": calls[-2000:], "env": meta.env,
+            "headroom_timeline": _headroom_timeline(meta, steps, findings, head, min(bad) if bad else None)}
+
+
+_HT_MAX = {"h": DTYPE_LIMITS["float16"][0], "b": DTYPE_LIMITS["bfloat16"][0]}
+
+
+def _headroom_timeline(meta: RunMeta, steps: list[StepRecord], findings, head: dict, first_bad) -> dict:
+    """Forward headroom bits per step (StepRecord.headroom; the sampled steps' statistics where a step has none)
+    of the layers that matter: those named by headroom_trend findings, then the 5 with the least headroom at any
+    step; 8 at most. None: not measured (or not fp16/bf16); -inf: non-finite. `forecast`: per warned layer, the
+    step its headroom is forecast to reach zero."""
+    names = [m[0] for m in meta.modules]
+    series: dict[str, dict[int, float | None]] = {}
+    for r in steps:
+        h = r.headroom or {}
+        fwd, dts = h.get("fwd") or [], h.get("dtype") or ""
+        for i, v in enumerate(fwd[:len(names)]):
+            if v is None:
+                continue
+            if not math.isfinite(v):
+                b = -math.inf
+            elif dts[i:i + 1] in _HT_MAX and v > 0:
+                b = math.log2(_HT_MAX[dts[i]] / v)
+            else:
+                continue
+            d = series.setdefault(names[i], {})
+            d[r.step] = min(d.get(r.step, b), b)
+    for m, d in head.items():              # sampled steps recorded without a headroom vector
+        for s, b in d.items():
+            series.setdefault(m, {}).setdefault(s, b)
+    forecast = {}
+    for f in findings:
+        if f.rule == "headroom_trend" and f.phase == "forward" and f.module in series:
+            forecast.setdefault(f.module, f.evidence.get("forecast_step"))
+    rest = sorted((m for m in series if m not in forecast), key=lambda m: (min(series[m].values()), m))
+    mods = (list(forecast) + rest[:5])[:8]
+    hsteps = sorted({s for m in mods for s in series[m]})
+    return {"modules": mods, "steps": hsteps, "headroom": [[series[m].get(s) for s in hsteps] for m in mods],
+            "forecast": forecast, "first_bad_step": first_bad}
 
 
 def diagnose_run_dir(run_dir: str) -> Report:

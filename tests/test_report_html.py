@@ -329,3 +329,17 @@ def test_report_cli_stderr_is_quiet(real, tmp_path):
     assert p.returncode == 1, p.stderr
     assert p.stderr == ""
     assert os.path.exists(tmp_path / "out" / "index.html")
+
+
+def test_headroom_timeline_section(tmp_path):
+    """A watched run with headroom=True shows the headroom timeline image; a short default run the sentence."""
+    import ampdoctor
+    from test_report_plots import _growing_run
+    html = render_html(_growing_run())
+    sec = html[html.index('id="headroom-timeline"'):]
+    sec = sec[:sec.index("</section>")]
+    assert "data:image/png;base64," in sec and "fc1" in sec
+    html = render_html(ampdoctor.diagnose(rs.short_healthy_run(tmp_path / "run")))
+    sec = html[html.index('id="headroom-timeline"'):]
+    sec = sec[:sec.index("</section>")]
+    assert 'class="empty"' in sec and "headroom=True" in sec and "<img" not in sec

@@ -15,7 +15,9 @@ def _png_shape(path):
 
 def test_write_plots_all_panels(tmp_path):
     paths = write_plots(rs.overflow_report(), tmp_path)
-    assert sorted(os.path.basename(p) for p in paths) == sorted(PLOT_FILES.values())
+    # the sample predates the headroom timeline panel (tested on real runs below)
+    assert sorted(os.path.basename(p) for p in paths) == sorted(v for k, v in PLOT_FILES.items()
+                                                                if k != "headroom_timeline")
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -78,3 +80,82 @@ def test_one_sampled_step_is_a_sentence():
     from ampdoctor.report import panels
     reasons = panels.empty_reasons(d)
     assert "every=1" in reasons["heatmap"] and "every 200 steps" in reasons["grad_norms"]
+
+
+# -- the per-layer headroom timeline (issue 15 item 3) -----------------------------------------------------------
+def _growing_run(steps=44):
+    """A real watched run: fp16 autocast + GradScaler on CPU, `fc1`'s weight multiplied by 1.15 every step."""
+    import torch
+    import ampdoctor
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+
+    torch.manual_seed(0)
+    m = Net()
+    opt, sc = torch.optim.SGD(m.parameters(), lr=0.0), torch.amp.GradScaler("cpu", init_scale=256.0)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        m.fc1.weight.mul_(40.0)
+    with ampdoctor.watch(m, optimizer=opt, scaler=sc, headroom=True) as w:
+        for _ in range(steps):
+            with torch.no_grad():
+                m.fc1.weight.mul_(1.15)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+    return w.report(replay=False)
+
+
+def test_headroom_timeline_of_a_growing_layer(tmp_path):
+    """The panel holds the warned layer with a falling series and its forecast; the PNG is drawn, no warnings."""
+    import warnings
+    rep = _growing_run()
+    ht = rep.data["headroom_timeline"]
+    assert ht["modules"][0] == "fc1" and len(ht["modules"]) <= 8
+    warned = next(f for f in rep.findings if f.rule == "headroom_trend" and f.phase == "forward")
+    assert ht["forecast"] == {"fc1": warned.evidence["forecast_step"]}
+    assert ht["first_bad_step"] == rep.summary["first_bad_step"]
+    row = ht["headroom"][0]
+    assert len(ht["steps"]) == 44 and all(v is not None for v in row)
+    assert row[0] > 8 and row[-1] < 2 and all(b < a for a, b in zip(row, row[1:]))
+    d = rep.to_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = write_plots(d, tmp_path)
+    assert str(tmp_path / PLOT_FILES["headroom_timeline"]) in paths
+    h, w, _ = _png_shape(tmp_path / PLOT_FILES["headroom_timeline"])
+    assert w >= 800 and h >= 250
+
+
+def test_headroom_timeline_marks_non_finite_steps():
+    import warnings
+    from ampdoctor.report.plots import render
+    ht = {"modules": ["a", "b"], "steps": [0, 1, 2, 3], "headroom": [[3.0, 2.0, 1.0, "-inf"], [9.0, None, 9.0, 9.0]],
+          "forecast": {"a": 4}, "first_bad_step": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = render({"headroom_timeline": ht})["headroom_timeline"]
+    assert "step 3" in p.caption and "`a`" in p.caption and len(p.png) > 5000
+
+
+def test_headroom_timeline_short_default_run_is_a_sentence(tmp_path):
+    """A healthy default run has headroom on step 0 only: no plot, one sentence naming what to pass."""
+    import warnings
+    import ampdoctor
+    from ampdoctor.report.plots import headroom_timeline_empty
+    rep = ampdoctor.diagnose(rs.short_healthy_run(tmp_path / "run"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = render_plots(rep)
+    assert PLOT_FILES["headroom_timeline"] not in out
+    why = headroom_timeline_empty(rep.to_dict())
+    assert "headroom=True" in why and "every=1" in why

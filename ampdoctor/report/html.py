@@ -28,7 +28,9 @@ LAYER_COLS = [("module", "module", "str"), ("type", "type", "str"), ("calls", "c
               ("grad_norm", "grad norm", "num"), ("nonfinite_out", "non-finite out", "num")]
 PLOT_INFO = {"heatmap": ("heatmap", "Headroom heatmap", "layer × step; black: inf/NaN output; hover a row for its values"),
              "timeline": ("timeline", "Loss-scale timeline", "skipped steps shaded red"),
-             "grad_norms": ("grad-norms", "Gradient norms", "per parameter, right after unscale_; worst value per bin")}
+             "grad_norms": ("grad-norms", "Gradient norms", "per parameter, right after unscale_; worst value per bin"),
+             "headroom_timeline": ("headroom-timeline", "Headroom timeline",
+                                   "forward headroom per step, closest layers; dotted: forecast to the max")}
 
 
 def _sort_value(v, col: str) -> str:
@@ -213,13 +215,15 @@ def _rich(text) -> "markupsafe.Markup":
 
 def _plots(d: dict, plots: dict | None) -> tuple[list[dict], dict[str, str]]:
     """Plot rows for the template and the PNGs to write beside index.html ({file name: bytes})."""
-    from .plots import PLOT_FILES, Plot, render
+    from .plots import PLOT_FILES, Plot, headroom_timeline_empty, render
     if plots is None:
         rendered = render(d)
     else:                          # PNGs given by the caller, by file name
         by_file = {v: k for k, v in PLOT_FILES.items()}
         rendered = {by_file[n]: Plot(png) for n, png in plots.items() if n in by_file}
     reasons = panels.empty_reasons(d)
+    if (why := headroom_timeline_empty(d)) is not None:
+        reasons["headroom_timeline"] = why
     rows = []
     for key in PLOT_FILES:
         sid, title, note = PLOT_INFO[key]

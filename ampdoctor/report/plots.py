@@ -1,9 +1,10 @@
-"""Static plots of a Report (matplotlib, no pyplot): headroom heatmap, loss-scale timeline, per-layer gradient norms.
+"""Static plots of a Report (matplotlib, no pyplot): headroom heatmap, loss-scale timeline, per-layer gradient norms,
+per-layer headroom timeline (every step, with the headroom_trend forecast).
 
 `render_plots(report)` returns {file name: PNG bytes}; `write_plots(report, out_dir)` writes the same files so
 each can be used on its own; `render(report)` gives the `Plot`s themselves (PNG plus the heatmap's row regions,
 which the HTML lays over the image as tooltips). A plot with nothing to show is not drawn: panels.empty_reasons
-says why in one sentence instead. Large runs are downsampled by keeping the worst value per bin (panels.py).
+says why in one sentence instead (`headroom_timeline_empty` for the headroom timeline). Large runs are downsampled by keeping the worst value per bin (panels.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from .panels import num
 
 __all__ = ["render_plots", "write_plots", "render", "Plot", "PLOT_FILES"]
 
-PLOT_FILES = {"heatmap": "headroom_heatmap.png", "timeline": "loss_scale.png", "grad_norms": "grad_norms.png"}
+PLOT_FILES = {"heatmap": "headroom_heatmap.png", "headroom_timeline": "headroom_timeline.png",
+              "timeline": "loss_scale.png", "grad_norms": "grad_norms.png"}
 RED, ORANGE, BLUE, GREY, INK, BLACK = "#c5221f", "#e37400", "#1a73e8", "#9aa0a6", "#202124", "#000000"
 BF16_BITS = math.log2(panels.FP16_MAX / panels.BF16_MAX)          # -112: bf16's max on the fp16 headroom axis
 UNDERFLOW_BITS = math.log2(panels.FP16_MAX / panels.FP16_MIN_NORMAL)  # 30: below this absmax is all subnormal
@@ -235,7 +237,66 @@ def _grad_norms(gn: dict, d: dict, top: int = 8) -> Plot | None:
     return Plot(_png(fig))
 
 
-_RENDERERS = {"heatmap": _heatmap, "timeline": _timeline, "grad_norms": _grad_norms}
+def headroom_timeline_empty(d: dict) -> str | None:
+    """One sentence when a run report's headroom timeline has nothing to draw (why, and what to pass); None when
+    it has, or when the report is not a run's."""
+    if not d.get("timeline"):
+        return None
+    ht = d.get("headroom_timeline") or {}
+    steps = [s for s, *col in zip(ht.get("steps") or [], *(ht.get("headroom") or [[]]))
+             if any(num(v) is not None for v in col)]
+    if len(steps) >= 2:
+        return None
+    seen = f"for step {steps[0]} only" if steps else "for no step"
+    return (f"Per-layer headroom was recorded {seen}, so there is no timeline to draw: pass `headroom=True` (or "
+            f"`every=1`) to `ampdoctor.watch` to record every layer's headroom on every step.")
+
+
+def _headroom_timeline(ht: dict, d: dict) -> Plot | None:
+    import matplotlib
+
+    if headroom_timeline_empty({"timeline": [1], "headroom_timeline": ht}) is not None:
+        return None                                    # fewer than two measured steps (the sentence says why)
+    mods, forecast = list(ht.get("modules") or []), dict(ht.get("forecast") or {})
+    first_bad = num(ht.get("first_bad_step"))
+    fig, ax = _subplots((11, 3.8))
+    colors = [c for i, c in enumerate(matplotlib.colormaps["tab10"].colors) if i != 3]   # red marks inf/NaN
+    bad_x, lo, hi, caption = [], 0.0, 1.0, []
+    for k, (m, row) in enumerate(zip(mods, ht.get("headroom") or [])):
+        xs, ys = panels.downsample_series(ht.get("steps") or [], row, keep="min")
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
+        bad_x += [x for x, y in zip(xs, ys) if y is not None and not math.isfinite(y)]
+        label = (m or "(root)")[-50:]
+        fc = num(forecast.get(m)) if m in forecast else None
+        color = colors[k % len(colors)]
+        if fc is not None:
+            label += f" (forecast 0 bits at step {fc:.0f})"
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=1.8 if m in forecast else 1.1,
+                    marker="." if len(pts) < 60 else None, ms=4, label=label)
+            lo, hi = min(lo, min(p[1] for p in pts)), max(hi, max(p[1] for p in pts))
+            if fc is not None and fc > pts[-1][0]:
+                ax.plot([pts[-1][0], fc], [pts[-1][1], 0.0], color=color, lw=1.2, ls=":")
+                ax.plot([fc], [0.0], marker="x", color=color, ms=7, mew=1.8)
+                caption.append(f"`{m or '(root)'}`: {pts[-1][1]:.1f} bits left at step {pts[-1][0]}, forecast to "
+                               f"reach the max around step {fc:.0f} (dotted).")
+    if bad_x:
+        ax.plot(sorted(set(bad_x)), [0.0] * len(set(bad_x)), "x", color=RED, ms=6, mew=1.6, clip_on=False,
+                label="inf/NaN output on that step")
+    ax.axhline(0.0, color=INK, lw=1.0)
+    if first_bad is not None:
+        ax.axvline(first_bad, color=RED, lw=1.6, ls="--", label=f"first bad step ({first_bad:.0f})")
+        caption.append(f"Dashed line: step {first_bad:.0f}, the first bad step.")
+    ax.set_ylim(min(lo, 0.0) - 0.5, hi + 1.0)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("bits of headroom (0 = dtype max)")
+    ax.set_title("Forward headroom per layer and step (the layers closest to the max; dotted: forecast)", color=INK)
+    _legend(ax, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
+    return Plot(_png(fig), caption=" ".join(caption))
+
+
+_RENDERERS = {"heatmap": _heatmap, "timeline": _timeline, "grad_norms": _grad_norms,
+              "headroom_timeline": _headroom_timeline}
 
 
 def render(report) -> dict[str, Plot]:
