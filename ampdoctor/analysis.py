@@ -278,7 +278,10 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
     refined: set[int] = set()
     ops = (rr.data.get("replay") or {}).get("ops") or []
     for i, g in enumerate(findings):  # the op inside each module-level producer, from the replay's op events
-        unlocated = bool(g.evidence.get("unlocated"))
+        # a module seen on a later sampled step (evidence.observed_step) went bad on another batch: the replay of
+        # the capture of the step itself says which module made the inf/NaN there
+        unlocated = bool(g.evidence.get("unlocated")) or (
+            g.evidence.get("observed_step") not in (None, g.step) and by_step.get(g.step) == cap)
         if g.rule not in ("overflow", "nan_origin") or g.severity == "info" or (g.module is None and not unlocated):
             continue
         ev = next((o for o in ops if (o.get("phase") == g.phase or unlocated) and o.get("kind") in ("overflow", "nan_origin")

@@ -92,3 +92,41 @@ def test_a_persistent_skip_after_the_scale_settled_is_captured(tmp_path):
     assert not any(r.skipped for r in w.steps[:4])
     caps = sorted(int(d) for d in os.listdir(tmp_path / "captures"))
     assert caps and caps[0] == 4, caps
+
+
+def test_issue18_gpt2_with_checkpointing_names_the_spiked_projection_from_its_capture(tmp_path):
+    """Issue 18's sequence on a tiny HF GPT-2 with gradient checkpointing and the default sampling: the weights
+    of h.1's c_proj x1e6 at step 4 (an unsampled step). The follow-up step sees the inf first in the dropout
+    after it (another batch); the replay of step 4's own capture names c_proj and its op, at step 4."""
+    transformers = __import__("pytest").importorskip("transformers")
+    import warnings
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=128, vocab_size=512)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4)
+    sc = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=tmp_path)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(8):
+            if step == 4:
+                with torch.no_grad():
+                    model.transformer.h[1].mlp.c_proj.weight.mul_(1e6)
+            ids = torch.randint(0, 512, (2, 64), generator=g)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(input_ids=ids, labels=ids).loss
+            sc.scale(loss).backward()
+            sc.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            sc.step(opt)
+            sc.update()
+        w.close()
+        rep = w.report()
+    assert rep.summary["first_bad_step"] == 4 and [os.path.basename(c) for c in rep.summary["captures"]] == ["4"]
+    top = rep.findings[:3]
+    assert any(f.rule == "overflow" and f.module == "transformer.h.1.mlp.c_proj" and f.op == "aten::addmm"
+               and f.step == 4 for f in top), [(f.rule, f.module, f.op, f.step) for f in top]
+    assert not [f for f in rep.findings if f.rule == "update_spike"]  # the x1e6 was no optimizer update

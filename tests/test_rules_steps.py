@@ -178,9 +178,15 @@ def test_update_spike_one_update_and_between_sampled_steps():
     assert not [g for g in got(healthy, m) if g[0] == "update_spike"]
     # a spike between two sampled steps (unsampled updates in between): named, with the window
     window = [ok(0, sampled=True, params=[_ps("fc.weight", 1.0, 1.0)]), ok(1), ok(2),
-              ok(3, sampled=True, params=[_ps("fc.weight", 1e5, 1e5)])]
+              ok(3, sampled=True, params=[_ps("fc.weight", 50.0, 50.0)])]
     f = next(f for f in run_rules(RunData(m, window)) if f.rule == "update_spike")
     assert f.severity == "warning" and f.evidence["between_steps"] == [0, 3] and f.evidence["updates"] == 2
+    # a jump no Adam update can make (x1e5 at lr 1e-3 over two updates): made outside the optimizer (issue 18's
+    # injected weights x1e6), not an update spike
+    small_lr = meta(optimizer={"class": "AdamW", "groups": [{"lr": 1e-3}]})
+    jump = [ok(0, sampled=True, params=[_ps("fc.weight", 1.0, 1.0)]), ok(1), ok(2),
+            ok(3, sampled=True, params=[_ps("fc.weight", 1e5, 1e5)])]
+    assert not [f for f in run_rules(RunData(small_lr, jump)) if f.rule == "update_spike"]
 
 
 # --- scaler: the scale after the last update; ranks; doctor -------------------------------------------------

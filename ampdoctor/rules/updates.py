@@ -18,11 +18,24 @@ from .steps import absorbed_modules, benign_backoff, real_bad
 _MIN_RMS = 1e-3        # weights whose root-mean-square is below this have no scale to spike from
 _WINDOW_UPDATES = 50   # between two sampled steps, look only this many updates apart (or at a huge factor)
 _HUGE = 1e3
+_ADAM_MAX_STEP = 4.0   # Adam's per-element step is at most ~lr * (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr
 
 
 def _lr(run: RunData) -> float | None:
     lrs = [g.get("lr") for g in run.meta.optimizer.get("groups") or [] if isinstance(g.get("lr"), (int, float))]
     return max(lrs) if lrs else None
+
+
+def _by_updates(run: RunData, growth: float, n_upd: int, numel: int) -> bool:
+    """Whether `n_upd` optimizer updates can have grown a weight's norm by `growth`. An Adam-type optimizer moves
+    each element by at most a few learning rates per update, so its updates bound the growth; a larger change
+    between two sampled steps was made outside the optimizer (the user's code, a checkpoint load) and is not an
+    update spike (the overflow it causes is named where it happens)."""
+    lr = _lr(run)
+    cls = str(run.meta.optimizer.get("class") or "")
+    if lr is None or "adam" not in cls.lower():
+        return True
+    return growth <= n_upd * _ADAM_MAX_STEP * lr * math.sqrt(max(numel, 1))
 
 
 def _clipped(r: StepRecord) -> str:
@@ -56,7 +69,8 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 n_upd = len(upd)
                 f = p.weight_norm / n0 if n0 > 0 else 0.0
                 rms0 = n0 / math.sqrt(max(numel, 1))
-                if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)):
+                if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)) \
+                        and _by_updates(run, p.weight_norm - n0, n_upd, numel):
                     first = upd[0]
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
                                    "after": p.weight_norm, "step": first if n_upd == 1 else s0 + 1,
