@@ -139,3 +139,20 @@ def test_no_use_sdpa_advice_when_sdpa_is_in_use(tmp_path):
     f = rep.findings[0]
     assert f.rule == "overflow" and f.op in ("aten::bmm", "aten::matmul"), f.one_line()
     assert "scale q by 1/sqrt(d)" in f.fix and "use F.scaled_dot_product_attention" not in f.fix
+
+
+def test_overflow_wording_follows_the_sign_of_the_infs(tmp_path):
+    """A replayed matmul whose output overflowed only to +inf is said to give +inf, not ±inf (issue 13 item 8)."""
+    import torch
+    import torch.nn as nn
+    import ampdoctor
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with torch.no_grad():
+        m[0].weight.fill_(1e3)
+        m[0].bias.zero_()
+    x = torch.full((2, 4), 30.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ampdoctor.save_batch(str(tmp_path / "cap"), m, x)
+    rep = ampdoctor.replay(str(tmp_path / "cap"), model=m, loss_fn=lambda out, *a: out.float().sum())
+    f = next(f for f in rep.findings if f.rule == "overflow" and f.module == "0")
+    assert "+inf" in f.message and "±inf" not in f.message, f.message

@@ -45,10 +45,16 @@ def attention_scores(ev: OpEvent, softmax_inputs: list) -> bool:
     return any(seq > ev.seq and list(shape) == list(ev.out_shape) for seq, _, shape in softmax_inputs)
 
 
+def _inf_sign(ev: OpEvent) -> str:
+    """"+inf", "-inf" or "±inf" as the op's output had them (the words follow the values)."""
+    pos, neg = ev.out_posinf > 0, ev.out_neginf > 0
+    return "+inf" if pos and not neg else "-inf" if neg and not pos else "±inf"
+
+
 def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: bool = False) -> tuple[str, str]:
     short = ev.op.split("::")[-1]
     where = _where(ev.module)
-    inf = "NaN" if ev.kind == "nan_origin" else "±inf"
+    inf = "NaN" if ev.kind == "nan_origin" else _inf_sign(ev)
     lim = _MAX.get(ev.out_dtype or "", 65504.0)
     snip = fp32_snippet(ev.module, device)
     if ev.phase == "backward":
@@ -61,7 +67,7 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
         return msg, fix
     if ev.kind == "overflow" and short in _MATMUL:
         msg = (f"{ev.op} in {where} overflowed {ev.out_dtype}: finite inputs (max |x| = {ev.absmax_in:.4g}) gave "
-               f"±inf (max {lim:g})")
+               f"{inf} (max {lim:g})")
         if ev.in_sdpa:
             msg += " inside F.scaled_dot_product_attention"
             fix = ("the attention scores exceed the dtype's range even with SDPA's own 1/sqrt(d) scaling: check the "
