@@ -170,30 +170,28 @@ class EnginePatch(_InstancePatch):
         self.wrap("step", self._make_step)
 
     def _make_backward(self, orig):
-        def backward(loss, *args, **kwargs):
-            tok = self._guard(self._before_backward, loss, kwargs)
-            try:
-                out = orig(loss, *args, **kwargs)
-            except BaseException as e:
-                self._failed(tok, e)
-                raise
-            self._guard(self._after_backward, tok)
-            return out
-        backward.__wrapped__ = orig
-        return backward
+        return self._around(orig, lambda args, kwargs: self._guard(
+            self._before_backward, args[0] if args else kwargs.get("loss"), kwargs),
+                            self._after_backward)
 
     def _make_step(self, orig):
-        def step(*args, **kwargs):
-            tok = self._guard(self._before_step)
+        return self._around(orig, lambda args, kwargs: self._guard(self._before_step), self._after_step)
+
+    def _around(self, orig, before, after):
+        """`orig` with `before(args, kwargs) -> token` ahead of it and `after(token)` behind it; a call that raises
+        is recorded (`_failed`) before the exception goes on."""
+        def call(*args, **kwargs):
+            tok = before(args, kwargs)
             try:
                 out = orig(*args, **kwargs)
             except BaseException as e:
                 self._failed(tok, e)
                 raise
-            self._guard(self._after_step, tok)
+            self._guard(after, tok)
             return out
-        step.__wrapped__ = orig
-        return step
+        call.__wrapped__ = orig
+        call.__name__ = getattr(orig, "__name__", "call")
+        return call
 
     def _guard(self, fn, *args):
         """ampdoctor's own errors switch the watch off; they never reach the training loop."""
