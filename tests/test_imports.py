@@ -14,7 +14,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 STAGES = {
     0: ("ampdoctor", "errors", "config", "records", "findings", "fixes", "tensors", "fsutil", "env", "producers",
-        "stats", "modulehooks", "capture"),
+        "stats", "modulehooks", "capture", "capturecheck"),
     1: ("watch", "stepstate", "stepdata", "gradexits", "sync", "monitor", "monitorsink", "gradients", "headroom", "fused",
         "cpustats", "autocapture", "storage", "rundir",
         "integrations.deepspeed"),   # DeepSpeed's engine patch is a recorder part (like monitor's scaler patch)
