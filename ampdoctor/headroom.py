@@ -1,16 +1,18 @@
-"""Always-on headroom: every step, every module, the abs-max of its forward output and of the gradient flowing
-into that output, with inf/NaN showing through (an abs-max that is not finite).
+"""Always-on headroom: every step, every module, the abs-max of its fp16/bf16 forward output and of the gradient
+flowing into that output, with inf/NaN showing through (an abs-max that is not finite).
 
 The hooks only keep a reference: a module's forward post-hook appends its output tensor and the module's slot
 (its index in `RunMeta.modules`, fixed at watch start) to a pending list, and puts a tensor hook on the output
-that does the same with its gradient. Every `FLUSH_TENSORS` tensors (or `FLUSH_BYTES` of them, so the references
-never hold much memory alive) one multi-tensor kernel per (device, dtype) group, `torch._foreach_norm(ord=inf)`,
-turns the pending tensors into a small vector of abs-maxes on the device (NaN and inf propagate, so "not finite"
-falls out of the same number). At the step's one transfer (ampdoctor/sync.py `presync`) those vectors go to the
-host with the step's other values; `host_series` folds them into one value per module.
+that does the same with its gradient. Every `FLUSH_TENSORS` tensors (or `FLUSH_BYTES_*` of them, so that the
+references never hold much memory alive; gradients, which nothing else keeps, sooner) one multi-tensor kernel
+per (device, dtype) group, `torch._foreach_norm(ord=inf, dtype=float32)`, turns the pending tensors into 0-d
+abs-maxes on the device (NaN and inf propagate, so "not finite" falls out of the same number). At the step's
+one transfer (ampdoctor/sync.py `presync`) they are stacked into one vector per device and go to the host with
+the step's other values; `host_series` folds them into one value per module.
 
-Only values that can meet a low-precision op are read: fp16/bf16 tensors, and fp32 ones inside an autocast
-region (a watch on an fp32 run without autocast reads nothing). On sampled steps the full statistics hooks measure the same tensors, and the series comes from those records
+Only fp16/bf16 values are read: an fp32 value has no low-precision range to lose (when an op casts it down,
+that op's own low-precision output shows it), and the `headroom_trend` rule reads nothing else. On sampled
+steps the full statistics hooks measure the same tensors, and the series comes from those records
 (`from_calls`), so there is one definition of a step's headroom either way.
 """
 from __future__ import annotations
@@ -25,38 +27,40 @@ from .tensors import flatten_tensors
 
 __all__ = ["Headroom", "HeadroomHook", "DTYPE_CODES", "from_calls", "encode"]
 
-FLUSH_TENSORS = 64           # pending tensors that trigger one batched reduction
-FLUSH_BYTES = 64 << 20       # ... or pending bytes: references must not keep large tensors alive for long
+FLUSH_TENSORS = 64                  # pending tensors that trigger one batched reduction
+FLUSH_BYTES_FORWARD = 256 << 20     # ... or pending bytes of forward outputs (most are saved for the backward anyway)
+FLUSH_BYTES_BACKWARD = 64 << 20     # ... or of gradients, which only these references keep alive
 DTYPE_CODES = {torch.float16: "h", torch.bfloat16: "b", torch.float32: "f", torch.float64: "d"}
 _CODE_OF_NAME = {"float16": "h", "bfloat16": "b", "float32": "f", "float64": "d"}
 _Tensor = torch.Tensor
 _INF = math.inf
 _LOW = (torch.float16, torch.bfloat16)
+_STRIDED = torch.strided
+_F32 = torch.float32
 
 
 class Headroom:
-    """The pending tensors and reduced abs-max vectors of the open step (owned by the StepMachine)."""
+    """The pending tensors and reduced abs-maxes of the open step (owned by the StepMachine)."""
 
-    __slots__ = ("on", "wide", "n", "ft", "fs", "bt", "bs", "nbytes", "done", "alias", "last", "last_slot", "dtypes")
+    __slots__ = ("on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
+                 "last_slot")
 
     def __init__(self, n_slots: int):
         self.on = False            # recording (routine steps); off on sampled steps, when disabled or suspended
-        self.wide = False          # fp32/fp64 values too: only inside an autocast region, where they may be cast
-        #                            down (set at the root's forward); outside one nothing low-precision meets them
         self.n = n_slots
-        self.dtypes: list[str] = ["-"] * n_slots
         self.reset()
 
     def reset(self) -> None:
         self.ft, self.fs, self.bt, self.bs = [], [], [], []
-        self.nbytes = 0
-        self.done: list[tuple[str, torch.Tensor, list[int]]] = []  # (phase, abs-max vector, slots)
-        self.alias: list[tuple[int, int]] = []                     # (slot, slot whose tensor it returned)
+        self.fbytes = self.bbytes = 0
+        self.norms: dict = {}      # device -> 0-d fp32 abs-maxes from _foreach_norm (stacked once, in parts)
+        self.vecs: dict = {}       # device -> abs-max vectors (the CPU's one-pass statistics)
+        self.done: list[tuple[str, str, list[int], tuple]] = []  # (phase, dtype code, slots, where) per group
+        self.alias: list[tuple[int, int]] = []                   # (slot, slot whose tensor it returned)
         self.last = None
         self.last_slot = -1
-        self.dtypes = ["-"] * self.n
 
-    # -- hot path (called by the hooks) -----------------------------------------------------------------
+    # -- hot path (called by the hooks): keep a reference, nothing else ----------------------------------
     def forward(self, slot: int, out, tap) -> None:
         if isinstance(out, _Tensor):
             if out is self.last:          # a container returning its child's output: measured once
@@ -67,57 +71,74 @@ class Headroom:
         else:
             tensors = flatten_tensors(out, [])
         for t in tensors:
-            if t.dtype not in _LOW and (not self.wide or not t.is_floating_point()) or t.layout != torch.strided:
-                continue
-            self.ft.append(t)  # not detached (no allocation): flush reduces under no_grad
+            if t.dtype not in _LOW or t.layout != _STRIDED:
+                continue  # fp32 values have no fp16/bf16 range to lose; a cast into a low-precision op shows there
+            self.ft.append(t)  # not detached (no allocation): the reduction runs under no_grad
             self.fs.append(slot)
-            self.nbytes += t.nbytes
-            if t.requires_grad and not t.is_leaf:
+            self.fbytes += t.nbytes
+            if t.requires_grad and t.grad_fn is not None:
                 t.register_hook(tap)
             self.last, self.last_slot = t, slot
-        if len(self.ft) + len(self.bt) >= FLUSH_TENSORS or self.nbytes >= FLUSH_BYTES:
-            self.flush()
+        if len(self.ft) >= FLUSH_TENSORS or self.fbytes >= FLUSH_BYTES_FORWARD:
+            self.flush_forward()
 
     def grad(self, slot: int, g) -> None:
         self.bt.append(g)
         self.bs.append(slot)
-        self.nbytes += g.nbytes
-        if len(self.ft) + len(self.bt) >= FLUSH_TENSORS or self.nbytes >= FLUSH_BYTES:
-            self.flush()
+        self.bbytes += g.nbytes
+        # a gradient is kept alive only by this reference: flushed early, so the backward's peak does not grow
+        if len(self.bt) >= FLUSH_TENSORS or self.bbytes >= FLUSH_BYTES_BACKWARD:
+            self.flush_backward()
 
-    # -- batched reduction ------------------------------------------------------------------------------
+    # -- batched reduction -------------------------------------------------------------------------------
     def flush(self) -> None:
-        with torch.no_grad():
-            self._reduce()
-        self.ft, self.fs, self.bt, self.bs = [], [], [], []
-        self.nbytes = 0
+        self.flush_forward()
+        self.flush_backward()
         self.last = None
 
-    def _reduce(self) -> None:
-        for phase, ts, ss in (("f", self.ft, self.fs), ("b", self.bt, self.bs)):
-            if not ts:
-                continue
-            groups: dict = {}
+    def flush_forward(self) -> None:
+        if self.ft:
+            self._reduce("f", self.ft, self.fs)
+            self.ft, self.fs, self.fbytes = [], [], 0
+
+    def flush_backward(self) -> None:
+        if self.bt:
+            self._reduce("b", self.bt, self.bs)
+            self.bt, self.bs, self.bbytes = [], [], 0
+
+    def _reduce(self, phase: str, ts: list, ss: list) -> None:
+        t0 = ts[0]
+        dev0, dt0 = t0.device, t0.dtype
+        if all(t.dtype is dt0 and t.device == dev0 for t in ts):
+            groups = {(dev0, dt0): (ts, ss)}
+        else:
+            groups = {}
             for t, s in zip(ts, ss):
                 g = groups.get((t.device, t.dtype))
                 if g is None:
                     g = groups[(t.device, t.dtype)] = ([], [])
                 g[0].append(t)
                 g[1].append(s)
+        with torch.no_grad():
             for (dev, dt), (gt, gs) in groups.items():
-                if dev.type == "cpu" and cpustats.available() and all(cpustats.supports(t) for t in gt):
-                    v = _cpu_absmax(gt)
-                else:  # one multi-tensor kernel: NaN and inf propagate into the abs-max
-                    v = torch.stack(torch._foreach_norm(gt, _INF))
-                self.done.append((phase, v if dt in (torch.float32, torch.float64) else v.float(), gs))
                 code = DTYPE_CODES.get(dt, "f")
-                for s in gs:
-                    self.dtypes[s] = code
+                if dev.type == "cpu" and cpustats.available() and all(cpustats.supports(t) for t in gt):
+                    self.vecs.setdefault(dev, []).append(_cpu_absmax(gt))
+                    self.done.append((phase, code, gs, ("v", dev)))
+                else:  # one multi-tensor kernel (NaN and inf propagate into the abs-max), fp32 results
+                    self.norms.setdefault(dev, []).extend(torch._foreach_norm(gt, _INF, dtype=_F32))
+                    self.done.append((phase, code, gs, ("n", dev)))
 
     def parts(self) -> list[tuple[str, torch.Tensor]]:
-        """The reduced vectors for the step's one transfer, keyed `hr:<i>`."""
+        """The reduced values for the step's one transfer, one vector per device and kind, keyed `hr:<kind><i>`
+        in `self.done`'s order of first use."""
         self.flush()
-        return [(f"hr:{i}", v) for i, (_, v, _) in enumerate(self.done)]
+        out = []
+        for i, (dev, ts) in enumerate(self.norms.items()):
+            out.append((f"hr:n{i}", torch.stack(ts)))
+        for i, (dev, vs) in enumerate(self.vecs.items()):
+            out.append((f"hr:v{i}", torch.cat(vs) if len(vs) > 1 else vs[0]))
+        return out
 
     def host_series(self, host: dict) -> dict | None:
         """The step's series from the values read back: `{"fwd": [...], "bwd": [...], "dtype": "..."}` (see
@@ -125,21 +146,29 @@ class Headroom:
         if not self.done:
             self.reset()
             return None
+        vals = {("n", dev): host.get(f"hr:n{i}") for i, dev in enumerate(self.norms)}
+        vals.update({("v", dev): host.get(f"hr:v{i}") for i, dev in enumerate(self.vecs)})
+        at = dict.fromkeys(vals, 0)
         fwd: list = [None] * self.n
         bwd: list = [None] * self.n
-        for i, (phase, _, slots) in enumerate(self.done):
-            vals = host.get(f"hr:{i}")
-            if vals is None:
+        dtypes = ["-"] * self.n
+        for phase, code, slots, where in self.done:
+            k = at[where]
+            at[where] = k + len(slots)
+            got = vals[where]
+            if got is None:
                 continue
             dst = fwd if phase == "f" else bwd
-            for s, v in zip(slots, vals):
+            for s, v in zip(slots, got[k:k + len(slots)]):
                 dst[s] = _merge(dst[s], v)
+                if dtypes[s] == "-":
+                    dtypes[s] = code
         for slot, src in self.alias:
             fwd[slot] = _merge(fwd[slot], fwd[src])
             bwd[slot] = _merge(bwd[slot], bwd[src])
-            if self.dtypes[slot] == "-":
-                self.dtypes[slot] = self.dtypes[src]
-        out = encode(fwd, bwd, "".join(self.dtypes))
+            if dtypes[slot] == "-":
+                dtypes[slot] = dtypes[src]
+        out = encode(fwd, bwd, "".join(dtypes))
         self.reset()
         return out
 
@@ -188,8 +217,8 @@ def from_calls(calls, slots: dict[str, int], n: int) -> dict | None:
     dts = ["-"] * n
     for c in calls:
         s = slots.get(c.module)
-        if s is None or c.out is None or not (c.autocast or c.out.dtype in ("float16", "bfloat16")):
-            continue  # as on routine steps: fp32 values outside autocast meet no low-precision op
+        if s is None or c.out is None or c.out.dtype not in ("float16", "bfloat16"):
+            continue  # as on routine steps: only low-precision values
         for dst, st in ((fwd, c.out), (bwd, c.gout)):
             if st is None:
                 continue

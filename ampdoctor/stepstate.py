@@ -209,7 +209,6 @@ class StepMachine(MonitorCallbacks):
                 self.remove_headroom_hooks()
             self._begin()
             st = self.st
-            self.hr.wide = autocast_str() is not None  # fp32 values may be cast down only inside autocast
             if torch.is_grad_enabled():
                 st.micro += 1
                 st.batches.append((args, kwargs, rng_state()))

@@ -195,8 +195,13 @@ def _hf_loss(out):
 class Variant:
     """One way of running the step, on its own copy of the model with its own optimizer and scaler."""
 
-    def __init__(self, name, model, device, amp_dtype):
-        self.name = name
+    def __init__(self, name, model, device, amp_dtype, clip=True):
+        # "headroom:K:F:B" = headroom=True with ampdoctor.headroom's flush limits set for this variant's steps:
+        # K pending tensors, F MiB of forward outputs, B MiB of gradients (a sweep, interleaved like the rest)
+        self.name, _, flush = name.partition(":")
+        self.label = name
+        self.flush = [int(x) for x in flush.split(":")] if flush else None
+        self.clip = clip
         self.model = model
         self.device = device
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -234,12 +239,19 @@ class Variant:
 
     def step(self, batch, loss_of):
         args, kwargs = batch
+        if self.flush:
+            from ampdoctor import headroom as hr
+            hr.FLUSH_TENSORS, hr.FLUSH_BYTES_FORWARD, hr.FLUSH_BYTES_BACKWARD = (
+                self.flush[0], self.flush[1] << 20, self.flush[2] << 20)
         self.opt.zero_grad(set_to_none=True)
         with self.step_ctx():
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float16,
                                 enabled=self.amp_dtype is not None):
                 loss = loss_of(self.model(*args, **kwargs))
             self.scaler.scale(loss).backward()
+        if self.clip:  # the seed loop: backward -> unscale_ -> clip -> step -> update
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.scaler.step(self.opt)
         self.scaler.update()
         return loss
@@ -287,6 +299,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sync-steps", type=int, default=4)
+    p.add_argument("--no-clip", action="store_true", help="leave out scaler.unscale_ + clip_grad_norm_")
     p.add_argument("--amp", default=None, choices=["fp16", "bf16", "off"])
     p.add_argument("--variants", default=",".join(ALL_VARIANTS))
     p.add_argument("--json", default=None)
@@ -332,13 +345,13 @@ def run_benchmark(a) -> dict:
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     if "plain" not in names:
         names.insert(0, "plain")
-    bad = [n for n in names if n not in ALL_VARIANTS]
+    bad = [n for n in names if n.partition(":")[0] not in ALL_VARIANTS]
     if bad:
         raise SystemExit(f"unknown variants {bad}; choose from {ALL_VARIANTS}")
     if "hf" in names and not _hf_available():
         names.remove("hf")
     base, batches, loss_of = build(a.model, device)
-    variants = [Variant(n, copy.deepcopy(base), device, amp_dtype) for n in names]
+    variants = [Variant(n, copy.deepcopy(base), device, amp_dtype, clip=not a.no_clip) for n in names]
     del base
     log = (lambda *x: None) if a.quiet else (lambda *x: print(*x, flush=True))
     log(f"model={a.model} device={device} amp={amp} params={sum(p.numel() for p in variants[0].model.parameters()):,} "
@@ -363,7 +376,7 @@ def run_benchmark(a) -> dict:
                         _sync(device)
                     except Exception as e:  # e.g. DebugUnderflowOverflow aborts on the first inf/nan
                         v.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                        log(f"  {v.name}: failed at step {i}: {v.error}")
+                        log(f"  {v.label}: failed at step {i}: {v.error}")
                         continue
                     dt = time.perf_counter() - t0
                     if i >= a.warmup:
@@ -374,7 +387,7 @@ def run_benchmark(a) -> dict:
                     log("  warmup done")
                 elif i >= a.warmup and (i - a.warmup + 1) % 10 == 0:
                     log("  step %d: %s" % (i - a.warmup + 1, "  ".join(
-                        f"{v.name}={statistics.median(v.times) * 1e3:.1f}ms" for v in variants if v.times)))
+                        f"{v.label}={statistics.median(v.times) * 1e3:.1f}ms" for v in variants if v.times)))
             if cuda and a.sync_steps > 0:
                 for v in variants:
                     if v.error:
@@ -382,7 +395,7 @@ def run_benchmark(a) -> dict:
                     try:
                         v.syncs = count_syncs(v, batches, loss_of, a.sync_steps)
                     except Exception as e:
-                        log(f"  {v.name}: sync count failed: {type(e).__name__}: {e}")
+                        log(f"  {v.label}: sync count failed: {type(e).__name__}: {e}")
     finally:
         for v in variants:
             v.remove()
@@ -394,7 +407,7 @@ def run_benchmark(a) -> dict:
         med = statistics.median(v.times) if v.times else float("nan")
         peak = max(v.peaks) if v.peaks else None
         rows.append({
-            "variant": v.name, "median_ms": med * 1e3, "ratio": med / p_med if v.times else float("nan"),
+            "variant": v.label, "median_ms": med * 1e3, "ratio": med / p_med if v.times else float("nan"),
             "min_ms": min(v.times) * 1e3 if v.times else None,
             "p90_ms": sorted(v.times)[int(0.9 * (len(v.times) - 1))] * 1e3 if v.times else None,
             "peak_step_mb": None if peak is None else peak / 2**20,
