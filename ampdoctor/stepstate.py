@@ -21,7 +21,7 @@ from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
 from .stepdata import _Call, _Step
 from .gradients import update_check_post, update_check_pre
-from .headroom import Headroom, HeadroomHook, _GradTap
+from .headroom import Headroom, HeadroomHook, _GradTap, passes_on
 from .sync import finalize, presync
 from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
 from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
@@ -51,6 +51,7 @@ class StepMachine(MonitorCallbacks):
         self.slot_of = {id(m): i for i, m in enumerate(mods)}
         self.slot_of_name = {n: i for i, (n, _) in enumerate(watch.model.named_modules())}
         self.hr = Headroom(len(mods))
+        self.hr_skip = frozenset(i for i, m in enumerate(mods) if passes_on(m))  # not read (see passes_on)
         self._root_tap = _GradTap(self.hr, 0)
         self._hr_handles: list = []
         cs = self.cfg.compile_stats
@@ -127,7 +128,7 @@ class StepMachine(MonitorCallbacks):
         if self.compiled or self._disabled or self._hr_handles:
             return
         for mod in self.w.model.modules():
-            if mod is self._root or mod is self.w.model or not hookable(mod):
+            if mod is self._root or mod is self.w.model or not hookable(mod) or self.slot_of[id(mod)] in self.hr_skip:
                 continue
             self._hr_handles.append(HeadroomHook(self.hr, self.slot_of[id(mod)], self._fail).register(mod))
 
@@ -268,6 +269,7 @@ class StepMachine(MonitorCallbacks):
                 st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
         if module is self._root and self.hr.on and exc is None:
             self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
+            self.hr.forward_done()
         if c is None:
             return
         ins, c.grad_inputs = c.grad_inputs, None

@@ -279,7 +279,7 @@ def finalize(m) -> None:
                      micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
-                     headroom=from_calls(calls, m.slot_of_name, m.hr.n) if st.sampled else st.headroom)
+                     headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled"):
         rec.events and rec.events[-1].detail.setdefault("grads_scaled", True)
     for sink in m.sinks:  # sinks see the full record; storage keeps a slim one for routine steps
