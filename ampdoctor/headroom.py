@@ -25,11 +25,11 @@ from . import cpustats
 from .modulehooks import InertHook
 from .tensors import flatten_tensors
 
-__all__ = ["Headroom", "HeadroomHook", "DTYPE_CODES", "from_calls", "encode", "passes_on"]
+__all__ = ["Headroom", "HeadroomHook", "PassHook", "DTYPE_CODES", "from_calls", "encode", "passes_on"]
 
-FLUSH_TENSORS = 64                  # pending tensors that trigger one batched reduction
+FLUSH_TENSORS = 128                 # pending tensors that trigger one batched reduction
 FLUSH_BYTES_FORWARD = 256 << 20     # ... or pending bytes of forward outputs (most are saved for the backward anyway)
-FLUSH_BYTES_BACKWARD = 64 << 20     # ... or of gradients, which only these references keep alive
+FLUSH_BYTES_BACKWARD = 128 << 20    # ... or of gradients, which only these references keep alive
 DTYPE_CODES = {torch.float16: "h", torch.bfloat16: "b", torch.float32: "f", torch.float64: "d"}
 _CODE_OF_NAME = {"float16": "h", "bfloat16": "b", "float32": "f", "float64": "d"}
 _Tensor = torch.Tensor
@@ -57,7 +57,7 @@ class Headroom:
     """The pending tensors and reduced abs-maxes of the open step (owned by the StepMachine)."""
 
     __slots__ = ("on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
-                 "last_slot")
+                 "last_slot", "staged")
 
     def __init__(self, n_slots: int):
         self.on = False            # recording (routine steps); off on sampled steps, when disabled or suspended
@@ -73,6 +73,7 @@ class Headroom:
         self.alias: list[tuple[int, int]] = []                   # (slot, slot whose tensor it returned)
         self.last = None
         self.last_slot = -1
+        self.staged: list | None = None  # the step's parts, stacked (see stage)
 
     # -- hot path (called by the hooks): keep a reference, nothing else ----------------------------------
     def forward(self, slot: int, out, tap) -> None:
@@ -96,6 +97,12 @@ class Headroom:
             self.last_slot = slot
         if len(self.ft) >= FLUSH_TENSORS or self.fbytes >= FLUSH_BYTES_FORWARD:
             self.flush_forward()
+
+    def passed(self, args, output) -> None:
+        """A module that passes its input's range on (`passes_on`) returned `output`: if its input was the last
+        value read, its output stands for that value (a container returning it is an alias, not a new read)."""
+        if args and args[0] is self.last and isinstance(output, _Tensor):
+            self.last = output
 
     def grad(self, slot: int, g) -> None:
         self.bt.append(g)
@@ -139,6 +146,7 @@ class Headroom:
                     g = groups[(t.device, t.dtype)] = ([], [])
                 g[0].append(t)
                 g[1].append(s)
+        self.staged = None
         with torch.no_grad():
             for (dev, dt), (gt, gs) in groups.items():
                 code = DTYPE_CODES.get(dt, "f")
@@ -149,15 +157,25 @@ class Headroom:
                     self.norms.setdefault(dev, []).extend(torch._foreach_norm(gt, _INF, dtype=_F32))
                     self.done.append((phase, code, gs, ("n", dev)))
 
+    def stage(self) -> None:
+        """Reduce and stack what is pending now, at `scaler.step()`'s entry: the kernels are queued while the
+        backward still runs on the GPU, before GradScaler's own synchronisation, instead of after it (when the GPU
+        waits for the host)."""
+        if self.on:
+            self.parts()
+
     def parts(self) -> list[tuple[str, torch.Tensor]]:
         """The reduced values for the step's one transfer, one vector per device and kind, keyed `hr:<kind><i>`
         in `self.done`'s order of first use."""
         self.flush()
+        if self.staged is not None:
+            return self.staged
         out = []
         for i, (dev, ts) in enumerate(self.norms.items()):
             out.append((f"hr:n{i}", torch.stack(ts)))
         for i, (dev, vs) in enumerate(self.vecs.items()):
             out.append((f"hr:v{i}", torch.cat(vs) if len(vs) > 1 else vs[0]))
+        self.staged = out
         return out
 
     def host_series(self, host: dict) -> dict | None:
@@ -265,6 +283,32 @@ class _GradTap:
             except Exception:  # never break the user's backward; the step just lacks this value
                 pass
         return None
+
+
+class PassHook:
+    """The forward post-hook on a module that `passes_on` its input's range: nothing is read (see
+    Headroom.passed). Compile-safe and copy-safe like HeadroomHook."""
+    __slots__ = ("hr",)
+
+    def __init__(self, hr: Headroom):
+        self.hr = hr
+
+    def register(self, module: torch.nn.Module):
+        return module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if not torch.compiler.is_compiling() and self.hr.on:
+            self.hr.passed(args, output)
+        return None
+
+    def __deepcopy__(self, memo):
+        return InertHook("post")
+
+    def __copy__(self):
+        return InertHook("post")
+
+    def __reduce__(self):
+        return (InertHook, ("post",))
 
 
 class HeadroomHook:

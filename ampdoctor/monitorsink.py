@@ -43,6 +43,8 @@ class MonitorCallbacks:
             if new is not None:
                 ev.detail["new_scale"] = float(new) if not isinstance(new, torch.Tensor) else None
         elif kind == "step":
+            if st.in_scaler_step == 0:
+                self.hr.stage()  # queue the headroom reductions before the scaler's synchronisation
             st.in_scaler_step += 1
             if opt is not None and id(opt) not in self.known_optimizers and self._owns(opt):
                 self.known_optimizers.add(id(opt))

@@ -21,7 +21,7 @@ from .monitorsink import MonitorCallbacks
 from .records import CallEvent, StepRecord
 from .stepdata import _Call, _Step
 from .gradients import update_check_post, update_check_pre
-from .headroom import Headroom, HeadroomHook, _GradTap, passes_on
+from .headroom import Headroom, HeadroomHook, PassHook, _GradTap, passes_on
 from .sync import finalize, presync
 from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
 from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
@@ -128,9 +128,11 @@ class StepMachine(MonitorCallbacks):
         if self.compiled or self._disabled or self._hr_handles:
             return
         for mod in self.w.model.modules():
-            if mod is self._root or mod is self.w.model or not hookable(mod) or self.slot_of[id(mod)] in self.hr_skip:
+            if mod is self._root or mod is self.w.model or not hookable(mod):
                 continue
-            self._hr_handles.append(HeadroomHook(self.hr, self.slot_of[id(mod)], self._fail).register(mod))
+            slot = self.slot_of[id(mod)]
+            hook = PassHook(self.hr) if slot in self.hr_skip else HeadroomHook(self.hr, slot, self._fail)
+            self._hr_handles.append(hook.register(mod))
 
     def remove_headroom_hooks(self) -> None:
         for h in self._hr_handles:

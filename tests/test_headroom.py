@@ -174,3 +174,22 @@ def test_modules_that_pass_their_input_on_are_not_read():
     assert passes_on(nn.ReLU()) and passes_on(nn.GELU()) and passes_on(nn.Dropout(0.1)) and passes_on(nn.Identity())
     assert not passes_on(nn.Linear(2, 2)) and not passes_on(nn.LayerNorm(2)) and not passes_on(nn.PReLU())
     assert not passes_on(nn.MultiheadAttention(4, 2)) and not passes_on(nn.Sequential(nn.ReLU()))
+
+
+def test_a_container_ending_in_an_activation_is_its_layers_value():
+    """Sequential(Linear, ReLU): the container returns the ReLU's output, which is not read (it passes the
+    Linear's range on); the container's value is the Linear's, with no second read of the same layer."""
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+            self.b = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.b(self.blk(x))
+    w = _train(Outer(), 4, every=200)
+    names = [m[0] for m in w.meta.modules]
+    for r in list(w.steps)[1:]:
+        h = r.headroom
+        assert h["fwd"][names.index("blk")] == h["fwd"][names.index("blk.0")], h
+        assert h["fwd"][names.index("blk.1")] is None
