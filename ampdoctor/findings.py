@@ -79,7 +79,7 @@ class Finding:
 class Report:
     """Ranked findings plus what the reporters draw.
 
-    `data` holds the JSON-ready panels built by `ampdoctor.analysis.build_data`: `timeline` (per step),
+    `data` holds the JSON-ready panels built by `ampdoctor.analysis.panels.build_panels`: `timeline` (per step),
     `layers` (per module), `calls` (scaler/optimizer sequence), `env`, `replay` (when a replay ran).
     """
 

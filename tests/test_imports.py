@@ -19,7 +19,8 @@ STAGES = {
         "cpustats", "autocapture", "storage", "rundir",
         "integrations.deepspeed"),   # DeepSpeed's engine patch is a recorder part (like monitor's scaler patch)
     2: ("rules",),
-    3: ("analysis", "summary", "doctor", "replay"),
+    3: ("analysis", "analysis.ranking", "analysis.panels", "analysis.merging", "analysis.replayfold", "summary",
+        "doctor", "replay"),
     4: ("report",),
     5: ("cli", "__main__", "integrations"),
 }
@@ -104,3 +105,8 @@ def test_the_checks_see_the_graph():
     assert "ampdoctor.rules.registry" in g["ampdoctor.rules.origins"]
     assert all(isinstance(stage(m), int) for m in g)
     assert stage("ampdoctor.report.html") > stage("ampdoctor.rules.origins") > stage("ampdoctor.sync")
+    assert {"ampdoctor.analysis.ranking", "ampdoctor.analysis.merging", "ampdoctor.analysis.replayfold"} <= \
+        g["ampdoctor.analysis"]
+    assert "ampdoctor.analysis.panels" in g["ampdoctor.analysis.ranking"]
+    assert "ampdoctor.analysis.ranking" in g["ampdoctor.analysis.merging"]
+    assert "ampdoctor.rules" in g["ampdoctor.analysis.panels"]

@@ -1,4 +1,4 @@
-"""One definition per idea over a run's StepRecords, shared by the rules and the summary (ampdoctor/analysis.py):
+"""One definition per idea over a run's StepRecords, shared by the rules, the summary and the panels (analysis/):
 GradScaler's benign backoff, forward inf/NaN that later ops absorbed, the first step that went bad for a real
 reason, the step where a failure happened when only the trip-wire saw it, and a recorded crash.
 

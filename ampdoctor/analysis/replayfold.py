@@ -1,0 +1,133 @@
+"""Folding a replay into a report: re-run a bad step's capture with op-level instrumentation and let its
+findings refine the watch's module-level ones (the op, the layer inside the module), add what only the replay
+saw, and re-rank; the scaler findings follow a producer the replay located more precisely."""
+from __future__ import annotations
+
+import warnings
+
+from ..errors import BadInput
+from ..findings import Finding, Report
+from ..records import StepRecord
+from ..summary import verdict
+from .ranking import rank
+
+__all__ = ["merge_capture_replay", "merge_replay"]
+
+
+_OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow")
+
+
+def merge_replay(rep: Report, watch) -> Report:
+    """Re-run the first capture in-process with op-level instrumentation and fold its findings in: an op-level
+    finding at the same module (or inside it) refines the module-level one (rule and op)."""
+    m = watch.machine
+    m.suspended = True  # the watch's own hooks must not record the replay's forward
+    try:
+        return merge_capture_replay(rep, watch.steps, watch.model)
+    finally:
+        m.suspended = False
+
+
+def _follow_refined(findings: list[Finding], refined: set[int], before: list[str | None]) -> None:
+    """The scaler findings that named a producer module (loss_scale_collapse, skipped_steps: "it comes from X")
+    follow the replay where it located that producer more precisely inside X (under torch.compile the watch sees
+    only the root module; the replay of the capture names the layer)."""
+    moved: dict[str | None, str] = {}
+    for i, old in enumerate(before):
+        f = findings[i]
+        if id(f) in refined and old is not None and f.module and f.module != old and (
+                not old or f.module.startswith(old + ".")):
+            moved.setdefault(old, f.module)
+    for i, f in enumerate(findings):
+        if f.phase == "scaler" and f.module in moved and id(f) not in refined:
+            new = moved[f.module]
+            msg = f.message.replace(f"`{f.module or '(root)'}`", f"`{new}`")
+            findings[i] = Finding(f.rule, f.severity, f.phase, new, f.op, f.step, msg, f.fix, f.evidence)
+
+
+def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=None, *, strict: bool = False) -> Report:
+    """`merge_replay` for any model (e.g. `ampdoctor report RUN_DIR --model pkg.mod:factory`). With `strict`, a
+    replay that fails raises (BadInput); otherwise it only warns and the report stands as it was."""
+    caps = rep.summary.get("captures") or []
+    top = next((f for f in rep.findings if f.severity == "error"), None)
+    by_step = {r.step: r.capture for r in steps if r.capture}
+    cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
+    if cap is None or not any(f.severity in ("error", "warning") for f in rep.findings):
+        # nothing wrong by the watch's own records (e.g. GradScaler's normal backoff): a replay could only add
+        # advisory constants to a healthy run
+        return rep
+    from ..replay import replay
+    try:
+        rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=False)
+    except Exception as e:  # replay is a bonus here; the watch report stands on its own
+        if strict:
+            raise BadInput(f"replaying {cap} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+                from None
+        warnings.warn(f"ampdoctor: in-process replay of {cap} failed ({type(e).__name__}: {e})", RuntimeWarning,
+                      stacklevel=3)
+        return rep
+    findings = list(rep.findings)
+    before = [f.module for f in findings]
+    refined: set[int] = set()
+    ops = (rr.data.get("replay") or {}).get("ops") or []
+    for i, g in enumerate(findings):  # the op inside each module-level producer, from the replay's op events
+        # a module seen on a later sampled step (evidence.observed_step) went bad on another batch: the replay of
+        # the capture of the step itself says which module made the inf/NaN there
+        unlocated = bool(g.evidence.get("unlocated")) or (
+            g.evidence.get("observed_step") not in (None, g.step) and by_step.get(g.step) == cap)
+        if g.rule not in ("overflow", "nan_origin") or g.severity == "info" or (g.module is None and not unlocated):
+            continue
+        ev = next((o for o in ops if (o.get("phase") == g.phase or unlocated) and o.get("kind") in ("overflow", "nan_origin")
+                   and o.get("module") is not None and (unlocated or o["module"] == g.module or
+                                                        o["module"].startswith(g.module + ".") or not g.module)),
+                  None)
+        if ev is None:
+            continue
+        rule = "overflow" if ev["kind"] == "overflow" else "nan_origin"
+        what = "produced ±inf from finite inputs" if rule == "overflow" else "produced NaN from NaN-free inputs"
+        evd = dict(g.evidence, module_level_rule=g.rule, op_line=ev.get("line"), op_out_dtype=ev.get("out_dtype"),
+                   from_replay=cap)
+        twin = next((f for f in rr.findings if f.module == ev["module"] and f.op == ev.get("op")
+                     and f.phase == g.phase and f.rule == rule), None)
+        msg = twin.message if twin else f"{ev.get('op')} in `{ev['module']}` {what} ({ev.get('line')})."
+        evd.pop("unlocated", None)
+        findings[i] = Finding(rule, g.severity, ev.get("phase") or g.phase, ev["module"], ev.get("op"), g.step, msg,
+                              twin.fix if twin else g.fix, evd)
+        refined.add(id(findings[i]))
+    fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
+    for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
+        if f.rule not in _OPLEVEL or f.severity == "info":
+            continue
+        if f.phase == "backward" and fwd_bad:
+            continue  # gradients of non-finite activations: consequences of the forward origin
+        if f.rule in ("overflow", "nan_origin"):
+            match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin")
+                          and g.phase == f.phase and g.severity != "info" and g.module is not None
+                          and f.module is not None and (f.module == g.module or f.module.startswith(g.module + ".")
+                                                        if g.module else True)), None)
+            if match is not None:
+                i = findings.index(match)
+                ev = dict(match.evidence)
+                ev.update({k: v for k, v in f.evidence.items() if k != "rank_hint"})
+                ev["module_level_rule"] = match.rule
+                findings[i] = Finding(f.rule, match.severity, f.phase, f.module, f.op, match.step, f.message,
+                                      f.fix, ev)
+                refined.add(id(findings[i]))
+                continue
+            bad_weights = {c.module for r in steps for c in r.modules if c.par is not None and not c.par.finite}
+            if f.module is None or f.module in bad_weights or any(
+                    g.rule in ("overflow", "nan_origin") and g.phase == f.phase for g in findings):
+                continue  # (non-finite weights from an earlier update are not produced by this op)
+        if not any(g.rule == f.rule and g.module == f.module for g in findings):
+            f.evidence["rank_hint"] = 13 if f.severity == "error" else f.evidence.get("rank_hint", 30)
+            f.evidence["from_replay"] = cap
+            if f.step is None:
+                f.step = next((g.step for g in findings if g.module == f.module), None)
+            findings.append(f)
+    _follow_refined(findings, refined, before)
+    rep.findings = rank(findings)
+    if rr.data.get("replay"):
+        rep.data["replay"] = rr.data["replay"]
+    rep.summary["verdict"] = verdict(rep.findings, rep.summary.get("steps", len(steps)), rep.summary.get("crash"),
+                                     benign=rep.summary.get("benign_backoff_steps"))
+    return rep
