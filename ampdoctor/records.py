@@ -6,6 +6,7 @@ run directory round-trips exactly (see ampdoctor/rundir.py for the on-disk layou
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -196,6 +197,16 @@ class Producer:
         return _fromd(cls, d)
 
 
+_STEP_FIELDS: tuple = ()
+
+
+def _step_fields() -> tuple:
+    global _STEP_FIELDS
+    if not _STEP_FIELDS:
+        _STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+    return _STEP_FIELDS
+
+
 @dataclass
 class StepRecord:
     """Everything recorded for one optimizer step (0-based `step`).
@@ -263,7 +274,21 @@ class StepRecord:
         return self.forward_bad or self.backward_bad
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As `dataclasses.asdict` (equal, and sharing nothing mutable with the record), without its recursive
+        copy of every primitive: a routine step is written every step (run dir, spill file), ~10x faster."""
+        d = {k: getattr(self, k) for k in _step_fields()}
+        for k in ("forward_producer", "backward_producer"):
+            if d[k] is not None:
+                d[k] = asdict(d[k])
+        for k in ("modules", "params", "events"):
+            d[k] = [asdict(x) for x in d[k]]
+        for k in ("exception", "internal_error"):
+            if d[k] is not None:
+                d[k] = copy.deepcopy(d[k])
+        h = d["headroom"]
+        if h is not None:  # {"fwd": [floats], "bwd": [floats], "dtype": str}
+            d["headroom"] = {k: list(v) if isinstance(v, list) else copy.deepcopy(v) for k, v in h.items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
