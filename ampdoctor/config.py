@@ -36,7 +36,7 @@ class WatchConfig:
     """Elements per low-precision parameter checked for updates that round away (w + Δw == w)."""
 
     compile_stats: bool | None = None
-    """CPU only, and only where the C statistics pass (ampdoctor/cpustats.py) cannot be built: compute statistics
+    """CPU only, and only where the C statistics pass (ampdoctor/record/cpustats.py) cannot be built: compute statistics
     with torch.compile'd functions (faster than eager, costs a one-time compile). None = on when every <= 10."""
 
     max_module_calls: int = 4096

@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "Producer", "StepRecord", "RunMeta",
            "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK"]
 
-# Order of the numbers in a device-side stats vector (ampdoctor/stats.py) and in TensorStats.
+# Order of the numbers in a device-side stats vector (ampdoctor/record/stats.py) and in TensorStats.
 STAT_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "absmax", "min_nonzero", "near_max", "subnormal",
                "overflow_as_ref")
 
@@ -239,7 +239,7 @@ class StepRecord:
     capture: str | None = None
     internal_error: dict | None = None  # ampdoctor itself failed here and stopped watching (type, message)
     headroom: dict | None = None
-    """Every step, every module (ampdoctor/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
+    """Every step, every module (ampdoctor/record/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it
     (scaled, as autograd saw it), 3 significant digits, Infinity/NaN when not finite, null when not measured;
     `dtype` one character per module (h float16, b bfloat16, f float32, d float64, - none)."""

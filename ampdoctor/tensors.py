@@ -120,7 +120,7 @@ def tb_module(exc: BaseException, names: dict, default: str) -> str:
 
 def tb_location(exc: BaseException) -> tuple[str | None, int | None]:
     """The deepest traceback frame in user code (outside torch and ampdoctor)."""
-    from .monitor import _PKG_DIR, _TORCH_DIR
+    from .record.monitor import _PKG_DIR, _TORCH_DIR
     tb = exc.__traceback__
     best = (None, None)
     while tb is not None:

@@ -1,7 +1,7 @@
 """`ampdoctor.watch`: the Watch handle that owns every hook and patch on the user's model, optimizer, scaler.
 
-Hooks only measure: they append device-side statistic vectors (ampdoctor/stats.py) to the open step
-(ampdoctor/stepstate.py), which crosses to the host once, just before the optimizer step. Step boundaries
+Hooks only measure: they append device-side statistic vectors (ampdoctor/record/stats.py) to the open step
+(ampdoctor/record/step.py), which crosses to the host once, just before the optimizer step. Step boundaries
 come from the optimizer / GradScaler themselves; the user's loop needs no extra call.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from .config import WatchConfig
 from .env import collect_env, deprecated_amp_in_use
 from .errors import WatchError
 from .integrations import deepspeed as _deepspeed
-from .modulehooks import ModuleHook, hookable
-from .monitor import ClipPatch, OptimizerPatch, ScalerPatch
+from .record.hooks import ModuleHook, hookable
+from .record.monitor import ClipPatch, OptimizerPatch, ScalerPatch
 from .records import RunMeta
-from .stepstate import StepMachine
+from .record.step import StepMachine
 from .tensors import module_type
 
 __all__ = ["Watch", "watch"]

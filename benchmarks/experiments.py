@@ -37,15 +37,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead as bench  # noqa: E402
 
 import ampdoctor  # noqa: E402
-import ampdoctor.stepstate as _ss  # noqa: E402
-import ampdoctor.stats as _stats  # noqa: E402
+import ampdoctor.record.step as _ss  # noqa: E402
+import ampdoctor.record.stats as _stats  # noqa: E402
 
 _F64 = torch.float64
 _INF = math.inf
 
 
 def fused_full_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
-    """Same vector as ampdoctor.stats.full_stats, with the seven counts taken by one reduction."""
+    """Same vector as ampdoctor.record.stats.full_stats, with the seven counts taken by one reduction."""
     x = x.detach()
     n = x.numel()
     if n == 0:
@@ -90,7 +90,7 @@ def vnorm_light_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
                         (x == 0).sum(dtype=_F64), torch.linalg.vector_norm(x, math.inf).to(_F64), m1, m1, m1, m1])
 
 
-import ampdoctor.sync as _sync  # noqa: E402
+import ampdoctor.record.transfer as _sync  # noqa: E402
 _orig_model_grads = _sync.model_grads
 
 
@@ -102,7 +102,7 @@ def _lazy_model_grads(m):
 
 
 def cnz_full_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
-    """Same vector as ampdoctor.stats.full_stats; counts with torch.count_nonzero (int64) instead of
+    """Same vector as ampdoctor.record.stats.full_stats; counts with torch.count_nonzero (int64) instead of
     `mask.sum(dtype=float64)`, which materialises a float64 copy of every mask (8 bytes per element)."""
     x = x.detach()
     n = x.numel()
@@ -239,7 +239,7 @@ def check(device="cpu"):
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     n_ok = 0
-    # the (tensor dtype, reference dtype) pairs that ampdoctor.stats.ref_dtype produces
+    # the (tensor dtype, reference dtype) pairs that ampdoctor.record.stats.ref_dtype produces
     pairs = [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
              (torch.float32, torch.bfloat16), (torch.float32, torch.float32)]
     for dt, ref in pairs:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import ampdoctor
-from ampdoctor import storage
+from ampdoctor.record import storage
 from ampdoctor.records import RunMeta
 from ampdoctor.rundir import RunDirWriter
 

@@ -5,7 +5,7 @@
 Variants (own model copy, own AdamW + GradScaler, as in overhead.py) run interleaved; after warm-up every step
 is recorded with `torch.cuda.memory._record_memory_history`. For each variant's highest step, replays the
 allocator trace to find the moment of the step's peak and the blocks alive then; prints the peak above the step's start, and the live bytes at the peak
-grouped by the innermost frame outside torch (e.g. `modeling_gpt2.py:123` or `ampdoctor/fused.py:108`), so the
+grouped by the innermost frame outside torch (e.g. `modeling_gpt2.py:123` or `ampdoctor/record/fused.py:108`), so the
 difference between plain and a watched variant names the allocation sites that grew.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _patched(name: str):
     import contextlib
     import gc
 
-    from ampdoctor.stepstate import StepMachine
+    from ampdoctor.record.step import StepMachine
 
     @contextlib.contextmanager
     def ctx():
@@ -74,7 +74,7 @@ def _patched(name: str):
         if name.endswith("-gc"):
             gc.collect()
         if name.endswith("-nokernel"):  # the hooks' Python work only: rows are queued, no kernel launched
-            from ampdoctor import fused
+            from ampdoctor.record import fused
             saved_add = fused.StatBuffer.add
 
             def add(self, x, thresholds):
@@ -90,7 +90,7 @@ def _patched(name: str):
         finally:
             for k, v in saved.items():
                 if k == "__add":
-                    from ampdoctor import fused
+                    from ampdoctor.record import fused
                     fused.StatBuffer.add = v
                 else:
                     setattr(StepMachine, k, v)

@@ -196,7 +196,7 @@ class Variant:
     """One way of running the step, on its own copy of the model with its own optimizer and scaler."""
 
     def __init__(self, name, model, device, amp_dtype, clip=True):
-        # "headroom:K:F:B" = headroom=True with ampdoctor.headroom's flush limits set for this variant's steps:
+        # "headroom:K:F:B" = headroom=True with ampdoctor.record.headroom's flush limits set for this variant's steps:
         # K pending tensors, F MiB of forward outputs, B MiB of gradients (a sweep, interleaved like the rest)
         self.name, _, flush = name.partition(":")
         self.label = name
@@ -240,7 +240,7 @@ class Variant:
     def step(self, batch, loss_of):
         args, kwargs = batch
         if self.flush:
-            from ampdoctor import headroom as hr
+            from ampdoctor.record import headroom as hr
             hr.FLUSH_TENSORS, hr.FLUSH_BYTES_FORWARD, hr.FLUSH_BYTES_BACKWARD = (
                 self.flush[0], self.flush[1] << 20, self.flush[2] << 20)
         self.opt.zero_grad(set_to_none=True)

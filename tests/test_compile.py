@@ -1,6 +1,6 @@
 """A watch and torch.compile, both orders, on CPU.
 
-Nothing of ampdoctor's is traced into the compiled graph (ampdoctor/modulehooks.py): the root module's hooks
+Nothing of ampdoctor's is traced into the compiled graph (ampdoctor/record/hooks.py): the root module's hooks
 run eagerly around the compiled forward (a graph break before and after it), the other modules carry no hooks
 (they would be traced, and recompile the graph whenever they change; on an H200 that hit Dynamo's recompile
 limit), and the scaler/optimizer/clip monitor lives outside the compiled region. So every step is recorded

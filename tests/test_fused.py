@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from ampdoctor import fused
-from ampdoctor.stats import full_stats, thresholds, vector_to_stats
+from ampdoctor.record import fused
+from ampdoctor.record.stats import full_stats, thresholds, vector_to_stats
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fused path is CUDA-only)")
 

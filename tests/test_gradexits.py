@@ -1,4 +1,4 @@
-"""Where a module's gradient leaves towards its inputs (ampdoctor/gradexits.py): walking the autograd nodes its
+"""Where a module's gradient leaves towards its inputs (ampdoctor/record/gradexits.py): walking the autograd nodes its
 forward made. With `Regions` a finished submodule's walk is reused by the enclosing module's; that must find
 exactly the exits the full walk finds, on real nested models."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ampdoctor.gradexits import Regions, gradient_exits, sequence_nr
+from ampdoctor.record.gradexits import Regions, gradient_exits, sequence_nr
 from ampdoctor.tensors import flatten_tensors
 
 

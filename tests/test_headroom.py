@@ -1,4 +1,4 @@
-"""Always-on headroom (ampdoctor/headroom.py): every step, every module, forward and backward abs-max with inf/NaN,
+"""Always-on headroom (ampdoctor/record/headroom.py): every step, every module, forward and backward abs-max with inf/NaN,
 batched and read with the step's one transfer; the series round-trips through the run dir and old run dirs
 without it still load."""
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_nothing_forward_is_held_into_the_backward():
 
 
 def test_modules_that_pass_their_input_on_are_not_read():
-    from ampdoctor.headroom import passes_on
+    from ampdoctor.record.headroom import passes_on
     assert passes_on(nn.ReLU()) and passes_on(nn.GELU()) and passes_on(nn.Dropout(0.1)) and passes_on(nn.Identity())
     assert not passes_on(nn.Linear(2, 2)) and not passes_on(nn.LayerNorm(2)) and not passes_on(nn.PReLU())
     assert not passes_on(nn.MultiheadAttention(4, 2)) and not passes_on(nn.Sequential(nn.ReLU()))

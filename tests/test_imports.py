@@ -13,10 +13,9 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ampdoctor")
 
 STAGES = {
-    0: ("ampdoctor", "errors", "config", "records", "findings", "fixes", "tensors", "fsutil", "env", "producers",
-        "stats", "modulehooks", "capture", "capturecheck"),
-    1: ("watch", "stepstate", "stepdata", "gradexits", "sync", "monitor", "monitorsink", "gradients", "headroom", "fused",
-        "cpustats", "autocapture", "storage", "rundir",
+    0: ("ampdoctor", "errors", "config", "records", "findings", "fixes", "tensors", "fsutil", "env", "capture",
+        "capturecheck"),
+    1: ("record", "watch", "rundir",
         "integrations.deepspeed"),   # DeepSpeed's engine patch is a recorder part (like monitor's scaler patch)
     2: ("rules",),
     3: ("analysis", "analysis.ranking", "analysis.panels", "analysis.merging", "analysis.replayfold", "summary",
@@ -104,9 +103,10 @@ def test_the_checks_see_the_graph():
     g = edges()
     assert "ampdoctor.rules.registry" in g["ampdoctor.rules.origins"]
     assert all(isinstance(stage(m), int) for m in g)
-    assert stage("ampdoctor.report.html") > stage("ampdoctor.rules.origins") > stage("ampdoctor.sync")
+    assert stage("ampdoctor.report.html") > stage("ampdoctor.rules.origins") > stage("ampdoctor.record.transfer")
     assert {"ampdoctor.analysis.ranking", "ampdoctor.analysis.merging", "ampdoctor.analysis.replayfold"} <= \
         g["ampdoctor.analysis"]
     assert "ampdoctor.analysis.panels" in g["ampdoctor.analysis.ranking"]
     assert "ampdoctor.analysis.ranking" in g["ampdoctor.analysis.merging"]
     assert "ampdoctor.rules" in g["ampdoctor.analysis.panels"]
+    assert {"ampdoctor.record.transfer", "ampdoctor.record.headroom"} <= g["ampdoctor.record.step"]

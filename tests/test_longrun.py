@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import ampdoctor
 from ampdoctor.records import ModuleCall, StepRecord, TensorStats
-from ampdoctor.storage import FOLLOWUP_STEPS, FULL_DETAIL_STEPS, MEMORY_STEPS, StepStore
+from ampdoctor.record.storage import FOLLOWUP_STEPS, FULL_DETAIL_STEPS, MEMORY_STEPS, StepStore
 
 
 def test_every_step_counted_memory_bounded(tmp_path):

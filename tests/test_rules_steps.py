@@ -7,7 +7,7 @@ from ampdoctor.analysis import build_report, rank
 from ampdoctor.doctor import check_deepspeed
 from ampdoctor.env import deprecated_amp_in_use
 from ampdoctor.findings import Finding
-from ampdoctor.producers import forward_producer
+from ampdoctor.record.producers import forward_producer
 from ampdoctor.records import ModuleCall, ParamStat, Producer, RunMeta, StepRecord, TensorStats
 from ampdoctor.rules import RuleConfig, RunData, run_rules
 from ampdoctor.rules.scaler import ranks_diverged

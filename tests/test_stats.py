@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ampdoctor.stats import compiled, full_stats, light_stats, vector_to_stats
+from ampdoctor.record.stats import compiled, full_stats, light_stats, vector_to_stats
 
 ADV = torch.tensor([0.0, -0.0, 1e-9, -3e-7, 6e-5, 3e4, -4e4, 7e4, 1e6, float("inf"), -float("inf"), float("nan"),
                     65504.0, 65519.0, 65520.0, 2.0 ** -14, 2.0 ** -24])
@@ -36,8 +36,8 @@ def test_compiled_cpu_path_equals_eager(x, ref):
                                    (torch.randn(300_001).half() * 1e-4, torch.float16),
                                    (torch.randn(200_000).bfloat16() * 1e37, torch.bfloat16)])
 def test_c_cpu_path_equals_eager(x, ref):
-    """ampdoctor/cpustats.py (one C pass, in chunks of 2^16 values) == the eager reference."""
-    from ampdoctor import cpustats
+    """ampdoctor/record/cpustats.py (one C pass, in chunks of 2^16 values) == the eager reference."""
+    from ampdoctor.record import cpustats
     if not cpustats.available():
         pytest.skip("no C compiler here")
     big = x.clone().reshape(-1)
@@ -58,7 +58,7 @@ def test_without_a_c_compiler_the_watch_falls_back(tmp_path):
     import sys
     code = (
         "import torch, ampdoctor\n"
-        "from ampdoctor import cpustats\n"
+        "from ampdoctor.record import cpustats\n"
         "assert not cpustats.available()\n"
         "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
         "with ampdoctor.watch(m, every=20) as w:\n"

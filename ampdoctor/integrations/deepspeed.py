@@ -22,8 +22,8 @@ import sys
 import torch
 from torch import nn
 
-from ..gradients import model_grads, norms
-from ..monitor import _InstancePatch
+from ..record.params import model_grads, norms
+from ..record.monitor import _InstancePatch
 
 __all__ = ["is_engine", "engine_of", "describe", "EnginePatch", "find_engine"]
 

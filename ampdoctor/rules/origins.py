@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..findings import Finding
-from ..producers import ACCUMULATING
+from ..record.producers import ACCUMULATING
 from ..records import ModuleCall, StepRecord
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet

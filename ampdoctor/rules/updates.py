@@ -2,7 +2,7 @@
 large factor — a learning rate too high for the weights' scale, a missing warmup, clipping off or after step.
 
 Reads ParamStat.weight_norm / weight_norm_after (L2 norms right before and after the update, sampled steps;
-ampdoctor/gradients.py). Weights too small to have a meaningful scale (zero-initialised biases, LoRA's B) are
+ampdoctor/record/params.py). Weights too small to have a meaningful scale (zero-initialised biases, LoRA's B) are
 left out: their first updates multiply them by any factor, as designed.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ def maybe_capture(m, st) -> None:
                       RuntimeWarning, stacklevel=4)
         return
     try:
-        from .capture import write_capture
+        from ..capture import write_capture
         if w.run_dir:
             path = os.path.join(w.run_dir, *([f"rank-{w.meta.rank}"] if w.meta.rank is not None and
                                              (w.meta.world_size or 1) > 1 else []), "captures", str(st.step))

@@ -7,7 +7,7 @@ that does the same with its gradient. Every `FLUSH_TENSORS` tensors (or `FLUSH_B
 references never hold much memory alive; gradients, which nothing else keeps, sooner) one multi-tensor kernel
 per (device, dtype) group, `torch._foreach_norm(ord=inf, dtype=float32)`, turns the pending tensors into 0-d
 abs-maxes on the device (NaN and inf propagate, so "not finite" falls out of the same number). At the step's
-one transfer (ampdoctor/sync.py `presync`) they are stacked into one vector per device and go to the host with
+one transfer (ampdoctor/record/transfer.py `presync`) they are stacked into one vector per device and go to the host with
 the step's other values; `host_series` folds them into one value per module.
 
 Only fp16/bf16 values are read: an fp32 value has no low-precision range to lose (when an op casts it down,
@@ -22,8 +22,8 @@ import math
 import torch
 
 from . import cpustats
-from .modulehooks import InertHook
-from .tensors import flatten_tensors
+from .hooks import InertHook
+from ..tensors import flatten_tensors
 
 __all__ = ["Headroom", "HeadroomHook", "PassHook", "DTYPE_CODES", "from_calls", "encode", "passes_on"]
 
@@ -213,7 +213,7 @@ class Headroom:
 
 def _cpu_absmax(ts: list) -> torch.Tensor:
     """On the CPU, `_foreach_norm(ord=inf)` is a slow per-tensor loop (several times a plain pass): the one-pass C
-    statistics (ampdoctor/cpustats.py) give the finite abs-max and the NaN/inf counts, folded into one number."""
+    statistics (ampdoctor/record/cpustats.py) give the finite abs-max and the NaN/inf counts, folded into one number."""
     rows = torch.stack([cpustats.stats(t, t.dtype) for t in ts])   # records.STAT_FIELDS order
     v = rows[:, 5].clone()
     v[(rows[:, 2] + rows[:, 3]) > 0] = _INF

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
+from ..records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
 
 __all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT"]
 

@@ -3,8 +3,8 @@
 `presync` runs just before the optimizer step (or when the scaler skipped it, or when no step came): it
 gathers the loss, the scale, found_inf, gradient norms and every statistic vector the hooks queued, moves
 them to the host in one transfer per device; `resolve` reads them and has the step captured if it went bad
-(ampdoctor/autocapture.py). `finalize` turns the step into a StepRecord (producers included), stores it and
-hands it to the sinks. What is measured about the parameters is ampdoctor/gradients.py.
+(ampdoctor/record/autocapture.py). `finalize` turns the step into a StepRecord (producers included), stores it and
+hands it to the sinks. What is measured about the parameters is ampdoctor/record/params.py.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 
 from .autocapture import maybe_capture
 from .headroom import from_calls
-from .gradients import checked_weights, model_grads, norms, weight_amax
+from .params import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
-from .records import BACKOFF_MAX_STREAK, ModuleCall, ParamStat, StepRecord, TensorStats
+from ..records import BACKOFF_MAX_STREAK, ModuleCall, ParamStat, StepRecord, TensorStats
 from .stats import NSTAT, combine, vector_to_stats
 from .storage import store
 
@@ -108,7 +108,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         t = ev.detail.get("norm_t")
         if isinstance(t, torch.Tensor):
             parts.append((f"clip{j}", t))
-    if st.fbuf:  # rows computed by the fused kernel (ampdoctor/fused.py)
+    if st.fbuf:  # rows computed by the fused kernel (ampdoctor/record/fused.py)
         mats = {dev: buf.vectors() for dev, buf in st.fbuf.items()}
         st.vecs = [mats[v[1]][v[2]] if isinstance(v, tuple) else v for v in st.vecs]
         st.fbuf = {}
@@ -119,7 +119,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         for dev, idx in by_dev.items():
             parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
         st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
-    parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/headroom.py)
+    parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/record/headroom.py)
     asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
     st.pending = (_Pending(parts, asynchronous), via_scaler, grads_scaled)
     if not asynchronous:

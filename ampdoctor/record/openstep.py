@@ -1,5 +1,5 @@
 """The data of one open step: each module call's queued statistic rows, and everything else the hooks and the
-monitor gather until the step's one transfer to the host (ampdoctor/sync.py)."""
+monitor gather until the step's one transfer to the host (ampdoctor/record/transfer.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,6 +58,6 @@ class _Step:
     pending: object = None
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
-    headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/headroom.py)
+    headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/record/headroom.py)
     regions: object = None  # gradexits.Regions of this step's walked module calls (released at presync)
     late: object = None  # values queued after presync (sync.found_inf_all), read at finalize

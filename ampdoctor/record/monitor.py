@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "caller_location", "scaler_stage"]
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ampdoctor package (this file is in record/)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _SITE = os.path.dirname(_TORCH_DIR)
 # trainer libraries whose frames are skipped so that a location points at the user's own script

@@ -5,7 +5,7 @@ Pure functions over `ModuleCall` records; calls that only passed a non-finite va
 """
 from __future__ import annotations
 
-from .records import DTYPE_LIMITS, ModuleCall, Producer, TensorStats
+from ..records import DTYPE_LIMITS, ModuleCall, Producer, TensorStats
 
 __all__ = ["forward_producer", "backward_producer", "is_ancestor", "mask_like", "ACCUMULATING"]
 

@@ -1,13 +1,13 @@
 """The monitor's side of the step machine: what happens when the user's code calls the GradScaler, the
-optimizer or a clipping function (ampdoctor/monitor.py installs the patches that call these methods)."""
+optimizer or a clipping function (ampdoctor/record/monitor.py installs the patches that call these methods)."""
 from __future__ import annotations
 
 import torch
 
-from .gradients import grads_after_unscale
+from .params import grads_after_unscale
 from .monitor import scaler_stage
-from .sync import found_inf_all
-from .tensors import local
+from .transfer import found_inf_all
+from ..tensors import local
 
 __all__ = ["MonitorCallbacks"]
 

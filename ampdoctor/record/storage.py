@@ -21,7 +21,7 @@ import tempfile
 from array import array
 from collections.abc import Sequence
 
-from .records import StepRecord
+from ..records import StepRecord
 
 __all__ = ["store", "StepStore", "keeps_detail", "MEMORY_STEPS", "FULL_DETAIL_STEPS", "FOLLOWUP_STEPS"]
 

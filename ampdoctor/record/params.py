@@ -1,4 +1,4 @@
-"""What a step measures about the parameters, queued for the step's one transfer (ampdoctor/sync.py): the
+"""What a step measures about the parameters, queued for the step's one transfer (ampdoctor/record/transfer.py): the
 gradients' abs-max and L2 norm per parameter (right after unscale_ on sampled steps), whether the weights are
 finite, each weight's L2 norm right before and after the optimizer update (sampled steps; rule update_spike),
 and whether sampled low-precision updates rounded away (w + Δw == w)."""
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .tensors import local
+from ..tensors import local
 
 __all__ = ["model_grads", "norms", "grads_after_unscale", "checked_weights", "weight_amax", "update_check_pre", "update_check_post"]
 

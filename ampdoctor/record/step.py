@@ -13,18 +13,19 @@ import weakref
 
 import torch
 
-from . import cpustats, fused
+from . import cpustats
+from . import fused
 from .gradexits import ExitHook, Regions, gradient_exits, in_backward, sequence_nr
-from .modulehooks import ModuleHook, hookable, in_compiled_frame
+from .hooks import ModuleHook, hookable, in_compiled_frame
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
-from .records import CallEvent, StepRecord
-from .stepdata import _Call, _Step
-from .gradients import update_check_post, update_check_pre
+from ..records import CallEvent, StepRecord
+from .openstep import _Call, _Step
+from .params import update_check_post, update_check_pre
 from .headroom import Headroom, HeadroomHook, PassHook, _GradTap, passes_on
-from .sync import finalize, presync
+from .transfer import finalize, presync
 from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
-from .tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
+from ..tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
                       module_type, rng_state, tb_location, tb_module)
 
 __all__ = ["StepMachine", "flatten_tensors"]
@@ -46,7 +47,7 @@ class StepMachine(MonitorCallbacks):
         self._captures = 0
         self._captured_kinds: set[str] = set()
         self._mod_handles: list = []
-        # always-on headroom (ampdoctor/headroom.py): one slot per module, in RunMeta.modules order
+        # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}
         self.slot_of_name = {n: i for i, (n, _) in enumerate(watch.model.named_modules())}
@@ -77,7 +78,7 @@ class StepMachine(MonitorCallbacks):
         self.writer = None
         if watch.run_dir is not None:
             import os
-            from .rundir import RunDirWriter
+            from ..rundir import RunDirWriter
             meta = watch.meta
             path = watch.run_dir
             if meta.rank is not None and (meta.world_size or 1) > 1:
@@ -319,7 +320,7 @@ class StepMachine(MonitorCallbacks):
                 buf = st.fbuf[t.device] = fused.StatBuffer(t.device)
             v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref)))
             light = False
-        elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/cpustats.py)
+        elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/record/cpustats.py)
             v = cpustats.stats(t, ref)
             light = False
         elif self._compile_stats and t.device.type == "cpu":
