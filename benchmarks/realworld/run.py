@@ -13,6 +13,7 @@ have no deterministic implementation are listed per case, and only then are loss
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
                    help="run only the compiled (yes) or only the eager (no) cases")
     p.add_argument("--quick", action="store_true", help="half the iterations")
     p.add_argument("--every", type=int, default=None, help="watch(every=N) (default: ampdoctor's default)")
+    p.add_argument("--headroom", action="store_true", help="watch(headroom=True) in every case (always-on headroom)")
     p.add_argument("--max-iters", type=int, default=0, help="cap every case's iterations (a smoke test)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
     p.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
@@ -112,7 +114,6 @@ def main(argv=None) -> int:
     # eager healthy first, then the injected failures, compiled runs last (the slow ones)
     sel.sort(key=lambda c: (c.compiled, c.kind != "healthy"))
     if a.max_iters:
-        import dataclasses
         sel = [dataclasses.replace(c, iters={k: min(v, a.max_iters) for k, v in c.iters.items()}) for c in sel]
     if a.list:
         for c in sel:
@@ -149,6 +150,8 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         print(f"[{i + 1}/{len(sel)}] {tag} ...", file=sys.stderr, flush=True)
         try:
+            if a.headroom:
+                c = dataclasses.replace(c, headroom=True)
             r = harness.run_case(c, a.size, a.device, a.quick, a.keep_runs, a.every)
         except Exception as e:  # noqa: BLE001 - the harness itself failed on this case
             import traceback
