@@ -43,3 +43,66 @@ def test_fused_equals_eager(name, x, ref):
     a = vector_to_stats(got, "x", str(ref)).to_dict()
     b = vector_to_stats(want, "x", str(ref)).to_dict()
     assert a == b, (name, a, b)
+
+
+def test_absmax_table_equals_eager():
+    """AbsMaxTable (one Triton launch over a table of tensors) gives each tensor's abs-max, inf kept and NaN
+    shown, for fp16 and bf16, contiguous and permuted, small and large, across growth and reset."""
+    if not fused.absmax_kernel_ready():
+        pytest.skip("Triton not available")
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(n, generator=g) * s for n, s in ((1, 3.0), (7, 1e3), (2048, 0.5), (2049, 6e4),
+                                                        (5_000_003, 100.0), (70_000, 1e-3))]
+    ts = [t.half().cuda() for t in ts] + [(torch.randn(8, 16, 32, generator=g) * 1e3).half().cuda().permute(2, 0, 1)]
+    inf = torch.zeros(5000, dtype=torch.float16, device="cuda")
+    inf[4321] = -float("inf")
+    nan = torch.ones(3000, dtype=torch.float16, device="cuda")
+    nan[17] = float("nan")
+    bf = (torch.randn(100_000, generator=g) * 1e20).bfloat16().cuda()
+    tab = fused.AbsMaxTable(torch.device("cuda"), rows=2)   # grows
+    for _ in range(2):  # the second round after a reset reuses the buffers
+        r0 = tab.add(ts + [inf, nan])
+        r1 = tab.add([bf])
+        v = tab.vector().cpu()
+        want = [t.float().abs().max().item() for t in ts] + [math.inf, math.nan, bf.float().abs().max().item()]
+        assert r0 == 0 and r1 == len(ts) + 2 and v.numel() == len(want)
+        for got, w in zip(v.tolist(), want):
+            assert (math.isnan(got) and math.isnan(w)) or got == w, (got, w)
+        tab.reset()
+        assert tab.n == 0
+
+
+def test_headroom_on_cuda_uses_the_table_and_agrees_with_the_full_statistics():
+    """On CUDA the routine steps' headroom (Triton table) equals what the sampled steps' full statistics give."""
+    if not fused.absmax_kernel_ready():
+        pytest.skip("Triton not available")
+    import ampdoctor
+    from torch import nn
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+
+    def run(every):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Linear(64, 8)).cuda()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        sc = torch.amp.GradScaler("cuda")
+        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, every=every, headroom=True)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for _ in range(4):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.mse_loss(m(torch.randn(32, 64, device="cuda", generator=g)).float(),
+                                  torch.zeros(32, 8, device="cuda"))
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        w.close()
+        return w
+    full, fast = run(1), run(200)
+    assert any(t.n == 0 and t.out.numel() for t in fast.machine.hr.tables.values())  # the table was used
+    for a, b in zip(list(full.steps)[1:], list(fast.steps)[1:]):
+        assert a.sampled and not b.sampled
+        for key in ("fwd", "bwd"):
+            for x, y in zip(a.headroom[key], b.headroom[key]):
+                assert x == y or math.isclose(x, y, rel_tol=1e-2), (key, a.headroom, b.headroom)
+        assert a.headroom["dtype"] == b.headroom["dtype"]

@@ -1,4 +1,5 @@
-"""The CUDA fast path for `stats.full_stats`: every statistic of a tensor in one pass (a Triton kernel).
+"""The CUDA fast paths (Triton kernels): every statistic of a tensor in one pass (`StatBuffer`, for
+`stats.full_stats`), and the abs-max of many tensors in one launch (`AbsMaxTable`, for the always-on headroom).
 
 Per tensor, one kernel reads the values once and adds its block's counts (NaN, ±inf, zeros, near-max,
 below-normal, would-overflow-in-ref) and extremes (finite abs-max, smallest nonzero) into one row of a
@@ -12,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["available", "StatBuffer"]
+__all__ = ["available", "StatBuffer", "AbsMaxTable", "absmax_available", "absmax_kernel_ready"]
 
 _KERNEL = None
 _BLOCK = 1024          # values per program and iteration
@@ -161,3 +162,120 @@ def is_dense(x: torch.Tensor) -> bool:
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+# -- many tensors' abs-max in one launch (the always-on headroom, ampdoctor/record/headroom.py) ------------------
+_ABSMAX = None
+_AM_BLOCK = 2048        # values per program and iteration
+_AM_ITERS = 16          # a program reads at least this many blocks of the largest tensor before more are added
+_AM_MAX_PROGRAMS = 256  # programs per tensor at most
+
+
+def absmax_kernel_ready() -> bool:
+    """Whether Triton (and so `AbsMaxTable`) works here; built on first use."""
+    return _absmax_kernel() is not None
+
+
+def absmax_available(t: torch.Tensor) -> bool:
+    """Whether `AbsMaxTable` can take this tensor: fp16/bf16 on CUDA, its values one dense block of memory
+    (contiguous, or a permutation of a contiguous tensor), non-empty."""
+    if t.device.type != "cuda" or t.dtype not in (torch.float16, torch.bfloat16) or not t.numel():
+        return False
+    return t.is_contiguous() or is_dense(t)
+
+
+def _absmax_kernel():
+    global _ABSMAX
+    if _ABSMAX is None:
+        try:
+            _ABSMAX = _build_absmax()
+        except Exception:  # no Triton, or it cannot compile here: torch._foreach_norm serves
+            _ABSMAX = False
+    return _ABSMAX or None
+
+
+def _build_absmax():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def absmax_kernel(meta_ptr, T, out_ptr, nan_ptr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        # program (t, p): tensor t of the table (address, numel, row), its p-th share of the blocks
+        t = tl.program_id(0)
+        p = tl.program_id(1).to(tl.int64)
+        nprog = tl.num_programs(1).to(tl.int64)
+        addr = tl.load(meta_ptr + t)
+        n = tl.load(meta_ptr + T + t)
+        row = tl.load(meta_ptr + 2 * T + t)
+        if IS_BF16:
+            x_ptr = addr.to(tl.pointer_type(tl.bfloat16))
+        else:
+            x_ptr = addr.to(tl.pointer_type(tl.float16))
+        acc = tl.zeros([BLOCK], tl.float32)
+        bad = tl.zeros([BLOCK], tl.int32)
+        for start in range(p * BLOCK, n, nprog * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            bad = bad | (x != x).to(tl.int32)        # NaN: max() would drop it
+            acc = tl.maximum(acc, tl.abs(x))          # inf stays inf
+        tl.atomic_max(out_ptr + row, tl.max(acc, axis=0))
+        tl.atomic_max(nan_ptr + row, tl.max(bad, axis=0))
+
+    return absmax_kernel
+
+
+class AbsMaxTable:
+    """One step's abs-maxes on one device: `add(tensors)` launches one kernel per dtype over a table of
+    (address, numel, row) and returns the rows; `vector()` gives them (NaN where a NaN was seen) for the
+    step's transfer. The tensors must stay referenced until `add` returns (the kernel is queued on the current
+    stream behind the kernels that made them; memory freed afterwards is reused only behind it)."""
+
+    def __init__(self, device: torch.device, rows: int = 512):
+        self.device = device
+        self.out = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.nan = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.n = 0
+        self._tables: list = []   # the pinned tables of this step, alive until their copies are done
+
+    def _grow(self, need: int) -> None:
+        r = self.out.shape[0]
+        while r < need:
+            r *= 2
+        out = torch.zeros(r, dtype=torch.float32, device=self.device)
+        nan = torch.zeros(r, dtype=torch.int32, device=self.device)
+        out[:self.n] = self.out[:self.n]
+        nan[:self.n] = self.nan[:self.n]
+        self.out, self.nan = out, nan
+
+    def add(self, tensors: list) -> int:
+        """Queue the abs-max of each tensor (one dtype); returns the first row (rows are consecutive)."""
+        T = len(tensors)
+        first = self.n
+        if first + T > self.out.shape[0]:
+            self._grow(first + T)
+        self.n = first + T
+        ns = [t.numel() for t in tensors]
+        big = max(ns) if ns else 0
+        if not big:
+            return first
+        meta = torch.tensor([t.data_ptr() for t in tensors] + ns + list(range(first, first + T)),
+                            dtype=torch.int64, pin_memory=True)
+        self._tables.append(meta)
+        dmeta = meta.to(self.device, non_blocking=True)
+        P = max(1, min(_AM_MAX_PROGRAMS, triton_cdiv(big, _AM_BLOCK * _AM_ITERS)))
+        _absmax_kernel()[(T, P)](dmeta, T, self.out, self.nan, IS_BF16=tensors[0].dtype == torch.bfloat16,
+                                 BLOCK=_AM_BLOCK)
+        return first
+
+    def vector(self) -> torch.Tensor:
+        """The step's abs-maxes, NaN where a tensor held a NaN."""
+        k = self.n
+        return torch.where(self.nan[:k] > 0, torch.nan, self.out[:k])
+
+    def reset(self) -> None:
+        if self.n:
+            self.out[:self.n].zero_()
+            self.nan[:self.n].zero_()
+        self.n = 0
+        self._tables = []

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from . import cpustats
+from . import cpustats, fused
 from .hooks import InertHook
 from ..tensors import flatten_tensors
 
@@ -57,14 +57,17 @@ class Headroom:
     """The pending tensors and reduced abs-maxes of the open step (owned by the StepMachine)."""
 
     __slots__ = ("on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
-                 "last_slot", "staged")
+                 "last_slot", "staged", "tables")
 
     def __init__(self, n_slots: int):
         self.on = False            # recording (routine steps); off on sampled steps, when disabled or suspended
         self.n = n_slots
+        self.tables: dict = {}     # device -> fused.AbsMaxTable (CUDA, Triton): kept across steps, reset per step
         self.reset()
 
     def reset(self) -> None:
+        for tab in self.tables.values():
+            tab.reset()
         self.ft, self.fs, self.bt, self.bs = [], [], [], []
         self.fbytes = self.bbytes = 0
         self.norms: dict = {}      # device -> 0-d fp32 abs-maxes from _foreach_norm (stacked once, in parts)
@@ -153,7 +156,18 @@ class Headroom:
                 if dev.type == "cpu" and cpustats.available() and all(cpustats.supports(t) for t in gt):
                     self.vecs.setdefault(dev, []).append(_cpu_absmax(gt))
                     self.done.append((phase, code, gs, ("v", dev)))
-                else:  # one multi-tensor kernel (NaN and inf propagate into the abs-max), fp32 results
+                    continue
+                if dev.type == "cuda" and fused.absmax_kernel_ready():
+                    dense = [fused.absmax_available(t) for t in gt]  # one Triton launch for all of these
+                    if any(dense):
+                        tab = self.tables.get(dev)
+                        if tab is None:
+                            tab = self.tables[dev] = fused.AbsMaxTable(dev)
+                        tab.add([t for t, d in zip(gt, dense) if d])
+                        self.done.append((phase, code, [s for s, d in zip(gs, dense) if d], ("t", dev)))
+                        gt = [t for t, d in zip(gt, dense) if not d]
+                        gs = [s for s, d in zip(gs, dense) if not d]
+                if gt:  # one multi-tensor kernel (NaN and inf propagate into the abs-max), fp32 results
                     self.norms.setdefault(dev, []).extend(torch._foreach_norm(gt, _INF, dtype=_F32))
                     self.done.append((phase, code, gs, ("n", dev)))
 
@@ -175,6 +189,9 @@ class Headroom:
             out.append((f"hr:n{i}", torch.stack(ts)))
         for i, (dev, vs) in enumerate(self.vecs.items()):
             out.append((f"hr:v{i}", torch.cat(vs) if len(vs) > 1 else vs[0]))
+        for dev, tab in self.tables.items():
+            if tab.n:
+                out.append((f"hr:t:{dev}", tab.vector()))
         self.staged = out
         return out
 
@@ -186,6 +203,7 @@ class Headroom:
             return None
         vals = {("n", dev): host.get(f"hr:n{i}") for i, dev in enumerate(self.norms)}
         vals.update({("v", dev): host.get(f"hr:v{i}") for i, dev in enumerate(self.vecs)})
+        vals.update({("t", dev): host.get(f"hr:t:{dev}") for dev in self.tables})
         at = dict.fromkeys(vals, 0)
         fwd: list = [None] * self.n
         bwd: list = [None] * self.n
