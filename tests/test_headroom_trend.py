@@ -79,6 +79,39 @@ def test_series_stops_at_the_overflow():
     assert len(f) == 1 and f[0].step < 30
 
 
+def _with_overflow(run: RunData, at: int, module: str, n: int = 10) -> RunData:
+    """The run's steps from `at` on went bad (the scaler skipped), the forward inf/NaN first seen in `module`."""
+    from ampdoctor.records import Producer
+    for r in run.steps[at:at + n]:
+        r.skipped, r.found_inf = True, True
+        r.forward_producer = Producer(module=module, call=0, phase="forward", kind="inf")
+    return run
+
+
+def test_a_forecast_that_came_true_is_the_error_that_explains_the_overflow():
+    """The overflow happened where the trend said (the dropout right after a growing projection on the GPU): the
+    trend is an error naming the growing layer, ranked after the overflow findings and before the scaler's."""
+    from ampdoctor.analysis import rank
+    from ampdoctor.findings import Finding
+    vals = grow(300.0, 1.15, 40)
+    run = _with_overflow(run_of({"blk.fc": vals}), 38, "blk.act")
+    f = headroom_trend(run, RuleConfig())
+    assert len(f) == 1 and f[0].severity == "error" and f[0].module == "blk.fc"
+    assert f[0].evidence["overflowed_step"] == 38 and f[0].evidence["overflowed_in"] == "blk.act"
+    assert "It did" in f[0].message and "step 38" in f[0].message
+    overflow = Finding("overflow", "error", "forward", "blk.act", "aten::gelu", 38, "m", "fix", {"rank_hint": 10})
+    collapse = Finding("loss_scale_collapse", "error", "backward", None, None, 38, "m", "fix", {"rank_hint": 60})
+    assert [x.rule for x in rank([collapse, f[0], overflow])] == ["overflow", "headroom_trend", "loss_scale_collapse"]
+
+
+def test_an_unrelated_overflow_leaves_the_trend_a_warning():
+    vals = grow(300.0, 1.15, 40)
+    f = headroom_trend(_with_overflow(run_of({"blk.fc": vals}), 38, "ln"), RuleConfig())
+    assert len(f) == 1 and f[0].severity == "warning" and "overflowed_step" not in f[0].evidence
+    f = headroom_trend(run_of({"blk.fc": vals}), RuleConfig())   # no overflow at all
+    assert f[0].severity == "warning"
+
+
 # -- a real run ------------------------------------------------------------------------------------------------
 def test_nanogpt_layer_whose_weights_grow_is_named_early():
     nanogpt = pytest.importorskip("benchmarks.realworld.nanogpt")

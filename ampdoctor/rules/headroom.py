@@ -26,6 +26,7 @@ from ..records import DTYPE_LIMITS
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .origins import autocast_device
+from .steps import first_bad_step
 
 __all__ = ["headroom_trend", "trend", "series"]
 
@@ -160,11 +161,36 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             named.update(chain)
             named.update(j for j in warn if any(_inside(mods[j][0], mods[c][0]) or j == c for c in chain))
             first = min(chain, key=lambda j: _bits_at(pts[j], w["step"]))
-            out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"]))
+            out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"],
+                                _came_true(run, w, [mods[j][0] for j in chain] + [mods[first][0]])))
     return out
 
 
-def _finding(run, phase, mod, pts, w, first_name: str, step: int) -> Finding:
+CONFIRM_STEPS = 8
+"""Steps after the first bad one whose producers may tie it to the warned layers (the follow-up steps)."""
+
+
+def _came_true(run: RunData, w: dict, chain: list[str]) -> dict | None:
+    """The forecast overflow happened: the run's first bad step came after the warning, and its inf/NaN producer
+    (on that step or the follow-up steps) is one of the warned layers, inside one, or beside one in the same
+    parent (the dropout or activation right after a growing projection). None otherwise."""
+    bad = first_bad_step(list(run.steps), run.has_scaler)
+    if bad is None or bad <= w["step"]:
+        return None
+    parents = {c.rpartition(".")[0] for c in chain}
+    for r in run.steps:
+        if r.step < bad or r.step > bad + CONFIRM_STEPS:
+            continue
+        for p in (r.forward_producer, r.backward_producer):
+            if p is None:
+                continue
+            m = p.module
+            if m in chain or any(_inside(m, c) for c in chain) or m.rpartition(".")[0] in parents:
+                return {"step": bad, "module": m}
+    return None
+
+
+def _finding(run, phase, mod, pts, w, first_name: str, step: int, came: dict | None = None) -> Finding:
     name, typ = mod[0], mod[1]
     cur = [p for p in pts if p[0] <= step]
     bits = cur[-1][1] if cur else w["bits"]
@@ -175,10 +201,16 @@ def _finding(run, phase, mod, pts, w, first_name: str, step: int) -> Finding:
     msg = (f"`{name or '(root)'}` ({typ}) {what} is losing headroom to the {dt} maximum steadily: "
            f"{bits:.1f} bits left at step {step}, falling {-rate:.2f} bits/step, forecast to overflow around "
            f"step {w['forecast']}{via}.")
+    ev = {"headroom_bits": round(bits, 3), "rate_bits_per_step": round(rate, 4), "forecast_step": w["forecast"],
+          "first_to_overflow": first_name, "first_headroom_bits": round(w["bits"], 3), "dtype": dt, "rank_hint": 28}
+    severity = "warning"
+    if came is not None:
+        # the forecast came true: the steady growth is why the run broke. An error, ranked after the overflow
+        # findings themselves (root causes below 20) and before the scaler's reaction to them
+        severity = "error"
+        msg += f" It did: the first inf/NaN came at step {came['step']}, in `{came['module']}`."
+        ev.update({"overflowed_step": came["step"], "overflowed_in": came["module"], "rank_hint": 20})
     fix = ("Act before it overflows: lower the learning rate or add warmup, clip gradients (after "
            "`scaler.unscale_`), check weight decay on this layer, or keep it in fp32:\n"
            + fp32_snippet(name, autocast_device(run)))
-    return Finding("headroom_trend", "warning", phase, name, None, step, msg, fix,
-                   {"headroom_bits": round(bits, 3), "rate_bits_per_step": round(rate, 4),
-                    "forecast_step": w["forecast"], "first_to_overflow": first_name,
-                    "first_headroom_bits": round(w["bits"], 3), "dtype": dt, "rank_hint": 28})
+    return Finding("headroom_trend", severity, phase, name, None, step, msg, fix, ev)
