@@ -177,11 +177,11 @@ def absmax_kernel_ready() -> bool:
 
 
 def absmax_available(t: torch.Tensor) -> bool:
-    """Whether `AbsMaxTable` can take this tensor: fp16/bf16 on CUDA, its values one dense block of memory
-    (contiguous, or a permutation of a contiguous tensor), non-empty."""
+    """Whether `AbsMaxTable` can take this tensor: fp16/bf16 on CUDA, non-empty, its values one dense block of
+    memory (contiguous, or a permutation of a contiguous tensor) starting on a 16-byte boundary."""
     if t.device.type != "cuda" or t.dtype not in (torch.float16, torch.bfloat16) or not t.numel():
         return False
-    return t.is_contiguous() or is_dense(t)
+    return t.data_ptr() % 16 == 0 and (t.is_contiguous() or is_dense(t))
 
 
 def _absmax_kernel():
@@ -199,26 +199,29 @@ def _build_absmax():
     import triton.language as tl
 
     @triton.jit
-    def absmax_kernel(meta_ptr, T, out_ptr, nan_ptr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        # program (t, p): tensor t of the table (address, numel, row), its p-th share of the blocks
+    def absmax_kernel(base_ptr, meta_ptr, T, out_ptr, nan_ptr, BLOCK: tl.constexpr):
+        # program (t, p): tensor t of the table, its p-th share of the blocks. A tensor is addressed by its
+        # element offset from `base_ptr` (a multiple of 8 elements: 16-byte aligned, so loads vectorise); full
+        # blocks are read unmasked, the tail by program 0 with a mask.
         t = tl.program_id(0)
         p = tl.program_id(1).to(tl.int64)
         nprog = tl.num_programs(1).to(tl.int64)
-        addr = tl.load(meta_ptr + t)
+        off = tl.multiple_of(tl.load(meta_ptr + t), 8)
         n = tl.load(meta_ptr + T + t)
         row = tl.load(meta_ptr + 2 * T + t)
-        if IS_BF16:
-            x_ptr = addr.to(tl.pointer_type(tl.bfloat16))
-        else:
-            x_ptr = addr.to(tl.pointer_type(tl.float16))
+        full = n - n % BLOCK
         acc = tl.zeros([BLOCK], tl.float32)
         bad = tl.zeros([BLOCK], tl.int32)
-        for start in range(p * BLOCK, n, nprog * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        for start in range(p * BLOCK, full, nprog * BLOCK):
+            start = tl.multiple_of(start, BLOCK)
+            x = tl.load(base_ptr + off + start + tl.arange(0, BLOCK)).to(tl.float32)
             bad = bad | (x != x).to(tl.int32)        # NaN: max() would drop it
             acc = tl.maximum(acc, tl.abs(x))          # inf stays inf
+        if p == 0:
+            offs = full + tl.arange(0, BLOCK)
+            x = tl.load(base_ptr + off + offs, mask=offs < n, other=0.0).to(tl.float32)
+            bad = bad | (x != x).to(tl.int32)
+            acc = tl.maximum(acc, tl.abs(x))
         tl.atomic_max(out_ptr + row, tl.max(acc, axis=0))
         tl.atomic_max(nan_ptr + row, tl.max(bad, axis=0))
 
@@ -236,7 +239,6 @@ class AbsMaxTable:
         self.out = torch.zeros(rows, dtype=torch.float32, device=device)
         self.nan = torch.zeros(rows, dtype=torch.int32, device=device)
         self.n = 0
-        self._tables: list = []   # the pinned tables of this step, alive until their copies are done
 
     def _grow(self, need: int) -> None:
         r = self.out.shape[0]
@@ -249,7 +251,8 @@ class AbsMaxTable:
         self.out, self.nan = out, nan
 
     def add(self, tensors: list) -> int:
-        """Queue the abs-max of each tensor (one dtype); returns the first row (rows are consecutive)."""
+        """Queue the abs-max of each tensor (one dtype, each `absmax_available`); returns the first row (rows
+        are consecutive)."""
         T = len(tensors)
         first = self.n
         if first + T > self.out.shape[0]:
@@ -259,13 +262,12 @@ class AbsMaxTable:
         big = max(ns) if ns else 0
         if not big:
             return first
-        meta = torch.tensor([t.data_ptr() for t in tensors] + ns + list(range(first, first + T)),
-                            dtype=torch.int64, pin_memory=True)
-        self._tables.append(meta)
-        dmeta = meta.to(self.device, non_blocking=True)
+        base = tensors[0]
+        b, size = base.data_ptr(), base.element_size()
+        meta = torch.tensor([(t.data_ptr() - b) // size for t in tensors] + ns + list(range(first, first + T)),
+                            dtype=torch.int64).to(self.device, non_blocking=True)
         P = max(1, min(_AM_MAX_PROGRAMS, triton_cdiv(big, _AM_BLOCK * _AM_ITERS)))
-        _absmax_kernel()[(T, P)](dmeta, T, self.out, self.nan, IS_BF16=tensors[0].dtype == torch.bfloat16,
-                                 BLOCK=_AM_BLOCK)
+        _absmax_kernel()[(T, P)](base, meta, T, self.out, self.nan, BLOCK=_AM_BLOCK)
         return first
 
     def vector(self) -> torch.Tensor:
@@ -278,4 +280,3 @@ class AbsMaxTable:
             self.out[:self.n].zero_()
             self.nan[:self.n].zero_()
         self.n = 0
-        self._tables = []
