@@ -22,8 +22,10 @@ import sys
 import torch
 from torch import nn
 
-from ..record.params import model_grads, norms
 from ..record.monitor import _InstancePatch
+from ..record.openstep import StepPhase
+from ..record.params import model_grads, norms
+from ..record.transfer import presync
 
 __all__ = ["is_engine", "engine_of", "describe", "EnginePatch", "find_engine"]
 
@@ -278,5 +280,5 @@ class EnginePatch(_InstancePatch):
             ev.detail["norm_t"] = gn.detach().double().reshape(())  # read with the step's one transfer
         elif isinstance(gn, (int, float)):
             ev.detail["total_norm"] = float(gn)
-        m._presync(None)
-        st.ended = True
+        presync(m, None)
+        st.advance(StepPhase.ENDED)

@@ -1,6 +1,7 @@
-"""Capturing a bad step during training: where the capture goes (the run directory, per rank, or a temporary
-directory that w.report() can still replay), how many a watch writes, and why none is written for sharded
-(FSDP2) models. The capture format itself is ampdoctor/capture.py."""
+"""Capturing a bad step during training: which bad steps get a capture and which steps are sampled after one
+(`CapturePolicy`), where the capture goes (the run directory, per rank, or a temporary directory that
+w.report() can still replay), and why none is written for sharded (FSDP2) models. The capture format itself is
+ampdoctor/capture.py."""
 from __future__ import annotations
 
 import atexit
@@ -9,16 +10,81 @@ import shutil
 import tempfile
 import warnings
 
-__all__ = ["maybe_capture"]
+from ..records import BACKOFF_MAX_STREAK
+
+__all__ = ["CapturePolicy", "maybe_capture"]
+
+
+class CapturePolicy:
+    """Which steps a watch samples and which of its bad steps it captures, decided online, step by step. Owned by
+    the StepMachine; its state changes only through these methods.
+
+    GradScaler's normal search for a loss scale is not worth a capture: skipped steps with a finite forward
+    before the first applied update (a streak shorter than records.BACKOFF_MAX_STREAK), or a single skip right
+    after the scale grew (the scaler probing upwards). What is: a forward failure (`forward`); a skip after the
+    scale had settled (`backward`); skips that persist (`persistent`). One capture of each kind, within
+    `WatchConfig.max_captures`; a bad step that was not sampled has the next `bad_step_followup` steps sampled."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg              # the watch's WatchConfig
+        self.followup = 0           # steps still to be sampled after a bad one
+        self.captures = 0           # captures taken from the budget so far
+        self.kinds: set[str] = set()  # kinds of bad step seen first (and captured where the budget allowed)
+        self.skip_streak = 0        # consecutive skipped steps with a finite forward
+        self.stepped = False        # an update has been applied (GradScaler's initial search is over)
+        self.prev_scale = None      # the loss scale of the step before
+
+    def sampled(self, step: int) -> bool:
+        """Whether step `step` takes full statistics: every `every`-th, and the follow-ups of a bad step. Once per
+        step, in order (a follow-up is used up)."""
+        s = step % self.cfg.every == 0 or self.followup > 0
+        if self.followup > 0:
+            self.followup -= 1
+        return s
+
+    def kind(self, bad_fwd: bool, bad_bwd: bool, scale, scaler: bool = True) -> str | None:
+        """The kind of bad step this is (`forward`, `backward`, `persistent`), or None when it is not worth a
+        capture (see the class docstring). Once per resolved step, in order: it advances the streak."""
+        prev, self.prev_scale = self.prev_scale, scale
+        self.skip_streak = self.skip_streak + 1 if (bad_bwd and not bad_fwd) else 0
+        if bad_fwd:
+            return "forward"
+        if not bad_bwd:
+            self.stepped = True
+            return None
+        if not scaler:
+            return "backward"  # without a scaler nothing explains a non-finite gradient
+        if not self.stepped:  # the initial search
+            return "persistent" if self.skip_streak >= BACKOFF_MAX_STREAK else None
+        if self.skip_streak == 1 and prev is not None and scale is not None and scale > prev:
+            return None  # the scale had just grown: the scaler probing
+        return "persistent" if self.skip_streak >= 3 else "backward"
+
+    def observe(self, bad_fwd: bool, bad_bwd: bool, scale, *, sampled: bool, scaler: bool) -> str | None:
+        """One resolved step: schedule the follow-ups of a bad step that was not sampled, and return its kind when
+        it is the first of that kind (a capture is due), else None."""
+        if (bad_fwd or bad_bwd) and not sampled:
+            self.followup = max(self.followup, self.cfg.bad_step_followup)
+        k = self.kind(bad_fwd, bad_bwd, scale, scaler)
+        if k is None or k in self.kinds:
+            return None
+        self.kinds.add(k)
+        return k
+
+    def spend(self) -> bool:
+        """Take one capture from the budget (`max_captures`); False when it is spent."""
+        if self.captures >= self.cfg.max_captures:
+            return False
+        self.captures += 1
+        return True
 
 
 def maybe_capture(m, st) -> None:
     """Write the capture of the bad step `st` (the micro-batch that went bad, else the last), within the watch's
     capture budget; never raises."""
     w = m.w
-    if not (m.cfg.capture and m._captures < m.cfg.max_captures and st.batches):
+    if not (m.cfg.capture and st.batches and m.policy.spend()):
         return
-    m._captures += 1
     if m.sharded:  # a collective from one rank (to gather the weights) would hang the others
         warnings.warn(f"ampdoctor: step {st.step} went bad, but the model's parameters are sharded (FSDP2/"
                       "DTensor), so no capture was written: a capture holds the whole model. To replay it, load a "

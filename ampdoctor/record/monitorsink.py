@@ -1,20 +1,38 @@
 """The monitor's side of the step machine: what happens when the user's code calls the GradScaler, the
-optimizer or a clipping function (ampdoctor/record/monitor.py installs the patches that call these methods)."""
+optimizer or a clipping function (ampdoctor/record/monitor.py installs the patches that call these methods).
+An optimizer step moves the open step to StepPhase.ENDED; an error of ampdoctor's own in any of these switches
+the watch off (StepMachine._fail) and never reaches the training loop."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
-from .params import grads_after_unscale
+from .openstep import StepPhase
+from .params import grads_after_unscale, update_check_post, update_check_pre
 from .monitor import scaler_stage
-from .transfer import found_inf_all
+from .transfer import found_inf_all, presync
 from ..tensors import local
 
 __all__ = ["MonitorCallbacks"]
 
 
+def _guarded(fn):
+    """A patch's callback: ampdoctor's own errors go to StepMachine._fail, never into the user's call."""
+    @functools.wraps(fn)
+    def call(self, *args):
+        try:
+            return fn(self, *args)
+        except Exception as e:
+            self._fail(e)
+            return None
+    return call
+
+
 class MonitorCallbacks:
     """Mixin of StepMachine: records each call as a CallEvent and marks step boundaries."""
 
+    @_guarded
     def before(self, kind, args, kwargs):
         if self._disabled:
             return None
@@ -51,6 +69,7 @@ class MonitorCallbacks:
                 self.w.adopt_optimizer(opt)
         return (ev, opt)
 
+    @_guarded
     def after(self, tok, args, kwargs, out):
         if tok is None or self._disabled:
             return
@@ -70,9 +89,10 @@ class MonitorCallbacks:
                     st.found_inf_t = vs[0] if len(vs) == 1 else torch.cat([v.double() for v in vs]).sum()
             except (AttributeError, KeyError, TypeError):
                 pass
-            self._presync(opt)
-            st.ended = True
+            presync(self, opt)
+            st.advance(StepPhase.ENDED)
 
+    @_guarded
     def failed(self, tok, e: BaseException) -> None:
         if tok is None:
             return
@@ -81,12 +101,14 @@ class MonitorCallbacks:
         if ev.kind == "step":
             self.st.in_scaler_step = max(self.st.in_scaler_step - 1, 0)
 
+    @_guarded
     def zero_grad(self, optimizer) -> None:
         if self._disabled:
             return
         self._begin()
         self._event("zero_grad")
 
+    @_guarded
     def clip_before(self, kind, parameters):
         if self._disabled:
             return None
@@ -102,6 +124,7 @@ class MonitorCallbacks:
             scaled = self.st.scaled_since_update and stage in (None, "READY")
         return self._event(kind, stage=stage, scaled=scaled)
 
+    @_guarded
     def clip_after(self, ev, out) -> None:
         if ev is None:
             return
@@ -151,10 +174,10 @@ class MonitorCallbacks:
                           and stage in (None, "READY"))
             self._event("optimizer.step", stage=stage, scaled=scaled and not via,
                         detail={"via_scaler": via, "fused": bool(fused)})
-            self._presync(opt, grads_scaled=scaled)
-            self._update_check_pre(opt)
+            presync(self, opt, grads_scaled=scaled)
+            update_check_pre(self, opt)
             if not via:
-                st.ended = True
+                st.advance(StepPhase.ENDED)
         except Exception as e:
             self._fail(e)
 
@@ -162,7 +185,7 @@ class MonitorCallbacks:
         if self._disabled or id(opt) not in self.known_optimizers:
             return
         try:
-            self._update_check_post(opt)
+            update_check_post(self, opt)
         except Exception as e:
             self._fail(e)
 

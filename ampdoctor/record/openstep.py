@@ -1,10 +1,51 @@
-"""The data of one open step: each module call's queued statistic rows, and everything else the hooks and the
-monitor gather until the step's one transfer to the host (ampdoctor/record/transfer.py)."""
+"""The data of one open step: its phase, each module call's queued statistic rows, and everything else the hooks
+and the monitor gather until the step's one transfer to the host (ampdoctor/record/transfer.py).
+
+A step goes through the phases of `StepPhase`, in order, and only `_Step.advance` moves it on (GradScaler keeps
+an optimizer's stage the same way, `OptState`): one owner, one place, and a transition out of order is an
+internal error (the StepMachine switches itself off; the user's training goes on).
+"""
 from __future__ import annotations
 
+import enum
+import weakref
 from dataclasses import dataclass, field
 
-__all__ = ["_Call", "_Step"]
+import torch
+
+from . import cpustats
+from . import fused
+from .stats import compiled, full_stats, light_stats, ref_dtype, thresholds
+from ..tensors import autocast_dtype, dt_name
+
+__all__ = ["StepPhase", "StepPhaseError", "_Call", "_Step"]
+
+
+class StepPhase(enum.Enum):
+    """Where the open step is. Only `_Step.advance` changes it, along `_NEXT`."""
+
+    OPEN = "open"
+    """The forwards, backwards and the scaler's calls append device values and call events."""
+    STAGED = "staged"
+    """`transfer.presync` queued the step's values for its one transfer (just before the optimizer step, or at
+    finalize when none came); values appended later are not read, except `transfer.found_inf_all`'s."""
+    ENDED = "ended"
+    """The optimizer stepped, or the scaler skipped the step. The record waits for the next iteration to begin
+    (root forward, zero_grad, scaler.scale), so that `scaler.update()` and late calls land in this step."""
+    FINAL = "final"
+    """`transfer.finalize` made the StepRecord; the step is replaced by the next one."""
+
+
+_NEXT = {
+    StepPhase.OPEN: frozenset({StepPhase.STAGED}),
+    StepPhase.STAGED: frozenset({StepPhase.ENDED, StepPhase.FINAL}),  # FINAL: no optimizer step came (eval tail)
+    StepPhase.ENDED: frozenset({StepPhase.ENDED, StepPhase.FINAL}),   # ENDED again: a second optimizer's step
+    StepPhase.FINAL: frozenset(),
+}
+
+
+class StepPhaseError(RuntimeError):
+    """A step was moved out of order: a bug in ampdoctor, never in the user's code."""
 
 
 @dataclass
@@ -35,7 +76,7 @@ class _Step:
     events: list = field(default_factory=list)
     scale_t: object = None
     found_inf_t: object = None
-    grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (sync.grads_after_unscale)
+    grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (params.grads_after_unscale)
     param_names: list = field(default_factory=list)
     upd: list = field(default_factory=list)
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
@@ -47,17 +88,72 @@ class _Step:
     autocast: str | None = None
     micro: int = 0
     exception: dict | None = None
-    synced: dict | None = None
-    ended: bool = False
+    synced: dict | None = None  # the step's values read back on the host (transfer.resolve)
     bseq: int = 0
-    in_scaler_step: int = 0
-    scaled_since_update: bool = False
+    in_scaler_step: int = 0     # nesting depth of scaler.step() calls (its own unscale_ and optimizer.step inside)
+    scaled_since_update: bool = False  # scaler.scale() ran and scaler.update() not yet: the gradients are scaled
     capture: str | None = None
     vec_order: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
-    pending: object = None
+    pending: object = None  # transfer._Pending: the values on their way to the host, until resolve reads them
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
     headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/record/headroom.py)
     regions: object = None  # gradexits.Regions of this step's walked module calls (released at presync)
-    late: object = None  # values queued after presync (sync.found_inf_all), read at finalize
+    late: object = None  # values queued after presync (transfer.found_inf_all), read at finalize
+    _phase: StepPhase = field(default=StepPhase.OPEN, init=False, repr=False)
+
+    @property
+    def phase(self) -> StepPhase:
+        return self._phase
+
+    def advance(self, to: StepPhase) -> None:
+        """Move the step on to phase `to`; the only place the phase changes."""
+        if to not in _NEXT[self._phase]:
+            raise StepPhaseError(f"step {self.step} cannot go from {self._phase.name} to {to.name} "
+                                 f"(allowed: {', '.join(p.name for p in _NEXT[self._phase]) or 'none'})")
+        self._phase = to
+
+    @property
+    def ended(self) -> bool:
+        """The optimizer stepped (or the scaler skipped it) and the record waits for the next iteration."""
+        return self._phase is StepPhase.ENDED
+
+    def measure(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None, compile_stats=False) -> None:
+        """Queue the statistics of tensor `t` as a row of call `c`'s `slot` (inp, out, gout, gin)."""
+        if ref is None:
+            ref = ref_dtype(t.dtype, autocast_dtype(t.device.type))
+        # A tensor measured once this step (a module's output is the next one's input; a gradient flows
+        # into one module and out of another) is not measured again.
+        # Keyed by memory, not identity: a view of the same memory (e.g. the gradient flowing out of one module
+        # and into the next) has the same values. The first tensor measured there must still be alive (so the
+        # memory was not reused) and the shared version counter unchanged (no in-place write since).
+        try:
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, ref)
+        except RuntimeError:  # inference tensors have no version counter; some wrappers no storage
+            key = None
+        hit = self.seen.get(key) if key is not None else None
+        if hit is not None and hit[0]() is not None and (light or hit[2]):
+            c.rows[slot].append((hit[1], dt_name(t.dtype), dt_name(ref)))
+            return
+        idx = len(self.vecs)
+        if t.is_cuda and fused.available(t):  # one Triton kernel per tensor, into the step's buffer
+            buf = self.fbuf.get(t.device)
+            if buf is None:
+                buf = self.fbuf[t.device] = fused.StatBuffer(t.device)
+            v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref)))
+            light = False
+        elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/record/cpustats.py)
+            v = cpustats.stats(t, ref)
+            light = False
+        elif compile_stats and t.device.type == "cpu":
+            v = compiled("light" if light else "full")(t, ref)
+        else:
+            v = light_stats(t, ref) if light else full_stats(t, ref)
+        c.rows[slot].append((idx, dt_name(t.dtype), dt_name(ref)))
+        self.vecs.append(v)
+        if key is not None:
+            try:
+                self.seen[key] = (weakref.ref(t), idx, not light)
+            except TypeError:
+                pass

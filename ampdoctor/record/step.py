@@ -1,31 +1,29 @@
 """The open step: what the hooks append during one optimizer step, and how it becomes a StepRecord.
 
 `StepMachine` receives every hook and monitor callback of one Watch. During a step it only appends device
-tensors (statistic vectors, the loss, the scale) and host-side call events. Just before the optimizer step
-(`presync`) everything crosses to the host in one transfer; the record is finished when the next iteration
-begins (`finalize`), so that `scaler.update()` and late calls land in the step they belong to.
+tensors (statistic vectors, the loss, the scale) and host-side call events to the open step (openstep._Step,
+whose phase says where it is: OPEN, STAGED, ENDED, FINAL). Just before the optimizer step (`presync`)
+everything crosses to the host in one transfer; the record is finished when the next iteration begins
+(`finalize`), so that `scaler.update()` and late calls land in the step they belong to.
 """
 from __future__ import annotations
 
 import sys
 import warnings
-import weakref
 
 import torch
 
-from . import cpustats
-from . import fused
+from .autocapture import CapturePolicy
 from .gradexits import ExitHook, Regions, gradient_exits, in_backward, sequence_nr
 from .hooks import ModuleHook, hookable, in_compiled_frame
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from ..records import CallEvent, StepRecord
-from .openstep import _Call, _Step
-from .params import update_check_post, update_check_pre
+from .openstep import StepPhase, _Call, _Step
 from .headroom import Headroom, HeadroomHook, PassHook, _GradTap, passes_on
-from .transfer import finalize, presync
-from .stats import compiled, full_stats, is_measurable, light_stats, ref_dtype, thresholds
-from ..tensors import (ac_from_str, autocast_dtype, autocast_str, dt_name, flatten_tensors, is_sharded, loss_of,
+from .transfer import finalize
+from .stats import is_measurable, ref_dtype
+from ..tensors import (ac_from_str, autocast_dtype, autocast_str, flatten_tensors, is_sharded, loss_of,
                       module_type, rng_state, tb_location, tb_module)
 
 __all__ = ["StepMachine", "flatten_tensors"]
@@ -42,10 +40,8 @@ class StepMachine(MonitorCallbacks):
         self.known_optimizers: set[int] = set()
         self.opt_numbers: dict[int, int] = {}  # id(optimizer) -> 0, 1, ... in order of first scaler call
         self._rejected_optimizers: set[int] = set()
-        self._followup = 0
         self._event_index = 0
-        self._captures = 0
-        self._captured_kinds: set[str] = set()
+        self.policy = CapturePolicy(self.cfg)  # which steps are sampled, which bad steps captured
         self._mod_handles: list = []
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
@@ -64,12 +60,6 @@ class StepMachine(MonitorCallbacks):
         for n, p in self.params:
             mod = n.rpartition(".")[0]
             self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
-        self._detailed: list = []      # sampled records whose module details are kept in memory
-        self._last_seq: tuple = ()     # the last routine call sequence (see storage.store)
-        self._routine_count = 0        # routine steps stored so far (see storage.store)
-        self._skip_streak = 0          # consecutive skipped steps with a finite forward (sync.capture_kind)
-        self._stepped = False          # an update has been applied (GradScaler's initial search is over)
-        self._prev_scale = None        # the loss scale of the step before
         self._disabled = False
         self.suspended = False
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)
@@ -88,10 +78,7 @@ class StepMachine(MonitorCallbacks):
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def _new_step(self, step: int) -> _Step:
-        every = self.cfg.every
-        sampled = step % every == 0 or self._followup > 0
-        if self._followup > 0:
-            self._followup -= 1
+        sampled = self.policy.sampled(step)
         self.hr.reset()
         # sampled steps: the full statistics give the series; routine steps only with WatchConfig.headroom
         self.hr.on = self.cfg.headroom and not sampled and not self._disabled
@@ -99,7 +86,7 @@ class StepMachine(MonitorCallbacks):
 
     def _begin(self) -> None:
         """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step."""
-        if self.st.ended:
+        if self.st.phase is StepPhase.ENDED:
             self.finalize()
             self.st = self._new_step(self.st.step + 1)
             self.sync_module_hooks()
@@ -143,8 +130,8 @@ class StepMachine(MonitorCallbacks):
     def finish_open_step(self) -> None:
         st = self.st
         # a zero_grad alone (nanoGPT's after scaler.update()) opens no step
-        trained = st.ended or any(e.kind != "zero_grad" for e in st.events) or st.losses or st.micro \
-            or st.exception
+        trained = st.phase is StepPhase.ENDED or any(e.kind != "zero_grad" for e in st.events) or st.losses \
+            or st.micro or st.exception
         if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
             self.finalize()
             self.st = self._new_step(st.step + 1)
@@ -297,43 +284,8 @@ class StepMachine(MonitorCallbacks):
                 "message": str(exc).split("\n")[0][:500], "file": f, "line": ln, "autocast": autocast_str()}
 
     def _row(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None) -> None:
-        st = self.st
-        if ref is None:
-            ref = ref_dtype(t.dtype, autocast_dtype(t.device.type))
-        # A tensor measured once this step (a module's output is the next one's input; a gradient flows
-        # into one module and out of another) is not measured again.
-        # Keyed by memory, not identity: a view of the same memory (e.g. the gradient flowing out of one module
-        # and into the next) has the same values. The first tensor measured there must still be alive (so the
-        # memory was not reused) and the shared version counter unchanged (no in-place write since).
-        try:
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, ref)
-        except RuntimeError:  # inference tensors have no version counter; some wrappers no storage
-            key = None
-        hit = st.seen.get(key) if key is not None else None
-        if hit is not None and hit[0]() is not None and (light or hit[2]):
-            c.rows[slot].append((hit[1], dt_name(t.dtype), dt_name(ref)))
-            return
-        idx = len(st.vecs)
-        if t.is_cuda and fused.available(t):  # one Triton kernel per tensor, into the step's buffer
-            buf = st.fbuf.get(t.device)
-            if buf is None:
-                buf = st.fbuf[t.device] = fused.StatBuffer(t.device)
-            v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref)))
-            light = False
-        elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/record/cpustats.py)
-            v = cpustats.stats(t, ref)
-            light = False
-        elif self._compile_stats and t.device.type == "cpu":
-            v = compiled("light" if light else "full")(t, ref)
-        else:
-            v = light_stats(t, ref) if light else full_stats(t, ref)
-        c.rows[slot].append((idx, dt_name(t.dtype), dt_name(ref)))
-        st.vecs.append(v)
-        if key is not None:
-            try:
-                st.seen[key] = (weakref.ref(t), idx, not light)
-            except TypeError:
-                pass
+        """Queue tensor `t`'s statistics in the open step (openstep._Step.measure)."""
+        self.st.measure(c, slot, t, light, ref, self._compile_stats)
 
     def _grad_hook(self, c: _Call, slot: str):
         st = self.st
@@ -352,16 +304,7 @@ class StepMachine(MonitorCallbacks):
             return None
         return hook
 
-    # -- the one transfer per step ---------------------------------------------------------------------
-    def _presync(self, opt, grads_scaled: bool = False) -> None:
-        presync(self, opt, grads_scaled)
-
-    def _update_check_pre(self, opt) -> None:
-        update_check_pre(self, opt)
-
-    def _update_check_post(self, opt) -> None:
-        update_check_post(self, opt)
-
+    # -- the one transfer per step (ampdoctor/record/transfer.py) -------------------------------------------
     def finalize(self) -> None:
         try:
             finalize(self)

@@ -2,9 +2,10 @@
 
 `presync` runs just before the optimizer step (or when the scaler skipped it, or when no step came): it
 gathers the loss, the scale, found_inf, gradient norms and every statistic vector the hooks queued, moves
-them to the host in one transfer per device; `resolve` reads them and has the step captured if it went bad
-(ampdoctor/record/autocapture.py). `finalize` turns the step into a StepRecord (producers included), stores it and
-hands it to the sinks. What is measured about the parameters is ampdoctor/record/params.py.
+them to the host in one transfer per device (the step is STAGED); `resolve` reads them and asks the machine's
+CapturePolicy whether the step is worth a capture (ampdoctor/record/autocapture.py). `finalize` turns the step
+into a StepRecord (producers included; the step is FINAL), stores it and hands it to the sinks. What is measured
+about the parameters is ampdoctor/record/params.py.
 """
 from __future__ import annotations
 
@@ -14,21 +15,25 @@ import torch
 
 from .autocapture import maybe_capture
 from .headroom import from_calls
+from .openstep import StepPhase
 from .params import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
-from ..records import BACKOFF_MAX_STREAK, ModuleCall, ParamStat, StepRecord, TensorStats
+from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
 from .stats import NSTAT, combine, vector_to_stats
 from .storage import store
 
-__all__ = ["presync", "resolve", "finalize", "found_inf_all", "capture_kind"]
+__all__ = ["presync", "resolve", "finalize", "found_inf_all"]
 
 
 class _Pending:
     """Values on their way to the host. With a GradScaler on CUDA the copy is asynchronous (pinned memory and an
     event): the step's one synchronisation stays GradScaler's own, and the values are read at the next iteration,
-    long after they arrived. Otherwise they are read at once."""
+    long after they arrived. Otherwise they are read at once. `via_scaler`: staged inside scaler.step();
+    `grads_scaled`: the optimizer stepped on gradients still multiplied by the loss scale."""
 
-    def __init__(self, parts: list[tuple[str, torch.Tensor]], asynchronous: bool):
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], asynchronous: bool, via_scaler: bool = False,
+                 grads_scaled: bool = False):
+        self.via_scaler, self.grads_scaled = via_scaler, grads_scaled
         by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for k, t in parts:
             by_dev.setdefault(t.device, []).append((k, t.reshape(-1)))
@@ -62,7 +67,7 @@ def found_inf_all(m) -> None:
     """At scaler.update() with several optimizers on one scaler: whether any of them found inf this iteration
     (presync ran at the first scaler.step and saw only that optimizer's). Queued like presync's values."""
     states = getattr(m.w.scaler, "_per_optimizer_states", None)
-    if m.st.synced is None and m.st.pending is None or not states or len(states) < 2:
+    if m.st.phase is StepPhase.OPEN or not states or len(states) < 2:
         return
     fi = [v.detach().double().reshape(()) for s in states.values() for v in s.get("found_inf_per_device", {}).values()]
     if fi:
@@ -73,7 +78,7 @@ def found_inf_all(m) -> None:
 def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
     st.regions = None  # the backward is done: the walked autograd nodes need not stay referenced
-    if st.synced is not None or st.pending is not None:
+    if st.phase is not StepPhase.OPEN:
         return
     parts: list[tuple[str, torch.Tensor]] = []
     # few kernels on routine steps: no per-value conversions (torch.cat promotes to the widest dtype)
@@ -121,7 +126,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
     parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/record/headroom.py)
     asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
-    st.pending = (_Pending(parts, asynchronous), via_scaler, grads_scaled)
+    st.pending = _Pending(parts, asynchronous, via_scaler, grads_scaled)
+    st.advance(StepPhase.STAGED)
     if not asynchronous:
         resolve(m)
 
@@ -131,8 +137,8 @@ def resolve(m) -> None:
     st = m.st
     if st.pending is None:
         return
-    pending, via_scaler, grads_scaled = st.pending
-    st.pending = None
+    pending, st.pending = st.pending, None
+    via_scaler, grads_scaled = pending.via_scaler, pending.grads_scaled
     host = pending.result()
     rows: dict[int, list[float]] = {}
     for key, vals in host.items():
@@ -177,36 +183,8 @@ def resolve(m) -> None:
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
-    if bad_fwd or bad_bwd:
-        if not st.sampled:
-            m._followup = max(m._followup, m.cfg.bad_step_followup)
-    kind = capture_kind(m, bad_fwd, bad_bwd, scale)
-    if kind is not None and kind not in m._captured_kinds:
-        m._captured_kinds.add(kind)
+    if m.policy.observe(bad_fwd, bad_bwd, scale, sampled=st.sampled, scaler=m.w.scaler is not None):
         maybe_capture(m, st)
-
-
-def capture_kind(m, bad_fwd: bool, bad_bwd: bool, scale) -> str | None:
-    """Which kind of bad step this is, for the capture budget (one capture of each kind), decided online.
-
-    GradScaler's normal search for a loss scale is not worth a capture: skipped steps with a finite forward
-    before the first applied update (a streak shorter than records.BACKOFF_MAX_STREAK),
-    or a single skip right after the scale grew (the scaler probing upwards). What is: a forward failure
-    (`forward`); a skip after the scale had settled (`backward`); skips that persist (`persistent`)."""
-    prev, m._prev_scale = m._prev_scale, scale
-    m._skip_streak = m._skip_streak + 1 if (bad_bwd and not bad_fwd) else 0
-    if bad_fwd:
-        return "forward"
-    if not bad_bwd:
-        m._stepped = True
-        return None
-    if m.w.scaler is None:
-        return "backward"  # without a scaler nothing explains a non-finite gradient
-    if not m._stepped:  # the initial search
-        return "persistent" if m._skip_streak >= BACKOFF_MAX_STREAK else None
-    if m._skip_streak == 1 and prev is not None and scale is not None and scale > prev:
-        return None  # the scale had just grown: the scaler probing
-    return "persistent" if m._skip_streak >= 3 else "backward"
 
 
 def _weights(module: str, w_bad: dict, m):
@@ -226,9 +204,10 @@ def _stats_for(c, slot, rows):
 
 def finalize(m) -> None:
     st = m.st
-    if st.synced is None and st.pending is None:
+    if st.phase is StepPhase.OPEN:
         presync(m, None)
     resolve(m)
+    st.advance(StepPhase.FINAL)
     s = st.synced
     rows = s["rows"]
     w_bad = s.get("w_bad") or {}
@@ -280,8 +259,8 @@ def finalize(m) -> None:
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
-    if s.get("grads_scaled"):
-        rec.events and rec.events[-1].detail.setdefault("grads_scaled", True)
+    if s.get("grads_scaled") and rec.events:
+        rec.events[-1].detail.setdefault("grads_scaled", True)
     for sink in m.sinks:  # sinks see the full record; storage keeps a slim one for routine steps
         try:
             sink.on_step(m.w.meta, rec)
