@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 __all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "Producer", "StepRecord", "RunMeta",
            "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK"]
@@ -156,8 +157,10 @@ class CallEvent:
     """A call to the scaler, the optimizer or a clipping function, in program order.
 
     `kind`: scale, unscale_, step, update, optimizer.step, zero_grad, clip_grad_norm_, clip_grad_value_,
-    get_total_norm, backward. `stage`: the GradScaler per-optimizer stage before the call (READY, UNSCALED,
+    get_total_norm, backward, engine.backward, engine.step (DeepSpeed). `stage`: the GradScaler per-optimizer stage before the call (READY, UNSCALED,
     STEPPED) when known. `error`: the exception message when the call raised (recorded before it propagates).
+    The fields after `error` are set only by the calls they name. A run directory written before they were
+    typed keeps them in a `detail` dict; `from_dict` reads that too.
     """
 
     kind: str
@@ -168,14 +171,57 @@ class CallEvent:
     stage: str | None = None
     scaled: bool | None = None
     error: str | None = None
-    detail: dict = field(default_factory=dict)
+    opt: int | None = None
+    """unscale_, step: which optimizer (0, 1, ... in the order of their first scaler call on a shared scaler)."""
+    internal: bool = False
+    """Made by another watched call (the unscale_ that scaler.step() does itself), not by the user's code."""
+    has_steps: bool | None = None
+    """update: whether a scaler.step() came before it in the step."""
+    new_scale: float | None = None
+    """update: the `new_scale` passed as a number (None when none was passed, or a tensor)."""
+    total_norm: float | None = None
+    """clip_grad_norm_, get_total_norm, engine.step: the gradient norm the call returned (read with the step's
+    one transfer)."""
+    grads_scaled: bool = False
+    """On the step's last event: the optimizer stepped on gradients still multiplied by the loss scale."""
+    via_scaler: bool | None = None
+    """optimizer.step: called by scaler.step() (True) or by the user's code (False)."""
+    fused: bool | None = None
+    """optimizer.step: a fused optimizer that unscales itself and runs even when the scaler skips."""
+    extra: dict = field(default_factory=dict)
+    """Free-form: what an integration records about its own engine's call, numbers, strings and booleans only
+    (DeepSpeed's engine.backward/engine.step: boundary, micro_step, ds_scale, global_step, grads_measured,
+    overflow, scale_after, skipped_steps; ampdoctor/integrations/deepspeed.py)."""
+
+    @property
+    def detail(self) -> Mapping:
+        """Read-only: the typed fields that are set and `extra`, as the one dict the format had before the fields
+        were typed. Only for readers not yet moved to the fields (analysis/panels.py and rules/updates.py read
+        `detail.get("internal")`); new code reads the fields, and this goes once those two do."""
+        d = dict(self.extra)
+        for k in _EVENT_TYPED:
+            v = getattr(self, k)
+            if v is not None and v is not False:
+                d[k] = v
+        return MappingProxyType(d)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CallEvent":
+        d = dict(d)
+        extra = dict(d.get("extra") or {})
+        for k, v in (d.pop("detail", None) or {}).items():  # a run directory written before the typed fields
+            if k in _EVENT_TYPED:
+                d.setdefault(k, v)
+            elif k != "norm_t":  # a device tensor that never reached the host
+                extra.setdefault(k, v)
+        d["extra"] = extra
         return _fromd(cls, d)
+
+
+_EVENT_TYPED = ("opt", "internal", "has_steps", "new_scale", "total_norm", "grads_scaled", "via_scaler", "fused")
 
 
 @dataclass

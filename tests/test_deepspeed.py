@@ -101,7 +101,7 @@ def _scenarios(out_path: str) -> None:
         res[name] = {"losses": losses, "error": err, "optimizer": type(engine.optimizer).__name__,
                      "steps": [{"scale": r.scale, "skipped": r.skipped, "loss": r.loss, "grad_norm": r.grad_norm,
                                 "kinds": [e.kind for e in r.events],
-                                "ds_scale": next((e.detail.get("ds_scale") for e in r.events
+                                "ds_scale": next((e.extra.get("ds_scale") for e in r.events
                                                   if e.kind == "engine.step"), None)} for r in w.steps],
                      "findings": [f.to_dict() for f in rep.findings],
                      "disk_rules": [(f.rule, f.severity) for f in again.findings],
@@ -223,7 +223,7 @@ def _run(scales, ds_scale, skipped=(), dynamic=True, config=None):
                                       "config": config or {}}})
     steps = [StepRecord(step=i, scale=s, skipped=i in skipped, found_inf=i in skipped,
                         events=[CallEvent("engine.backward", i, 2 * i),
-                                CallEvent("engine.step", i, 2 * i + 1, detail={"boundary": True, "ds_scale": ds_scale})])
+                                CallEvent("engine.step", i, 2 * i + 1, extra={"boundary": True, "ds_scale": ds_scale})])
              for i, s in enumerate(scales)]
     return RunData(meta, steps)
 

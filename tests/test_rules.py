@@ -78,7 +78,7 @@ def test_loss_scale_collapse_ranked_after_its_cause():
 
 def test_clip_before_unscale_from_events():
     r = StepRecord(0, scale=4096.0, events=[ev("scale", 0, 0), ev("clip_grad_norm_", 0, 1, stage="READY", scaled=True,
-                                                                   detail={"total_norm": 4096.0 * 3}),
+                                                                   total_norm=4096.0 * 3),
                                             ev("step", 0, 2, stage="READY"), ev("update", 0, 3)])
     rep = build_report(meta(), [r])
     f = rep.findings[0]

@@ -3,8 +3,8 @@
 The watch goes on `engine.module` (the user's model); this module adds what DeepSpeed does instead of
 `torch.amp.GradScaler`. `EnginePatch` wraps `engine.backward` and `engine.step` (one CallEvent each, with the
 gradient-accumulation boundary); at each boundary `engine.step()` is the step boundary. The loss scale is read
-twice: the scale DeepSpeed's loss scaler holds (what its optimizer divides the gradients by; event detail
-`ds_scale`) and the scale the backward really applied (the gradient that reaches the loss, times the
+twice: the scale DeepSpeed's loss scaler holds (what its optimizer divides the gradients by; the event's
+`extra["ds_scale"]`) and the scale the backward really applied (the gradient that reaches the loss, times the
 accumulation steps: `StepRecord.scale`), so a scale the engine never applies is seen (rules/deepspeed.py).
 `found_inf`/`skipped` come from the optimizer's `overflow` flag. Gradient norms are measured at the boundary,
 before DeepSpeed's step, divided by the applied scale (i.e. unscaled); under ZeRO-2 the engine has already
@@ -217,8 +217,8 @@ class EnginePatch(_InstancePatch):
     def _before_backward(self, loss, kwargs):
         m, eng = self.m, self.engine
         m._begin()
-        ev = m._event("engine.backward", detail={"boundary": bool(_call(eng, "is_gradient_accumulation_boundary")),
-                                                 "micro_step": getattr(eng, "micro_steps", None)})
+        ev = m._event("engine.backward", extra={"boundary": bool(_call(eng, "is_gradient_accumulation_boundary")),
+                                                "micro_step": getattr(eng, "micro_steps", None)})
         hook = None
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
             m.w.note_loss(loss)
@@ -243,8 +243,8 @@ class EnginePatch(_InstancePatch):
         managed = _call(eng, "managed_gradient_accumulation", True)
         boundary = True if managed is False else bool(_call(eng, "is_gradient_accumulation_boundary", True))
         opt = getattr(eng, "optimizer", None)
-        ev = m._event("engine.step", detail={"boundary": boundary, "ds_scale": _cur_scale(opt),
-                                             "global_step": getattr(eng, "global_steps", None)})
+        ev = m._event("engine.step", extra={"boundary": boundary, "ds_scale": _cur_scale(opt),
+                                            "global_step": getattr(eng, "global_steps", None)})
         if boundary:
             st = m.st
             applied = self._applied if self._applied_step == st.step else None
@@ -257,14 +257,14 @@ class EnginePatch(_InstancePatch):
                 l2 = norms(grads, 2) / div if st.sampled else torch.empty(0, dtype=torch.float64,
                                                                           device=amax.device)
                 st.grad_parts = (names, amax, l2)
-            ev.detail["grads_measured"] = bool(grads)
+            ev.extra["grads_measured"] = bool(grads)
         return ev, None
 
     def _after_step(self, tok):
         if tok is None:
             return
         ev = tok[0]
-        if not ev.detail.get("boundary"):
+        if not ev.extra.get("boundary"):
             return
         m, eng = self.m, self.engine
         opt = getattr(eng, "optimizer", None)
@@ -272,13 +272,13 @@ class EnginePatch(_InstancePatch):
         overflow = getattr(opt, "overflow", None)
         if isinstance(overflow, bool):
             st.found_inf_t = torch.tensor(float(overflow), dtype=torch.float64)
-            ev.detail["overflow"] = overflow
-        ev.detail["scale_after"] = _cur_scale(opt)
-        ev.detail["skipped_steps"] = getattr(eng, "skipped_steps", None)
+            ev.extra["overflow"] = overflow
+        ev.extra["scale_after"] = _cur_scale(opt)
+        ev.extra["skipped_steps"] = getattr(eng, "skipped_steps", None)
         gn = getattr(eng, "_global_grad_norm", None)  # the attribute: get_global_grad_norm() may be a collective
         if isinstance(gn, torch.Tensor) and gn.numel() == 1:
-            ev.detail["norm_t"] = gn.detach().double().reshape(())  # read with the step's one transfer
+            st.norms.append((ev, gn.detach().double().reshape(())))  # read with the step's one transfer
         elif isinstance(gn, (int, float)):
-            ev.detail["total_norm"] = float(gn)
+            ev.total_norm = float(gn)
         presync(m, None)
         st.advance(StepPhase.ENDED)

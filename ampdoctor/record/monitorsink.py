@@ -45,9 +45,8 @@ class MonitorCallbacks:
         stage = scaler_stage(self.w.scaler, opt) if opt is not None else None
         ev = self._event(kind, stage=stage)
         if opt is not None:  # several optimizers may share one scaler (one step each, one update)
-            ev.detail["opt"] = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
-        if st.in_scaler_step > 0:
-            ev.detail["internal"] = True  # e.g. the unscale_ that scaler.step() does itself
+            ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
+        ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
             out = args[0] if args else kwargs.get("outputs")
             if isinstance(out, torch.Tensor) and out.numel() == 1:
@@ -56,10 +55,10 @@ class MonitorCallbacks:
         elif kind == "update":
             st.scaled_since_update = False
             new = args[0] if args else kwargs.get("new_scale")
-            ev.detail["has_steps"] = any(e.kind == "step" for e in st.events)
+            ev.has_steps = any(e.kind == "step" for e in st.events)
             found_inf_all(self)
-            if new is not None:
-                ev.detail["new_scale"] = float(new) if not isinstance(new, torch.Tensor) else None
+            if new is not None and not isinstance(new, torch.Tensor):
+                ev.new_scale = float(new)
         elif kind == "step":
             if st.in_scaler_step == 0:
                 self.hr.stage()  # queue the headroom reductions before the scaler's synchronisation
@@ -128,8 +127,8 @@ class MonitorCallbacks:
     def clip_after(self, ev, out) -> None:
         if ev is None:
             return
-        if isinstance(out, torch.Tensor) and out.numel() == 1:
-            ev.detail["norm_t"] = local(out.detach()).double().reshape(())  # FSDP2: a replicated DTensor
+        if isinstance(out, torch.Tensor) and out.numel() == 1:  # read with the step's one transfer
+            self.st.norms.append((ev, local(out.detach()).double().reshape(())))  # FSDP2: a replicated DTensor
 
     def global_opt_pre(self, opt, args, kwargs):
         if self._disabled:
@@ -172,8 +171,7 @@ class MonitorCallbacks:
                 st.fused_amp = True
             scaled = bool(sc is not None and (not via or fused) and st.scaled_since_update
                           and stage in (None, "READY"))
-            self._event("optimizer.step", stage=stage, scaled=scaled and not via,
-                        detail={"via_scaler": via, "fused": bool(fused)})
+            self._event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
             presync(self, opt, grads_scaled=scaled)
             update_check_pre(self, opt)
             if not via:

@@ -74,6 +74,8 @@ class _Step:
     stack: list = field(default_factory=list)
     losses: list = field(default_factory=list)
     events: list = field(default_factory=list)
+    norms: list = field(default_factory=list)  # (CallEvent, 0-d device tensor): a gradient norm a call returned,
+    #                                            kept out of the event until the transfer fills its total_norm
     scale_t: object = None
     found_inf_t: object = None
     grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (params.grads_after_unscale)

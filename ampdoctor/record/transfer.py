@@ -109,10 +109,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         st.w_deferred = all(m.params[i][1].device.type == "cpu" for i in st.pw_index)
         if st.pw_index and not st.w_deferred:
             parts.append(("w_amax", weight_amax(m, st)))
-    for j, ev in enumerate(st.events):
-        t = ev.detail.get("norm_t")
-        if isinstance(t, torch.Tensor):
-            parts.append((f"clip{j}", t))
+    parts += [(f"norm{j}", t) for j, (_, t) in enumerate(st.norms)]  # gradient norms a clip or engine returned
     if st.fbuf:  # rows computed by the fused kernel (ampdoctor/record/fused.py)
         mats = {dev: buf.vectors() for dev, buf in st.fbuf.items()}
         st.vecs = [mats[v[1]][v[2]] if isinstance(v, tuple) else v for v in st.vecs]
@@ -148,10 +145,10 @@ def resolve(m) -> None:
                 rows[i] = vals[k * NSTAT:(k + 1) * NSTAT]
     st.vecs = []  # release device memory
     st.headroom = m.hr.host_series(host)
-    for j, ev in enumerate(st.events):
-        if f"clip{j}" in host:
-            ev.detail["total_norm"] = host[f"clip{j}"][0]
-        ev.detail.pop("norm_t", None)
+    for j, (ev, _) in enumerate(st.norms):
+        if f"norm{j}" in host:
+            ev.total_norm = host[f"norm{j}"][0]
+    st.norms = []  # a norm returned after presync is not read (the step's values are already on their way)
     scale = host.get("scale", [None])[0]
     found_inf = host.get("found_inf", [None])[0]
     if via_scaler and not st.fused_amp:
@@ -260,7 +257,7 @@ def finalize(m) -> None:
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
-        rec.events[-1].detail.setdefault("grads_scaled", True)
+        rec.events[-1].grads_scaled = True
     for sink in m.sinks:  # sinks see the full record; storage keeps a slim one for routine steps
         try:
             sink.on_step(m.w.meta, rec)

@@ -18,7 +18,7 @@ _AT_MIN = "Current loss scale already at minimum"
 
 
 def _boundary(r):
-    return next((e for e in r.events if e.kind == "engine.step" and e.detail.get("boundary")), None)
+    return next((e for e in r.events if e.kind == "engine.step" and e.extra.get("boundary")), None)
 
 
 def _where(run: RunData) -> str:
@@ -30,7 +30,7 @@ def _unapplied(run: RunData) -> list[Finding]:
     pairs = []
     for r in run.steps:
         ev = _boundary(r)
-        d = ev.detail.get("ds_scale") if ev is not None else None
+        d = ev.extra.get("ds_scale") if ev is not None else None
         if d and r.scale and math.isfinite(r.scale):
             pairs.append((r, ev, float(d), r.scale))
     off = [p for p in pairs if abs(math.log2(p[2] / p[3])) >= 0.5]

@@ -20,7 +20,7 @@ def _loc(ev: CallEvent) -> str:
 
 
 def _seq(events: list[CallEvent]) -> list[str]:
-    return [e.kind + ("!" if e.error else "") for e in events if not e.detail.get("internal")]
+    return [e.kind + ("!" if e.error else "") for e in events if not e.internal]
 
 
 def scale_after(r: StepRecord, scaler: dict) -> float | None:
@@ -143,7 +143,7 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
         return []
     r, e = hits[0]
     clipping = e.kind.startswith("clip_grad")
-    norm = e.detail.get("total_norm")
+    norm = e.total_norm
     msg = (f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}) — "
            f"{'it clipped the scaled norm, so the real update is shrunk by ~the scale factor' if clipping else 'the norm it read is scale× too large'}"
            f" (seen on {len(hits)} step(s)).")
@@ -166,7 +166,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler and not any(e.kind in ("scale", "unscale_", "update") for r in run.steps for e in r.events):
         return []
     out: list[Finding] = []
-    events = [e for r in run.steps for e in r.events if not e.detail.get("internal")]
+    events = [e for r in run.steps for e in r.events if not e.internal]
     steps = {r.step: r for r in run.steps}
 
     def add(rule, e, msg, fix, extra=None):
@@ -186,8 +186,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 break
             # unscale_/step of another optimizer sharing the scaler: one step each, one update, is the
             # documented multi-optimizer pattern
-            if p.kind in ("unscale_", "step") and p.detail.get("opt") != e.detail.get("opt") \
-                    and e.kind in ("unscale_", "step"):
+            if p.kind in ("unscale_", "step") and p.opt != e.opt and e.kind in ("unscale_", "step"):
                 continue
             since_update.append(p)
         since_update.reverse()
@@ -221,14 +220,14 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
         elif e.kind == "unscale_" and any(p.kind == "step" for p in since_update):
             add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()`.",
                 "Unscale before step:\n" + ORDER)
-        elif e.kind == "optimizer.step" and e.scaled and not e.detail.get("via_scaler"):
+        elif e.kind == "optimizer.step" and e.scaled and not e.via_scaler:
             add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly on gradients still "
                 "multiplied by the loss scale: the update is scale× too large and inf steps are not skipped.",
                 "Use `scaler.step(optimizer)` instead of `optimizer.step()`:\n" + ORDER)
     # a step with scaler.step but no update before the next iteration, without an exception
     if not any(f.rule == "missing_scaler_update" for f in out):
         for r in run.steps[:-1]:
-            ks = [e.kind for e in r.events if not e.detail.get("internal")]
+            ks = [e.kind for e in r.events if not e.internal]
             if "step" in ks and "update" not in ks[ks.index("step"):]:
                 e = next(e for e in r.events if e.kind == "step")
                 add("missing_scaler_update", e, f"Step {r.step} called `scaler.step()` at {_loc(e)} but never "
