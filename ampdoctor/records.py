@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field, fields
-from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "Producer", "StepRecord", "RunMeta",
            "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK"]
@@ -192,18 +191,6 @@ class CallEvent:
     """Free-form: what an integration records about its own engine's call, numbers, strings and booleans only
     (DeepSpeed's engine.backward/engine.step: boundary, micro_step, ds_scale, global_step, grads_measured,
     overflow, scale_after, skipped_steps; ampdoctor/integrations/deepspeed.py)."""
-
-    @property
-    def detail(self) -> Mapping:
-        """Read-only: the typed fields that are set and `extra`, as the one dict the format had before the fields
-        were typed. Only for readers not yet moved to the fields (analysis/panels.py and rules/updates.py read
-        `detail.get("internal")`); new code reads the fields, and this goes once those two do."""
-        d = dict(self.extra)
-        for k in _EVENT_TYPED:
-            v = getattr(self, k)
-            if v is not None and v is not False:
-                d[k] = v
-        return MappingProxyType(d)
 
     def to_dict(self) -> dict:
         return asdict(self)

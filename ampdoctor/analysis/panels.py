@@ -66,7 +66,7 @@ def build_panels(meta: RunMeta, steps: list[StepRecord], findings: list[Finding]
     for r in steps:
         for e in r.events:
             calls.append({"step": e.step, "index": e.index, "kind": e.kind, "file": e.file, "line": e.line,
-                          "stage": e.stage, "error": e.error, "internal": bool(e.detail.get("internal")),
+                          "stage": e.stage, "error": e.error, "internal": e.internal,
                           "misordered": bool(e.error or e.scaled)})
     return {"timeline": timeline,
             "layers": sorted(layers.values(), key=lambda L: order.index(L["module"]) if L["module"] in order else 1e9),

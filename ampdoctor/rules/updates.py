@@ -40,7 +40,7 @@ def _by_updates(run: RunData, growth: float, n_upd: int, numel: int) -> bool:
 
 def _clipped(r: StepRecord) -> str:
     """'before' when the step clipped gradients before the optimizer step, 'after' if only after, else 'off'."""
-    kinds = [e.kind for e in r.events if not e.detail.get("internal")]
+    kinds = [e.kind for e in r.events if not e.internal]
     step_at = next((i for i, k in enumerate(kinds) if k in ("step", "optimizer.step")), None)
     clips = [i for i, k in enumerate(kinds) if k.startswith("clip_grad")]
     if not clips:
