@@ -16,8 +16,8 @@ class WatchConfig:
 
     headroom: bool = False
     """Always-on headroom: every module's forward and backward abs-max on every step (not only sampled ones),
-    the series the `headroom_trend` early warning reads. Off by default: measured on an H200 it costs 1.3x on a
-    GPT-2 small step and 1.9x on a 12 ms nanoGPT step (benchmarks/RESULTS.md). Turn it on (`watch(...,
+    the series the `headroom_trend` early warning reads. Off by default: measured on an H200 it costs 1.07x on a
+    GPT-2 small step and 1.35x on a 15 ms nanoGPT step (benchmarks/RESULTS.md). Turn it on (`watch(...,
     headroom=True)`) for the run you want warned before it overflows; `every=1` also gives the series."""
 
     bad_step_followup: int = 3
