@@ -19,6 +19,12 @@ STAT_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "absmax", "min_nonze
 
 # Limits per reference dtype: (max finite, smallest normal, near-max threshold).
 # near-max threshold is 2^15 for fp16 (one bit of headroom left), max/2 for the others.
+# module types whose output is a sum of products: -inf there from finite inputs is an overflow, never a mask
+# (shared by the recorder's producers and the rules)
+ACCUMULATING = frozenset({"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+                          "ConvTranspose3d", "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear",
+                          "Embedding", "EmbeddingBag"})
+
 DTYPE_LIMITS = {
     "float16": (65504.0, 2.0 ** -14, 2.0 ** 15),
     "bfloat16": (3.3895313892515355e38, 1.1754943508222875e-38, 2.0 ** 127),

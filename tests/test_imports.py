@@ -110,3 +110,13 @@ def test_the_checks_see_the_graph():
     assert "ampdoctor.analysis.ranking" in g["ampdoctor.analysis.merging"]
     assert "ampdoctor.rules" in g["ampdoctor.analysis.panels"]
     assert {"ampdoctor.record.transfer", "ampdoctor.record.headroom"} <= g["ampdoctor.record.step"]
+
+
+def test_rules_analysis_and_reporters_never_import_the_recorder():
+    """Rules are pure functions over records: they, the analysis and the reporters read records, never the
+    recorder's modules (ampdoctor/rules/__init__.py); replay may (it re-runs a step with the same statistics)."""
+    g = edges()
+    bad = {m: sorted(d for d in deps if d == "ampdoctor.record" or d.startswith("ampdoctor.record."))
+           for m, deps in g.items()
+           if m.startswith(("ampdoctor.rules", "ampdoctor.analysis", "ampdoctor.report"))}
+    assert not {m: d for m, d in bad.items() if d} , bad

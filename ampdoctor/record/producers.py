@@ -5,7 +5,7 @@ Pure functions over `ModuleCall` records; calls that only passed a non-finite va
 """
 from __future__ import annotations
 
-from ..records import DTYPE_LIMITS, ModuleCall, Producer, TensorStats
+from ..records import ACCUMULATING, DTYPE_LIMITS, ModuleCall, Producer, TensorStats
 
 __all__ = ["forward_producer", "backward_producer", "is_ancestor", "mask_like", "ACCUMULATING"]
 
@@ -78,11 +78,6 @@ def forward_producer(calls: list[ModuleCall], parents: dict[int, int | None]) ->
                     detail={"seq": first.seq, "type": first.type, "candidates": len(cands),
                             "mask_like": mask_like(first, first.seq in leaves)})
 
-
-# modules whose output is a sum of products: -inf there from finite inputs is an overflow, never a mask
-ACCUMULATING = frozenset({"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-                          "ConvTranspose3d", "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear",
-                          "Embedding", "EmbeddingBag"})
 
 
 def _leaves(calls: list[ModuleCall], parents: dict[int, int | None]) -> set[int]:

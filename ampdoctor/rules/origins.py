@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 from ..findings import Finding
-from ..record.producers import ACCUMULATING
-from ..records import ModuleCall, StepRecord
+from ..records import ACCUMULATING, ModuleCall, StepRecord
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .steps import absorbed, benign_backoff, onset_step
