@@ -117,6 +117,9 @@ class ModuleCall:
     gin: TensorStats | None = None
     bseq: int | None = None
     grad_enabled: bool = True
+    int_input: dict | None = None
+    """A small fp16/bf16 input that held only integers past the range where the dtype holds every integer
+    (`{"dtype", "max", "exact_up_to"}`): positions or timesteps already rounded together (rule precision_loss)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

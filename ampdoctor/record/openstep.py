@@ -15,7 +15,8 @@ import torch
 
 from . import cpustats
 from . import fused
-from .stats import compiled, full_stats, light_stats, ref_dtype, thresholds
+from .stats import (EXACT_INTEGERS, PROBE_MAX_NUMEL, compiled, full_stats, integer_probe, light_stats, ref_dtype,
+                    thresholds)
 from ..tensors import autocast_dtype, dt_name
 
 __all__ = ["StepPhase", "StepPhaseError", "_Call", "_Step"]
@@ -62,6 +63,7 @@ class _Call:
     bseq: int | None = None
     grad_inputs: list | None = None  # inputs that require grad, from forward_pre until forward_post
     seq0: int = 0                    # the autograd sequence number when the forward began
+    probes: list = field(default_factory=list)  # (index into _Step.probes, dtype name) of small fp16/bf16 inputs
 
 
 @dataclass
@@ -103,6 +105,8 @@ class _Step:
     headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/record/headroom.py)
     regions: object = None  # gradexits.Regions of this step's walked module calls (released at presync)
     late: object = None  # values queued after presync (transfer.found_inf_all), read at finalize
+    probes: list = field(default_factory=list)  # stats.integer_probe vectors of small low-precision inputs
+    probe_seen: dict = field(default_factory=dict)
     _phase: StepPhase = field(default=StepPhase.OPEN, init=False, repr=False)
 
     @property
@@ -120,6 +124,32 @@ class _Step:
     def ended(self) -> bool:
         """The optimizer stepped (or the scaler skipped it) and the record waits for the next iteration."""
         return self._phase is StepPhase.ENDED
+
+    def probe_integers(self, c: _Call, t: torch.Tensor) -> None:
+        """Queue `stats.integer_probe` of a small vector-shaped fp16/bf16 input of call `c` (once per tensor per
+        step, on the device of the step's first probe): positions or timesteps held in a dtype too narrow."""
+        if t.dtype not in EXACT_INTEGERS or not 0 < t.numel() <= PROBE_MAX_NUMEL:
+            return
+        if sum(1 for d in t.shape if d > 1) > 1:
+            return  # positions and timesteps are vectors ((B,), (T,), (1, T)); activations are not: every bf16
+            #         value past 128 is an integer, so a large activation would look like one
+        if self.probes and t.device != self.probes[0].device:
+            return
+        try:
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        except RuntimeError:
+            return
+        hit = self.probe_seen.get(key)
+        if hit is not None and hit[0]() is not None:  # the same tensor, still alive (its memory not reused)
+            idx = hit[1]
+        else:
+            idx = len(self.probes)
+            self.probes.append(integer_probe(t))
+            try:
+                self.probe_seen[key] = (weakref.ref(t), idx)
+            except TypeError:
+                pass
+        c.probes.append((idx, dt_name(t.dtype)))
 
     def measure(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None, compile_stats=False) -> None:
         """Queue the statistics of tensor `t` as a row of call `c`'s `slot` (inp, out, gout, gin)."""

@@ -13,7 +13,8 @@ import torch
 
 from ..records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
 
-__all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT"]
+__all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT",
+           "integer_probe", "EXACT_INTEGERS", "PROBE_MAX_NUMEL", "integer_valued"]
 
 NSTAT = len(STAT_FIELDS)
 _F64 = torch.float64
@@ -199,3 +200,36 @@ def compiled(kind: str):
                 return _eager(x, ref)
         _COMPILED[kind] = fn
     return fn
+
+
+# -- integers in a low-precision dtype (positions, timesteps, labels) ---------------------------------------------
+EXACT_INTEGERS = {torch.float16: 2048.0, torch.bfloat16: 256.0}
+"""The largest magnitude below which a dtype holds every integer (2**(significand bits)); above it, every 2nd,
+4th, ... integer: neighbouring positions or timesteps collapse into one value."""
+PROBE_MAX_NUMEL = 1 << 16   # positions and timesteps are small tensors; activations are not probed
+
+
+def integer_probe(x: torch.Tensor) -> torch.Tensor:
+    """[finite abs-max, non-finite count, non-integer count, smallest nonzero magnitude] of a small tensor, as a
+    float64 vector on its device (no synchronisation). Read with `integer_valued`."""
+    x = x.detach().float()
+    a = x.abs()
+    fin = torch.isfinite(x)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    inf = torch.full((), math.inf, dtype=x.dtype, device=x.device)
+    return torch.stack([torch.where(fin, a, zero).amax(), (~fin).sum().to(x.dtype),
+                        ((x != x.round()) & fin).sum().to(x.dtype),
+                        torch.where(fin & (a > 0), a, inf).amin()]).to(_F64)
+
+
+def integer_valued(row, dtype: str) -> dict | None:
+    """From an `integer_probe` row read back: the tensor held only integers, beyond the range where `dtype`
+    holds them all (so some already collapsed), with at least two magnitudes below that range too (a position
+    or timestep ramp, not a mask of 0 and -1e4). None otherwise."""
+    limit = {"float16": 2048.0, "bfloat16": 256.0}.get(dtype)
+    if limit is None or row is None or len(row) < 4:
+        return None
+    amax, nonfinite, nonint, amin = row[:4]
+    if nonfinite or nonint or not (limit < amax <= 2.0 ** 24) or not (amin < amax and amin <= limit):
+        return None
+    return {"dtype": dtype, "max": amax, "exact_up_to": limit}

@@ -221,6 +221,7 @@ class StepMachine(MonitorCallbacks):
         for t in tensors:
             if is_measurable(t):
                 self._row(c, "inp", t, light=True)
+                st.probe_integers(c, t)
         if grad and sequence_nr is not None:
             ins = [t for t in tensors if t.requires_grad and is_measurable(t)]
             if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)

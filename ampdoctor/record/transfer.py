@@ -19,7 +19,7 @@ from .openstep import StepPhase
 from .params import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
-from .stats import NSTAT, combine, vector_to_stats
+from .stats import NSTAT, combine, integer_valued, vector_to_stats
 from .storage import store
 
 __all__ = ["presync", "resolve", "finalize", "found_inf_all"]
@@ -121,6 +121,9 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         for dev, idx in by_dev.items():
             parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
         st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
+    if st.probes:  # small fp16/bf16 inputs: integer-valued beyond the dtype's exact range? (stats.integer_probe)
+        parts.append(("intp", torch.stack(st.probes)))
+        st.probes = []
     parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/record/headroom.py)
     asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
     st.pending = _Pending(parts, asynchronous, via_scaler, grads_scaled)
@@ -179,7 +182,8 @@ def resolve(m) -> None:
             w_bad[m.params[i][0].rpartition(".")[0]] = "nan" if v != v else "inf"
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
-                 "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite}
+                 "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite,
+                 "probes": host.get("intp", [])}
     if m.policy.observe(bad_fwd, bad_bwd, scale, sampled=st.sampled, scaler=m.w.scaler is not None):
         maybe_capture(m, st)
 
@@ -192,6 +196,15 @@ def _weights(module: str, w_bad: dict, m):
     bad = w_bad.get(module)
     return TensorStats(dtype="weights", ref="weights", numel=m.param_modules[module],
                        nan=int(bad == "nan"), posinf=int(bad == "inf"))
+
+
+def _integer_input(c, probes: list) -> dict | None:
+    """The first of the call's small fp16/bf16 inputs that held only integers past the dtype's exact range."""
+    for idx, dt in c.probes:
+        found = integer_valued(probes[idx * 4:idx * 4 + 4] if idx * 4 + 4 <= len(probes) else None, dt)
+        if found is not None:
+            return found
+    return None
 
 
 def _stats_for(c, slot, rows):
@@ -208,10 +221,11 @@ def finalize(m) -> None:
     s = st.synced
     rows = s["rows"]
     w_bad = s.get("w_bad") or {}
+    probes = s.get("probes") or []
     calls = [ModuleCall(module=c.module, type=c.type, call=c.call, seq=c.seq, depth=c.depth, autocast=c.autocast,
                         inp=_stats_for(c, "inp", rows), par=_weights(c.module, w_bad, m), out=_stats_for(c, "out", rows),
                         gout=_stats_for(c, "gout", rows), gin=_stats_for(c, "gin", rows), bseq=c.bseq,
-                        grad_enabled=c.grad_enabled) for c in st.calls]
+                        grad_enabled=c.grad_enabled, int_input=_integer_input(c, probes)) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}
     upd = {}
     done = [it for it in st.upd if it[4] is not None] if not (s["found_inf"] or 0) > 0 else []  # skipped: no update

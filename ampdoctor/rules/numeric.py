@@ -182,3 +182,35 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 {"absmax_in": c.inp.absmax, "zeros_out": c.out.zeros, "numel_out": c.out.numel,
                  "zeros_in": c.inp.zeros, "rank_hint": 15})]
     return []
+
+
+@register("integer_precision", emits=("precision_loss",))
+def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """precision_loss seen by the watch: a small fp16/bf16 input that holds only integers past the range where the
+    dtype holds every integer (bf16: 256, fp16: 2048) — positions, timesteps or labels already rounded together
+    (257 -> 256 in bf16). Named at the innermost module that received it (a parent passing it down is not)."""
+    out: list[Finding] = []
+    seen: set[str] = set()
+    for r in run.steps:
+        hits = [c for c in r.modules if c.int_input]
+        if not hits:
+            continue
+        par = parents(r.modules)
+        for c in hits:
+            if c.module in seen or any(d.int_input for d in descendants(r.modules, c, par)):
+                continue
+            seen.add(c.module)
+            info = c.int_input
+            dt, mx, lim = info.get("dtype", "bfloat16"), float(info.get("max", 0)), float(info.get("exact_up_to", 256))
+            spacing = 2.0 ** max(math.floor(math.log2(mx)) - math.log2(lim) + 1, 1) if mx > lim else 1.0
+            msg = (f"`{c.module or '(root)'}` ({c.type}) takes a {dt} input that holds only integers, up to {mx:g}: "
+                   f"{dt} holds every integer only up to {lim:g}, so above it neighbouring values (positions, "
+                   f"timesteps, labels) are already rounded together, {spacing:g} apart near the top (e.g. "
+                   f"{lim + 1:g} becomes {lim:g}).")
+            fix = ("Keep positions and timesteps in fp32 (or int64) until the embedding has used them, and cast "
+                   "the embedding's output, not its input, to the model's dtype:\n"
+                   "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))")
+            out.append(Finding("precision_loss", "warning", "forward", c.module, None, r.step, msg, fix,
+                               {"dtype": dt, "max_integer": mx, "exact_up_to": lim, "spacing_at_max": spacing,
+                                "rank_hint": 45}))
+    return out
