@@ -22,7 +22,7 @@ import math
 import torch
 
 from . import cpustats, fused
-from .hooks import InertHook
+from .hooks import CopiesInert
 from ..tensors import flatten_tensors
 
 __all__ = ["Headroom", "HeadroomHook", "PassHook", "DTYPE_CODES", "from_calls", "encode", "passes_on"]
@@ -303,7 +303,7 @@ class _GradTap:
         return None
 
 
-class PassHook:
+class PassHook(CopiesInert):
     """The forward post-hook on a module that `passes_on` its input's range: nothing is read (see
     Headroom.passed). Compile-safe and copy-safe like HeadroomHook."""
     __slots__ = ("hr",)
@@ -319,17 +319,8 @@ class PassHook:
             self.hr.passed(args, output)
         return None
 
-    def __deepcopy__(self, memo):
-        return InertHook("post")
 
-    def __copy__(self):
-        return InertHook("post")
-
-    def __reduce__(self):
-        return (InertHook, ("post",))
-
-
-class HeadroomHook:
+class HeadroomHook(CopiesInert):
     """The forward post-hook (without kwargs) on every module below the root: hands its output to Headroom.
 
     Compile-safe and copy-safe like modulehooks.ModuleHook: under torch.compile it compiles away (checked first,
@@ -352,12 +343,3 @@ class HeadroomHook:
             except Exception as e:  # never break the user's model
                 self.fail(e)
         return None
-
-    def __deepcopy__(self, memo):
-        return InertHook("post")
-
-    def __copy__(self):
-        return InertHook("post")
-
-    def __reduce__(self):
-        return (InertHook, ("post",))

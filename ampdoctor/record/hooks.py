@@ -17,14 +17,30 @@ import sys
 
 import torch
 
-__all__ = ["ModuleHook", "InertHook", "hookable", "in_compiled_frame"]
+__all__ = ["ModuleHook", "InertHook", "CopiesInert", "hookable", "in_compiled_frame"]
 
 # the hook dictionaries of nn.Module that hold one registration, per kind of hook
 _DICTS = {"pre": ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
           "post": ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")}
 
 
-class ModuleHook:
+class CopiesInert:
+    """Base of every hook a watch puts on a module: a copied or pickled model carries an `InertHook` of the same
+    kind (`kind`, default a forward post-hook) in its place."""
+    __slots__ = ()
+    kind = "post"
+
+    def __deepcopy__(self, memo):
+        return InertHook(self.kind)
+
+    def __copy__(self):
+        return InertHook(self.kind)
+
+    def __reduce__(self):
+        return (InertHook, (self.kind,))
+
+
+class ModuleHook(CopiesInert):
     """A forward (pre-)hook calling `fn`; `register(module)` installs it and returns the RemovableHandle."""
     __slots__ = ("fn", "kind")
 
@@ -42,15 +58,6 @@ class ModuleHook:
 
     def __call__(self, *args):
         return self.fn(*args)
-
-    def __deepcopy__(self, memo):
-        return InertHook(self.kind)
-
-    def __copy__(self):
-        return InertHook(self.kind)
-
-    def __reduce__(self):
-        return (InertHook, (self.kind,))
 
 
 class InertHook:

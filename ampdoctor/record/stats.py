@@ -85,8 +85,14 @@ def full_stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
     min_nz = a.masked_fill_(a == 0, math.inf).amin()
     cnt = torch.stack([nan, posinf, neginf, zeros_all, near_max, below, ovf_n]).to(_F64)
     ext = torch.stack([absmax, min_nz]).to(_F64)
+    return _row(n, cnt, ext, x.device)
+
+
+def _row(n: int, cnt: torch.Tensor, ext: torch.Tensor, device) -> torch.Tensor:
+    """The STAT_FIELDS vector from counts [nan, +inf, -inf, zeros incl. non-finite, near-max, below-normal incl.
+    zeros, cast-overflow] and extremes [finite abs-max, min nonzero] (shared by the eager and compiled paths)."""
     nonfin = cnt[0] + cnt[1] + cnt[2]
-    return torch.stack([torch.full((), n, dtype=_F64, device=x.device), cnt[0], cnt[1], cnt[2],
+    return torch.stack([torch.full((), n, dtype=_F64, device=device), cnt[0], cnt[1], cnt[2],
                         cnt[3] - nonfin, ext[0], ext[1], cnt[4], cnt[5] - cnt[3], cnt[6]])
 
 
@@ -154,9 +160,7 @@ def _full_c(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
                        (af >= near).to(i32).sum(dtype=i32), (af < tiny).to(i32).sum(dtype=i32),
                        (af >= ovf).to(i32).sum(dtype=i32) if widening else torch.zeros((), dtype=i32)]).to(_F64)
     ext = torch.stack([af.amax(), torch.where(af == 0, math.inf, af).amin()]).to(_F64)
-    nonfin = cnt[0] + cnt[1] + cnt[2]
-    return torch.stack([torch.full((), n, dtype=_F64, device=x.device), cnt[0], cnt[1], cnt[2],
-                        cnt[3] - nonfin, ext[0], ext[1], cnt[4], cnt[5] - cnt[3], cnt[6]])
+    return _row(n, cnt, ext, x.device)
 
 
 def _light_c(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
