@@ -21,10 +21,10 @@ import ampdoctor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _loop(model, steps=3, every=1, run_dir=None, zero_grad_after=False):
+def _loop(model, steps=3, every=1, run_dir=None, zero_grad_after=False, headroom=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sc = torch.amp.GradScaler("cpu", init_scale=256.0)
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, every=every, run_dir=run_dir)
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, every=every, run_dir=run_dir, headroom=headroom)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         if not zero_grad_after:
@@ -128,16 +128,20 @@ def test_a_scripted_root_is_refused_and_leaves_nothing():
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)
 
     def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
-@pytest.mark.parametrize("every", [1, 200])
-def test_copies_of_a_watched_model_carry_nothing(tmp_path, every):
+@pytest.mark.parametrize("every,headroom", [(1, False), (200, False), (200, True)])
+def test_copies_of_a_watched_model_carry_nothing(tmp_path, every, headroom):
+    """Module hooks, the always-on headroom's (HeadroomHook, PassHook on the ReLU) included, copy and pickle as
+    inert hooks that remove themselves."""
     m = Net()
-    w = _loop(m, steps=1, every=every, run_dir=tmp_path / "run")
+    w = _loop(m, steps=2, every=every, run_dir=tmp_path / "run", headroom=headroom)
+    if headroom:
+        assert m.act._forward_hooks and m.fc1._forward_hooks
     ema = copy.deepcopy(m)                  # EMA: the most common copy
     buf = io.BytesIO()
     torch.save(m, buf)                       # a whole-model checkpoint
@@ -148,7 +152,7 @@ def test_copies_of_a_watched_model_carry_nothing(tmp_path, every):
         assert all(not x._forward_hooks and not x._forward_pre_hooks for x in c.modules())
     w.close()
     assert all(not x._forward_hooks and not x._forward_pre_hooks for x in m.modules())
-    assert len(w.steps) == 1
+    assert len(w.steps) == 2
 
 
 class PosEnc(nn.Module):
