@@ -6,8 +6,7 @@ run directory round-trips exactly (see ampdoctor/rundir.py for the on-disk layou
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "Producer", "StepRecord", "RunMeta",
@@ -87,7 +86,7 @@ class TensorStats:
         return math.log2(DTYPE_LIMITS.get(self.ref, DTYPE_LIMITS["float32"])[0] / self.absmax)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TensorStats":
@@ -122,7 +121,7 @@ class ModuleCall:
     (`{"dtype", "max", "exact_up_to"}`): positions or timesteps already rounded together (rule precision_loss)."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModuleCall":
@@ -153,7 +152,7 @@ class ParamStat:
     sharded: bool = False  # a DTensor (FSDP2): the gradient values are this rank's shard's (merged by diagnose)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParamStat":
@@ -202,7 +201,7 @@ class CallEvent:
     overflow, scale_after, skipped_steps; ampdoctor/integrations/deepspeed.py)."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CallEvent":
@@ -232,21 +231,43 @@ class Producer:
     detail: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Producer":
         return _fromd(cls, d)
 
 
-_STEP_FIELDS: tuple = ()
+_FIELDS: dict = {}
 
 
-def _step_fields() -> tuple:
-    global _STEP_FIELDS
-    if not _STEP_FIELDS:
-        _STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
-    return _STEP_FIELDS
+def plain(obj):
+    """`dataclasses.asdict` for the records: nested dataclasses, lists, tuples and dicts rebuilt (nothing mutable
+    shared with the record), primitives as they are. asdict deep-copies every value through a generic recursion;
+    a sampled step (~80 module calls) took 12 ms that way, and each is written to the run dir and the spill file."""
+    t = type(obj)
+    if t in _PRIMITIVE:
+        return obj
+    names = _FIELDS.get(t)
+    if names is None:
+        if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+            names = _FIELDS[t] = tuple(f.name for f in fields(obj))
+        elif isinstance(obj, list):
+            return [v if type(v) in _PRIMITIVE else plain(v) for v in obj]
+        elif isinstance(obj, dict):
+            return {k: v if type(v) in _PRIMITIVE else plain(v) for k, v in obj.items()}
+        elif isinstance(obj, tuple):  # a namedtuple keeps its type, as with asdict
+            return t(*(plain(v) for v in obj)) if hasattr(obj, "_fields") else t(plain(v) for v in obj)
+        else:
+            return obj
+    d = {}
+    for k in names:
+        v = getattr(obj, k)
+        d[k] = v if type(v) in _PRIMITIVE else plain(v)
+    return d
+
+
+_PRIMITIVE = frozenset({int, float, str, bool, type(None)})
 
 
 @dataclass
@@ -316,21 +337,9 @@ class StepRecord:
         return self.forward_bad or self.backward_bad
 
     def to_dict(self) -> dict:
-        """As `dataclasses.asdict` (equal, and sharing nothing mutable with the record), without its recursive
-        copy of every primitive: a routine step is written every step (run dir, spill file), ~10x faster."""
-        d = {k: getattr(self, k) for k in _step_fields()}
-        for k in ("forward_producer", "backward_producer"):
-            if d[k] is not None:
-                d[k] = asdict(d[k])
-        for k in ("modules", "params", "events"):
-            d[k] = [asdict(x) for x in d[k]]
-        for k in ("exception", "internal_error"):
-            if d[k] is not None:
-                d[k] = copy.deepcopy(d[k])
-        h = d["headroom"]
-        if h is not None:  # {"fwd": [floats], "bwd": [floats], "dtype": str}
-            d["headroom"] = {k: list(v) if isinstance(v, list) else copy.deepcopy(v) for k, v in h.items()}
-        return d
+        """As `dataclasses.asdict` (equal, and sharing nothing mutable with the record), ~10x faster (`plain`):
+        every step is written to the run dir and the spill file."""
+        return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
@@ -362,7 +371,7 @@ class RunMeta:
     world_size: int | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunMeta":
