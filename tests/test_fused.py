@@ -106,3 +106,35 @@ def test_headroom_on_cuda_uses_the_table_and_agrees_with_the_full_statistics():
             for x, y in zip(a.headroom[key], b.headroom[key]):
                 assert x == y or math.isclose(x, y, rel_tol=1e-2), (key, a.headroom, b.headroom)
         assert a.headroom["dtype"] == b.headroom["dtype"]
+
+
+def test_headroom_falls_back_when_the_table_kernel_cannot_launch(monkeypatch):
+    """A Triton that cannot compile or launch here (an old GPU, a broken toolchain) must not switch the watch
+    off: the table is disabled and _foreach_norm gives the same series."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA")
+    import ampdoctor
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("triton: cannot compile for this device")
+            return launch
+    monkeypatch.setattr(fused, "_ABSMAX", Broken())
+    m = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)).cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cuda")
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc, headroom=True)
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.mse_loss(m(torch.randn(8, 16, device="cuda")).float(), torch.zeros(8, 4, device="cuda"))
+        sc.scale(loss).backward()
+        sc.step(opt)
+        sc.update()
+    w.close()
+    assert fused._ABSMAX is False and not any(r.internal_error for r in w.steps)
+    h = list(w.steps)[2].headroom
+    assert h["fwd"][1] is not None and h["fwd"][2] is not None and h["bwd"][1] is not None

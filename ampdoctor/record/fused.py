@@ -13,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["available", "StatBuffer", "AbsMaxTable", "absmax_available", "absmax_kernel_ready"]
+__all__ = ["available", "StatBuffer", "AbsMaxTable", "absmax_available", "absmax_kernel_ready", "disable_absmax"]
 
 _KERNEL = None
 _BLOCK = 1024          # values per program and iteration
@@ -169,6 +169,12 @@ _ABSMAX = None
 _AM_BLOCK = 2048        # values per program and iteration
 _AM_ITERS = 16          # a program reads at least this many blocks of the largest tensor before more are added
 _AM_MAX_PROGRAMS = 256  # programs per tensor at most
+
+
+def disable_absmax() -> None:
+    """The table kernel failed to compile or launch: callers use torch._foreach_norm from now on."""
+    global _ABSMAX
+    _ABSMAX = False
 
 
 def absmax_kernel_ready() -> bool:

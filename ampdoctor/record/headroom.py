@@ -163,10 +163,16 @@ class Headroom:
                         tab = self.tables.get(dev)
                         if tab is None:
                             tab = self.tables[dev] = fused.AbsMaxTable(dev)
-                        tab.add([t for t, d in zip(gt, dense) if d])
-                        self.done.append((phase, code, [s for s, d in zip(gs, dense) if d], ("t", dev)))
-                        gt = [t for t, d in zip(gt, dense) if not d]
-                        gs = [s for s, d in zip(gs, dense) if not d]
+                        n0 = tab.n
+                        try:
+                            tab.add([t for t, d in zip(gt, dense) if d])
+                        except Exception:  # Triton cannot compile or launch here: _foreach_norm from now on
+                            tab.n = n0
+                            fused.disable_absmax()
+                        else:
+                            self.done.append((phase, code, [s for s, d in zip(gs, dense) if d], ("t", dev)))
+                            gt = [t for t, d in zip(gt, dense) if not d]
+                            gs = [s for s, d in zip(gs, dense) if not d]
                 if gt:  # one multi-tensor kernel (NaN and inf propagate into the abs-max), fp32 results
                     self.norms.setdefault(dev, []).extend(torch._foreach_norm(gt, _INF, dtype=_F32))
                     self.done.append((phase, code, gs, ("n", dev)))
