@@ -14,7 +14,7 @@ from .ranking import rank
 __all__ = ["merge_capture_replay", "merge_replay"]
 
 
-_OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow")
+_OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow", "underflow")
 
 
 def merge_replay(rep: Report, watch) -> Report:
@@ -57,8 +57,11 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
         # advisory constants to a healthy run
         return rep
     from ..replay import replay
+    from ..replay.explain import needs_fp32_check
     try:
         rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=False)
+        if needs_fp32_check(rr.findings):  # log/div of zeros: were they zeros in fp32 too? (underflow or not)
+            rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=True)
     except Exception as e:  # replay is a bonus here; the watch report stands on its own
         if strict:
             raise BadInput(f"replaying {cap} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \

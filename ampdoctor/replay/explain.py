@@ -16,7 +16,7 @@ from ..fixes import fp32_snippet, module_label
 from .constants import is_mask_like
 from .optrace import OpEvent
 
-__all__ = ["build_findings", "chain"]
+__all__ = ["needs_fp32_check", "build_findings", "chain"]
 
 _MATMUL = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addmv", "mv", "_scaled_dot_product_attention_math",
            "_scaled_dot_product_flash_attention_for_cpu", "convolution", "_convolution", "einsum"}
@@ -104,6 +104,37 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
     return msg, fix
 
 
+def needs_fp32_check(findings: list[Finding]) -> bool:
+    """A forward origin at a singular point (log/div/rsqrt of zeros): only a run in fp32 (the fix search) tells
+    an underflow to zero from a real zero."""
+    return any(f.phase == "forward" and f.rule == "overflow" and f.evidence.get("pole_zeros_in") for f in findings)
+
+
+def _pole_underflow(e: OpEvent, fix: dict | None, device: str, step, severity: str, rank_hint: int) -> Finding | None:
+    """The zeros a forward log/div/rsqrt turned into inf were values that underflowed (or rounded) to exactly 0
+    in the low-precision dtype — a saturated sigmoid's 1 - p, a softmax probability below fp16's smallest
+    subnormal — when the fix search made the step finite in fp32 (in fp32 they are not zero). An `underflow`
+    finding beside the op's own: shared/FP16.md lists these under underflow."""
+    if e.phase != "forward" or e.op.split("::")[-1] not in _POLES or not e.in_zeros:
+        return None
+    if not (fix and fix.get("found")):
+        return None  # zero in fp32 too: a real singular point, not a precision effect
+    dt = next((d for d in (e.in_dtypes or []) if d in ("float16", "bfloat16")), None) or "float16"
+    mods = ", ".join(f"`{module_label(m)}`" for m in fix.get("modules") or []) or _where(e.module)
+    msg = (f"the zeros that {e.op} in {_where(e.module)} turned into {_inf_sign(e)} are not zero in fp32 (running "
+           f"{mods} in fp32 keeps the step finite): they underflowed or rounded to exactly 0 in low precision — a "
+           f"saturated sigmoid gives 1 - p == 0 (fp16 sigmoid is exactly 1.0 above ~7.6), a softmax probability "
+           f"below 6e-8 becomes 0 (in {dt}: {e.in_zeros} zero input{'s' if e.in_zeros != 1 else ''})")
+    fx = ("use the fused, stable form that never meets the zero: `F.logsigmoid(x)` / "
+          "`F.binary_cross_entropy_with_logits(logits, y)` instead of log(sigmoid(x)) / log(1 - sigmoid(x)), "
+          "`F.log_softmax(x, -1)` instead of log(softmax(x)); or clamp with an eps that exists in the dtype "
+          "(`p.clamp(torch.finfo(p.dtype).tiny, 1 - torch.finfo(p.dtype).eps)`); or run it in fp32:\n"
+          + fp32_snippet(e.module, device))
+    return Finding("underflow", severity, "forward", e.module, e.op, step, msg, fx,
+                   {"zeros_in": e.in_zeros, "in_dtypes": e.in_dtypes, "line": e.line, "fp32_finite_with": fix.get("modules"),
+                    "role": "cause of the origin", "rank_hint": rank_hint})
+
+
 def chain(events: list[OpEvent], loss_finite: bool | None, grads_bad: list[str], consts: list[dict],
           forward_error: str | None) -> list[dict]:
     out = [{"stage": "constant", "rule": c["rule"], "module": c["module"], "op": c["op"], "value": c["value"],
@@ -170,6 +201,8 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
                     "out_neginf": e.out_neginf, "out_numel": e.out_numel, "out_dtype": e.out_dtype,
                     "in_dtypes": e.in_dtypes, "line": e.line, "autograd_node": e.autograd_node,
                     "role": "origin", "rank_hint": next(rank) + (0 if step_bad else 500)}
+        if e.phase == "forward" and e.op.split("::")[-1] in _POLES and e.in_zeros:
+            evidence["pole_zeros_in"] = e.in_zeros  # inputs at the op's singular point (see _pole_underflow)
         if i == 0 and consequences:
             evidence["consequences"] = [
                 {"phase": c.phase, "module": c.module, "op": c.op, "kind": c.kind, "line": c.line,
@@ -187,6 +220,12 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
             fx = ("nothing to fix for this step; if the scale keeps falling (loss_scale_collapse) or most steps are "
                   "skipped, fix the op above")
         found.append(Finding(rule, severity, e.phase, e.module, e.op, step, msg, fx, evidence))
+        # (an eps that vanishes in the dtype, found above, is the more precise account of the same zeros)
+        if i == 0 and rule == "overflow" and not any(f.rule == "eps_underflow" and _related(f.module, e.module)
+                                                     for f in found):
+            under = _pole_underflow(e, fix, device, step, severity, next(rank) + (0 if step_bad else 500))
+            if under is not None:
+                found.append(under)
     explained = any(f.severity == "error" for f in found)
     if forward_error and not explained:
         found.append(Finding(
