@@ -161,7 +161,7 @@ class Watch:
     def _record_fatal(self, exc) -> None:
         """The process is ending on `exc` (uncaught): mark the open step as the one that raised it."""
         m = self.machine
-        if self._closed or m._disabled or not isinstance(exc, BaseException) or isinstance(exc, SystemExit):
+        if self._closed or m.disabled or not isinstance(exc, BaseException) or isinstance(exc, SystemExit):
             return
         if m.st.exception is None:
             m.st.exception = m.exception_info(exc, None)
@@ -197,13 +197,13 @@ class Watch:
         """A new training iteration starts (e.g. a trainer's batch-start callback). The watch sees this itself
         when the watched module's forward runs; trainers that call only submodules say it here."""
         if not self._closed:
-            self.machine._begin()
+            self.machine.begin()
 
     def note_loss(self, loss) -> None:
         """Record the loss about to be backpropagated when neither `scaler.scale` nor the model's output shows
         it. The same tensor is not counted twice."""
         m = self.machine
-        if self._closed or m._disabled or m.st.synced is not None:
+        if self._closed or m.disabled or m.st.synced is not None:
             return
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
             t = loss.detach().reshape(())
@@ -212,7 +212,7 @@ class Watch:
 
     def owns_optimizer(self, optimizer) -> bool:
         """Whether `optimizer` steps any of the watched model's parameters."""
-        return self.machine._owns(optimizer)
+        return self.machine.owns(optimizer)
 
     # -- installation ----------------------------------------------------------------------------------
     def _build_meta(self) -> RunMeta:
@@ -257,7 +257,7 @@ class Watch:
 
     def _install(self) -> None:
         m = self.machine
-        m._root = root = self._wrapper if self._wrapper is not None else self.model
+        m.root = root = self._wrapper if self._wrapper is not None else self.model
         self._handles.append(ModuleHook(m.forward_pre, "pre", eager=True).register(root))
         self._handles.append(ModuleHook(m.forward_post, "post", eager=True).register(root))
         if self._wrapper is not None:

@@ -123,7 +123,7 @@ def test_an_illegal_transition_in_a_watched_run_disables_the_watch_not_the_train
         sc.step(opt)
         sc.update()
     w.close()
-    assert w.machine._disabled
+    assert w.machine.disabled
     err = [r for r in w.steps if r.internal_error]
     assert len(err) == 1 and err[0].step == 1
     assert err[0].internal_error["type"] == "StepPhaseError" and "FINAL to ENDED" in err[0].internal_error["message"]

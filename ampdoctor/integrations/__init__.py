@@ -40,7 +40,7 @@ def scalars(w) -> dict[str, float]:
     if w is None or w.closed:
         return {}
     m = w.machine
-    if m.st.ended and not getattr(m, "_disabled", False):
+    if m.st.ended and not getattr(m, "disabled", False):
         m.finish_open_step()  # the step has been stepped and updated: let it count now, not one step late
     recs = w.steps
     out = {"ampdoctor/skipped_steps": float(sum(bool(r.skipped) for r in recs)),
@@ -62,8 +62,8 @@ def begin_iteration(w) -> None:
         fn()
         return
     m = w.machine
-    if not getattr(m, "_disabled", False):
-        m._begin()
+    if not getattr(m, "disabled", False):
+        m.begin()
 
 
 def note_loss(w, loss) -> None:
@@ -79,7 +79,7 @@ def note_loss(w, loss) -> None:
         fn(loss)
         return
     m = w.machine
-    if getattr(m, "_disabled", False) or m.st.synced is not None:
+    if getattr(m, "disabled", False) or m.st.synced is not None:
         return
     t = loss.detach().reshape(())
     if any(x.data_ptr() == t.data_ptr() for x in m.st.losses):

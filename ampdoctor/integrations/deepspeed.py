@@ -197,12 +197,12 @@ class EnginePatch(_InstancePatch):
 
     def _guard(self, fn, *args):
         """ampdoctor's own errors switch the watch off; they never reach the training loop."""
-        if self.m._disabled:
+        if self.m.disabled:
             return None
         try:
             return fn(*args)
         except Exception as e:
-            self.m._fail(e)
+            self.m.fail(e)
             return None
 
     def _failed(self, tok, e: BaseException) -> None:
@@ -216,8 +216,8 @@ class EnginePatch(_InstancePatch):
     # engine.backward(loss): the loss, and the scale the backward applies to it
     def _before_backward(self, loss, kwargs):
         m, eng = self.m, self.engine
-        m._begin()
-        ev = m._event("engine.backward", extra={"boundary": bool(_call(eng, "is_gradient_accumulation_boundary")),
+        m.begin()
+        ev = m.event("engine.backward", extra={"boundary": bool(_call(eng, "is_gradient_accumulation_boundary")),
                                                 "micro_step": getattr(eng, "micro_steps", None)})
         hook = None
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
@@ -243,7 +243,7 @@ class EnginePatch(_InstancePatch):
         managed = _call(eng, "managed_gradient_accumulation", True)
         boundary = True if managed is False else bool(_call(eng, "is_gradient_accumulation_boundary", True))
         opt = getattr(eng, "optimizer", None)
-        ev = m._event("engine.step", extra={"boundary": boundary, "ds_scale": _cur_scale(opt),
+        ev = m.event("engine.step", extra={"boundary": boundary, "ds_scale": _cur_scale(opt),
                                             "global_step": getattr(eng, "global_steps", None)})
         if boundary:
             st = m.st

@@ -1,7 +1,7 @@
 """The monitor's side of the step machine: what happens when the user's code calls the GradScaler, the
 optimizer or a clipping function (ampdoctor/record/monitor.py installs the patches that call these methods).
 An optimizer step moves the open step to StepPhase.ENDED; an error of ampdoctor's own in any of these switches
-the watch off (StepMachine._fail) and never reaches the training loop."""
+the watch off (StepMachine.fail) and never reaches the training loop."""
 from __future__ import annotations
 
 import functools
@@ -18,13 +18,13 @@ __all__ = ["MonitorCallbacks"]
 
 
 def _guarded(fn):
-    """A patch's callback: ampdoctor's own errors go to StepMachine._fail, never into the user's call."""
+    """A patch's callback: ampdoctor's own errors go to StepMachine.fail, never into the user's call."""
     @functools.wraps(fn)
     def call(self, *args):
         try:
             return fn(self, *args)
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
             return None
     return call
 
@@ -34,16 +34,16 @@ class MonitorCallbacks:
 
     @_guarded
     def before(self, kind, args, kwargs):
-        if self._disabled:
+        if self.disabled:
             return None
         if kind == "scale":
-            self._begin()
+            self.begin()
         st = self.st
         opt = None
         if kind in ("unscale_", "step"):
             opt = args[0] if args else kwargs.get("optimizer")
         stage = scaler_stage(self.w.scaler, opt) if opt is not None else None
-        ev = self._event(kind, stage=stage)
+        ev = self.event(kind, stage=stage)
         if opt is not None:  # several optimizers may share one scaler (one step each, one update)
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
@@ -63,21 +63,21 @@ class MonitorCallbacks:
             if st.in_scaler_step == 0:
                 self.hr.stage()  # queue the headroom reductions before the scaler's synchronisation
             st.in_scaler_step += 1
-            if opt is not None and id(opt) not in self.known_optimizers and self._owns(opt):
+            if opt is not None and id(opt) not in self.known_optimizers and self.owns(opt):
                 self.known_optimizers.add(id(opt))
                 self.w.adopt_optimizer(opt)
         return (ev, opt)
 
     @_guarded
     def after(self, tok, args, kwargs, out):
-        if tok is None or self._disabled:
+        if tok is None or self.disabled:
             return
         ev, opt = tok
         st = self.st
         sc = self.w.scaler
         if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
             st.scale_t = sc._scale.detach().clone()
-        if ev.kind == "unscale_" and opt is not None and self._owns(opt):
+        if ev.kind == "unscale_" and opt is not None and self.owns(opt):
             grads_after_unscale(self, opt)
         if ev.kind == "step":
             st.in_scaler_step -= 1
@@ -102,14 +102,14 @@ class MonitorCallbacks:
 
     @_guarded
     def zero_grad(self, optimizer) -> None:
-        if self._disabled:
+        if self.disabled:
             return
-        self._begin()
-        self._event("zero_grad")
+        self.begin()
+        self.event("zero_grad")
 
     @_guarded
     def clip_before(self, kind, parameters):
-        if self._disabled:
+        if self.disabled:
             return None
         ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         mine = self._model_param_ids()
@@ -121,7 +121,7 @@ class MonitorCallbacks:
         if sc is not None and self.w.optimizer is not None and getattr(sc, "_enabled", True):
             stage = scaler_stage(sc, self.w.optimizer)
             scaled = self.st.scaled_since_update and stage in (None, "READY")
-        return self._event(kind, stage=stage, scaled=scaled)
+        return self.event(kind, stage=stage, scaled=scaled)
 
     @_guarded
     def clip_after(self, ev, out) -> None:
@@ -131,11 +131,11 @@ class MonitorCallbacks:
             self.st.norms.append((ev, local(out.detach()).double().reshape(())))  # FSDP2: a replicated DTensor
 
     def global_opt_pre(self, opt, args, kwargs):
-        if self._disabled:
+        if self.disabled:
             return None
         try:
             if id(opt) not in self.known_optimizers:
-                if id(opt) in self._rejected_optimizers or not self._owns(opt):
+                if id(opt) in self._rejected_optimizers or not self.owns(opt):
                     self._rejected_optimizers.add(id(opt))
                     return None
                 self.known_optimizers.add(id(opt))
@@ -152,11 +152,11 @@ class MonitorCallbacks:
                 return args, dict(kwargs, closure=wrapped)
             self._opt_pre(opt)
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
         return None
 
     def _opt_pre(self, opt) -> None:
-        if self._disabled:
+        if self.disabled:
             return
         try:
             st = self.st
@@ -171,23 +171,23 @@ class MonitorCallbacks:
                 st.fused_amp = True
             scaled = bool(sc is not None and (not via or fused) and st.scaled_since_update
                           and stage in (None, "READY"))
-            self._event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
+            self.event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
             presync(self, opt, grads_scaled=scaled)
             update_check_pre(self, opt)
             if not via:
                 st.advance(StepPhase.ENDED)
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
 
     def global_opt_post(self, opt, args, kwargs):
-        if self._disabled or id(opt) not in self.known_optimizers:
+        if self.disabled or id(opt) not in self.known_optimizers:
             return
         try:
             update_check_post(self, opt)
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
 
-    def _owns(self, opt) -> bool:
+    def owns(self, opt) -> bool:
         mine = self._model_param_ids()
         return any(id(p) in mine for g in opt.param_groups for p in g["params"])
 

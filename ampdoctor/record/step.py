@@ -60,10 +60,10 @@ class StepMachine(MonitorCallbacks):
         for n, p in self.params:
             mod = n.rpartition(".")[0]
             self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
-        self._disabled = False
+        self.disabled = False
         self.suspended = False
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)
-        self._root = watch.model
+        self.root = watch.model
         self._model_params = None
         self.writer = None
         if watch.run_dir is not None:
@@ -81,10 +81,10 @@ class StepMachine(MonitorCallbacks):
         sampled = self.policy.sampled(step)
         self.hr.reset()
         # sampled steps: the full statistics give the series; routine steps only with WatchConfig.headroom
-        self.hr.on = self.cfg.headroom and not sampled and not self._disabled
+        self.hr.on = self.cfg.headroom and not sampled and not self.disabled
         return _Step(step=step, sampled=sampled)
 
-    def _begin(self) -> None:
+    def begin(self) -> None:
         """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step."""
         if self.st.phase is StepPhase.ENDED:
             self.finalize()
@@ -94,11 +94,11 @@ class StepMachine(MonitorCallbacks):
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
     # with the root's two hooks alone (the cheapest watch is the one that is not there).
     def sync_module_hooks(self) -> None:
-        want = self.st.sampled and not self._disabled and not self.compiled
+        want = self.st.sampled and not self.disabled and not self.compiled
         if want and not self._mod_handles:
             pre, post = ModuleHook(self.forward_pre, "pre"), ModuleHook(self.forward_post, "post")
             for mod in self.w.model.modules():
-                if mod is self._root or not hookable(mod):
+                if mod is self.root or not hookable(mod):
                     continue
                 self._mod_handles.append(pre.register(mod))
                 self._mod_handles.append(post.register(mod))
@@ -113,13 +113,13 @@ class StepMachine(MonitorCallbacks):
     def install_headroom_hooks(self) -> None:
         """The always-on headroom hooks: one forward post-hook per module below the root, for the watch's life
         (none on a compiled model: the root's eager hooks record the root's headroom)."""
-        if self.compiled or self._disabled or self._hr_handles:
+        if self.compiled or self.disabled or self._hr_handles:
             return
         for mod in self.w.model.modules():
-            if mod is self._root or mod is self.w.model or not hookable(mod):
+            if mod is self.root or mod is self.w.model or not hookable(mod):
                 continue
             slot = self.slot_of[id(mod)]
-            hook = PassHook(self.hr) if slot in self.hr_skip else HeadroomHook(self.hr, slot, self._fail)
+            hook = PassHook(self.hr) if slot in self.hr_skip else HeadroomHook(self.hr, slot, self.fail)
             self._hr_handles.append(hook.register(mod))
 
     def remove_headroom_hooks(self) -> None:
@@ -139,7 +139,7 @@ class StepMachine(MonitorCallbacks):
                 self.sync_module_hooks()
 
     def finish(self) -> None:
-        if not self._disabled:
+        if not self.disabled:
             self.finish_open_step()
 
     def close(self) -> None:
@@ -151,12 +151,12 @@ class StepMachine(MonitorCallbacks):
             except Exception:
                 pass
 
-    def _fail(self, e: BaseException) -> None:
+    def fail(self, e: BaseException) -> None:
         """An error inside ampdoctor itself: switch ampdoctor off, keep the user's training running, and leave a
         record of the step where it happened, so that the report says so on its first line."""
-        if self._disabled:
+        if self.disabled:
             return
-        self._disabled = True
+        self.disabled = True
         self.hr.on = False
         self.remove_module_hooks()
         self.remove_headroom_hooks()
@@ -170,7 +170,7 @@ class StepMachine(MonitorCallbacks):
         except Exception:
             pass
 
-    def _event(self, kind: str, **kw) -> CallEvent:
+    def event(self, kind: str, **kw) -> CallEvent:
         f, ln = caller_location(3)
         ev = CallEvent(kind=kind, step=self.st.step, index=self._event_index, file=f, line=ln, **kw)
         self._event_index += 1
@@ -181,24 +181,24 @@ class StepMachine(MonitorCallbacks):
     def forward_pre(self, module, args, kwargs):
         # under torch.compile the hook compiles away (nothing of ampdoctor's enters the graph); inside a backward
         # it is activation checkpointing re-running the forward: not a forward of the step
-        if self._disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
+        if self.disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
             return None
         try:
             self._forward_pre(module, args, kwargs)
         except Exception as e:  # never break the user's model
-            self._fail(e)
+            self.fail(e)
         return None  # the arguments are never replaced: the module sees the caller's own objects
 
     def _forward_pre(self, module, args, kwargs):
         st = self.st
-        if module is self._root and not st.stack:
+        if module is self.root and not st.stack:
             if not self.compiled and in_compiled_frame():
                 # torch.compile'd after the watch began: the other modules' hooks would be traced into the
                 # graph (and recompile it whenever they change); they come off for good
                 self.compiled = True
                 self.remove_module_hooks()
                 self.remove_headroom_hooks()
-            self._begin()
+            self.begin()
             st = self.st
             if torch.is_grad_enabled():
                 st.micro += 1
@@ -229,12 +229,12 @@ class StepMachine(MonitorCallbacks):
                 c.seq0 = sequence_nr()
 
     def forward_post(self, module, args, kwargs, output):
-        if self._disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
+        if self.disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
             return None
         try:
             self._forward_post(module, output)
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
         return None
 
     def _forward_post(self, module, output):
@@ -243,7 +243,7 @@ class StepMachine(MonitorCallbacks):
         exc = sys.exc_info()[1]
         if exc is not None and st.exception is None:
             st.exception = self.exception_info(exc, self.w._names.get(id(module), "?"))
-        if module is self._root and not st.stack and exc is None and torch.is_grad_enabled():
+        if module is self.root and not st.stack and exc is None and torch.is_grad_enabled():
             loss = loss_of(output)
             if loss is not None and self.w.scaler is None:
                 st.losses.append(loss)
@@ -258,7 +258,7 @@ class StepMachine(MonitorCallbacks):
                 sums = [t.sum(dtype=torch.float32 if t.dtype in _HALF else torch.float64).reshape(1)
                         for t in outs]
                 st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
-        if module is self._root and self.hr.on and exc is None:
+        if module is self.root and self.hr.on and exc is None:
             self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
             self.hr.forward_done()
         if c is None:
@@ -292,7 +292,7 @@ class StepMachine(MonitorCallbacks):
         st = self.st
 
         def hook(g):
-            if self._disabled or self.st is not st or g is None or not is_measurable(g):
+            if self.disabled or self.st is not st or g is None or not is_measurable(g):
                 return None
             try:
                 if c.bseq is None:
@@ -301,7 +301,7 @@ class StepMachine(MonitorCallbacks):
                 ref = ref_dtype(g.dtype, autocast_dtype(g.device.type) or ac_from_str(c.autocast))
                 self._row(c, slot, g, light=False, ref=ref)
             except Exception as e:
-                self._fail(e)
+                self.fail(e)
             return None
         return hook
 
@@ -310,7 +310,7 @@ class StepMachine(MonitorCallbacks):
         try:
             finalize(self)
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
 
 
 _HALF = (torch.float16, torch.bfloat16)
