@@ -170,3 +170,16 @@ def test_forward_overflow_in_a_trainer_run_is_named_at_the_layer(tmp_path, fp16_
     top = [(f.rule, f.module) for f in cb.report.findings[:3]]
     assert ("overflow", "transformer.h.1.mlp.c_proj") in top, [f.one_line() for f in cb.report.findings]
     assert cb.report.exit_code == 1
+
+
+def test_headroom_every_step_through_the_callback(tmp_path):
+    """`AmpDoctorCallback(headroom=True)`: every step (not only sampled ones) has each layer's headroom, and the
+    healthy run stays quiet."""
+    cb = AmpDoctorCallback(headroom=True)
+    tr = make_trainer(tmp_path, cb, bf16=True)
+    assert train(tr) == []
+    assert_healthy(cb.report)
+    from ampdoctor.rundir import read_run
+    steps = read_run(str(tmp_path / "out" / "ampdoctor"))[1]
+    routine = [r for r in steps if not r.sampled]
+    assert routine and all(r.headroom and any(v is not None for v in r.headroom["fwd"]) for r in routine)

@@ -142,3 +142,14 @@ def test_fp16_plugin_forward_overflow_is_named_at_the_layer(tmp_path):
     fit(tmp_path, cb, module=module, plugins=[fp16_plugin()])
     top = [(f.rule, f.module) for f in cb.report.findings[:3]]
     assert ("overflow", "net.0") in top, [f.one_line() for f in cb.report.findings]
+
+
+def test_headroom_every_step_through_the_callback(tmp_path):
+    cb = AmpDoctorLightningCallback(headroom=True)
+    tr, module = fit(tmp_path, cb, precision="bf16-mixed")
+    assert_healthy(cb.report)
+    from ampdoctor.rundir import read_run
+    steps = read_run(str(tmp_path / "ampdoctor"))[1]
+    routine = [r for r in steps if not r.sampled]
+    assert routine and all(r.headroom and any(v is not None for v in r.headroom["fwd"]) for r in routine)
+    assert_unhooked(module)

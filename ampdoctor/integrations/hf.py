@@ -46,12 +46,15 @@ class AmpDoctorCallback(TrainerCallback):
         every: full per-layer statistics every N-th optimizer step (see `ampdoctor.watch`); default
             ampdoctor's cheap sampling. Every step is still checked for inf/NaN and skipped steps.
         tensorboard_dir: also write ampdoctor's per-step scalars there (`ampdoctor.watch(tensorboard_dir=)`).
+        headroom: every layer's headroom on every step, for the `headroom_trend` early warning
+            (`ampdoctor.watch(headroom=True)`; it costs more than the default).
     """
 
-    def __init__(self, run_dir=None, every: int | None = None, *, tensorboard_dir=None):
+    def __init__(self, run_dir=None, every: int | None = None, *, tensorboard_dir=None, headroom: bool = False):
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         self.every = every
         self.tensorboard_dir = tensorboard_dir
+        self.headroom = headroom
         self.watch = None
         self.report = None
         self._run_dir = None
@@ -63,7 +66,7 @@ class AmpDoctorCallback(TrainerCallback):
         self._run_dir = self.run_dir or os.path.join(args.output_dir or ".", "ampdoctor")
         self.watch = ampdoctor.watch(model, optimizer=_unwrap_optimizer(optimizer), scaler=_find_scaler(optimizer),
                                      run_dir=self._run_dir, every=self.every,
-                                     tensorboard_dir=self.tensorboard_dir)
+                                     tensorboard_dir=self.tensorboard_dir, headroom=self.headroom)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         vals = scalars(self.watch)

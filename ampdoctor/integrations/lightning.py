@@ -34,13 +34,17 @@ class AmpDoctorLightningCallback(Callback):
         every: full per-layer statistics every N-th optimizer step (see `ampdoctor.watch`).
         log: log ampdoctor's scalars through `pl_module.log` after every training batch.
         tensorboard_dir: also write ampdoctor's per-step scalars there (`ampdoctor.watch(tensorboard_dir=)`).
+        headroom: every layer's headroom on every step, for the `headroom_trend` early warning
+            (`ampdoctor.watch(headroom=True)`; it costs more than the default).
     """
 
-    def __init__(self, run_dir=None, every: int | None = None, *, log: bool = True, tensorboard_dir=None):
+    def __init__(self, run_dir=None, every: int | None = None, *, log: bool = True, tensorboard_dir=None,
+                 headroom: bool = False):
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         self.every = every
         self.log = log
         self.tensorboard_dir = tensorboard_dir
+        self.headroom = headroom
         self.watch = None
         self.report = None
         self._run_dir = None
@@ -53,7 +57,8 @@ class AmpDoctorLightningCallback(Callback):
         scaler = getattr(plugin, "scaler", None)
         # With several optimizers none is named here; the watch adopts each one that steps on the module.
         self.watch = ampdoctor.watch(pl_module, optimizer=opts[0] if len(opts) == 1 else None, scaler=scaler,
-                                     run_dir=self._run_dir, every=self.every, tensorboard_dir=self.tensorboard_dir)
+                                     run_dir=self._run_dir, every=self.every, tensorboard_dir=self.tensorboard_dir,
+                                     headroom=self.headroom)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         begin_iteration(self.watch)
