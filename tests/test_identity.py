@@ -90,9 +90,9 @@ def _run(make, dtype, watch_kw, steps=3):
 
 @pytest.mark.parametrize("make", [_t5, _tied], ids=["t5", "tied"])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
-@pytest.mark.parametrize("every", [1, None], ids=["every1", "default"])
+@pytest.mark.parametrize("every", [1, None, "headroom"], ids=["every1", "default", "headroom"])
 def test_watch_is_bitwise_invisible(make, dtype, every):
-    kw = {"every": every} if every else {}
+    kw = {"headroom": True} if every == "headroom" else {"every": every} if every else {}
     l0, g0, w0 = _run(make, DTYPES[dtype], None)
     l1, g1, w1 = _run(make, DTYPES[dtype], kw)
     assert all(torch.equal(a, b) for a, b in zip(l0, l1))
