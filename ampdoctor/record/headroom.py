@@ -22,10 +22,9 @@ import math
 import torch
 
 from . import cpustats, fused
-from .hooks import CopiesInert
 from ..tensors import flatten_tensors
 
-__all__ = ["Headroom", "HeadroomHook", "PassHook", "DTYPE_CODES", "from_calls", "encode", "passes_on"]
+__all__ = ["Headroom", "DTYPE_CODES", "from_calls", "encode"]
 
 FLUSH_TENSORS = 128                 # pending tensors that trigger one batched reduction
 FLUSH_BYTES_FORWARD = 256 << 20     # ... or pending bytes of forward outputs (most are saved for the backward anyway)
@@ -37,20 +36,6 @@ _INF = math.inf
 _LOW = (torch.float16, torch.bfloat16)
 _STRIDED = torch.strided
 _F32 = torch.float32
-
-
-_PASSING_MODULES = ("torch.nn.modules.activation", "torch.nn.modules.dropout", "transformers.activations")
-
-
-def passes_on(module: torch.nn.Module) -> bool:
-    """Whether a module's output range follows its input's, so that measuring it adds nothing: a parameterless
-    leaf from torch's activation or dropout modules (or transformers' activations), or an Identity. Its input is
-    the output of the layer before it, which is measured; GELU/ReLU/SiLU/tanh never exceed their input's
-    magnitude (by more than a constant), and dropout scales by 1/(1-p). Skipping them reads ~40% fewer bytes in a
-    transformer MLP (the activation is as wide as the layer that feeds it)."""
-    if type(module).__module__ not in _PASSING_MODULES and not isinstance(module, torch.nn.Identity):
-        return False
-    return next(module.parameters(recurse=False), None) is None and next(module.children(), None) is None
 
 
 class Headroom:
@@ -290,62 +275,3 @@ def from_calls(calls, slots: dict[str, int], n: int, skip=frozenset()) -> dict |
         if c.out is not None and dts[s] == "-":
             dts[s] = _CODE_OF_NAME.get(c.out.dtype, "f")
     return encode(fwd, bwd, "".join(dts))
-
-
-class _GradTap:
-    """Tensor hook on a module's output: keep the gradient flowing into it (see Headroom.grad)."""
-    __slots__ = ("hr", "slot")
-
-    def __init__(self, hr: Headroom, slot: int):
-        self.hr, self.slot = hr, slot
-
-    def __call__(self, g):
-        hr = self.hr
-        if hr.on and g is not None:
-            try:
-                hr.grad(self.slot, g)
-            except Exception:  # never break the user's backward; the step just lacks this value
-                pass
-        return None
-
-
-class PassHook(CopiesInert):
-    """The forward post-hook on a module that `passes_on` its input's range: nothing is read (see
-    Headroom.passed). Compile-safe and copy-safe like HeadroomHook."""
-    __slots__ = ("hr",)
-
-    def __init__(self, hr: Headroom):
-        self.hr = hr
-
-    def register(self, module: torch.nn.Module):
-        return module.register_forward_hook(self)
-
-    def __call__(self, module, args, output):
-        if not torch.compiler.is_compiling() and self.hr.on:
-            self.hr.passed(args, output)
-        return None
-
-
-class HeadroomHook(CopiesInert):
-    """The forward post-hook (without kwargs) on every module below the root: hands its output to Headroom.
-
-    Compile-safe and copy-safe like modulehooks.ModuleHook: under torch.compile it compiles away (checked first,
-    so no watch state is guarded), and a copied or pickled model carries an InertHook instead."""
-    __slots__ = ("hr", "slot", "tap", "fail")
-
-    def __init__(self, hr: Headroom, slot: int, fail):
-        self.hr, self.slot, self.tap, self.fail = hr, slot, _GradTap(hr, slot), fail
-
-    def register(self, module: torch.nn.Module):
-        return module.register_forward_hook(self)
-
-    def __call__(self, module, args, output):
-        if torch.compiler.is_compiling():
-            return None
-        hr = self.hr
-        if hr.on:
-            try:
-                hr.forward(self.slot, output, self.tap)
-            except Exception as e:  # never break the user's model
-                self.fail(e)
-        return None

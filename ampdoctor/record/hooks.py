@@ -1,4 +1,6 @@
-"""The hook objects a watch puts on the user's modules, and where it may put them.
+"""The hook objects a watch puts on the user's modules, and where it may put them: the step machine's
+(`ModuleHook`) and the always-on headroom's (`HeadroomHook`, `PassHook`, `GradTap`; what they hand over is
+ampdoctor/record/headroom.py's).
 
 A hook must never change what the user's code can do with the model:
 - Copying: `copy.deepcopy(model)` (an EMA copy) or `torch.save(model)` while watched copies the modules' hook
@@ -14,10 +16,15 @@ A hook must never change what the user's code can do with the model:
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["ModuleHook", "InertHook", "CopiesInert", "hookable", "in_compiled_frame"]
+if TYPE_CHECKING:  # annotations only: headroom.py imports nothing from here at run time
+    from .headroom import Headroom
+
+__all__ = ["ModuleHook", "InertHook", "CopiesInert", "HeadroomHook", "PassHook", "GradTap", "passes_on", "hookable",
+           "in_compiled_frame"]
 
 # the hook dictionaries of nn.Module that hold one registration, per kind of hook
 _DICTS = {"pre": ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
@@ -95,3 +102,77 @@ def in_compiled_frame(depth: int = 40) -> bool:
             return True
         f, depth = f.f_back, depth - 1
     return False
+
+
+# -- the always-on headroom's hooks (ampdoctor/record/headroom.py keeps what they hand over) ---------------
+_PASSING_MODULES = ("torch.nn.modules.activation", "torch.nn.modules.dropout", "transformers.activations")
+
+
+def passes_on(module: torch.nn.Module) -> bool:
+    """Whether a module's output range follows its input's, so that measuring it adds nothing: a parameterless
+    leaf from torch's activation or dropout modules (or transformers' activations), or an Identity. Its input is
+    the output of the layer before it, which is measured; GELU/ReLU/SiLU/tanh never exceed their input's
+    magnitude (by more than a constant), and dropout scales by 1/(1-p). Skipping them reads ~40% fewer bytes in a
+    transformer MLP (the activation is as wide as the layer that feeds it)."""
+    if type(module).__module__ not in _PASSING_MODULES and not isinstance(module, torch.nn.Identity):
+        return False
+    return next(module.parameters(recurse=False), None) is None and next(module.children(), None) is None
+
+
+class GradTap:
+    """Tensor hook on a module's output: keep the gradient flowing into it (see Headroom.grad)."""
+    __slots__ = ("hr", "slot")
+
+    def __init__(self, hr: "Headroom", slot: int):
+        self.hr, self.slot = hr, slot
+
+    def __call__(self, g):
+        hr = self.hr
+        if hr.on and g is not None:
+            try:
+                hr.grad(self.slot, g)
+            except Exception:  # never break the user's backward; the step just lacks this value
+                pass
+        return None
+
+
+class PassHook(CopiesInert):
+    """The forward post-hook on a module that `passes_on` its input's range: nothing is read (see
+    Headroom.passed). Compile-safe and copy-safe like HeadroomHook."""
+    __slots__ = ("hr",)
+
+    def __init__(self, hr: "Headroom"):
+        self.hr = hr
+
+    def register(self, module: torch.nn.Module):
+        return module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if not torch.compiler.is_compiling() and self.hr.on:
+            self.hr.passed(args, output)
+        return None
+
+
+class HeadroomHook(CopiesInert):
+    """The forward post-hook (without kwargs) on every module below the root: hands its output to Headroom.
+
+    Compile-safe and copy-safe like ModuleHook: under torch.compile it compiles away (checked first,
+    so no watch state is guarded), and a copied or pickled model carries an InertHook instead."""
+    __slots__ = ("hr", "slot", "tap", "fail")
+
+    def __init__(self, hr: "Headroom", slot: int, fail):
+        self.hr, self.slot, self.tap, self.fail = hr, slot, GradTap(hr, slot), fail
+
+    def register(self, module: torch.nn.Module):
+        return module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return None
+        hr = self.hr
+        if hr.on:
+            try:
+                hr.forward(self.slot, output, self.tap)
+            except Exception as e:  # never break the user's model
+                self.fail(e)
+        return None

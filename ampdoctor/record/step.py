@@ -20,7 +20,8 @@ from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Call, _Step
-from .headroom import Headroom, HeadroomHook, PassHook, _GradTap, passes_on
+from .headroom import Headroom
+from .hooks import GradTap, HeadroomHook, PassHook, passes_on
 from .transfer import finalize
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, flatten_tensors, is_sharded, loss_of,
@@ -49,7 +50,7 @@ class StepMachine(MonitorCallbacks):
         self.slot_of_name = {n: i for i, (n, _) in enumerate(watch.model.named_modules())}
         self.hr = Headroom(len(mods))
         self.hr_skip = frozenset(i for i, m in enumerate(mods) if passes_on(m))  # not read (see passes_on)
-        self._root_tap = _GradTap(self.hr, 0)
+        self._root_tap = GradTap(self.hr, 0)
         self._hr_handles: list = []
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
