@@ -71,6 +71,12 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
         return rep
     findings = list(rep.findings)
     before = [f.module for f in findings]
+    # the replay tells what happened at the capture's step: a finding it confirms there (first seen on a later
+    # sampled step, the capture's own step being a routine one) dates from that step, its onset
+    cap_step = next((s for s, c in by_step.items() if c == cap), None)
+
+    def onset(step):
+        return cap_step if cap_step is not None and step is not None and cap_step < step else step
     refined: set[int] = set()
     ops = (rr.data.get("replay") or {}).get("ops") or []
     for i, g in enumerate(findings):  # the op inside each module-level producer, from the replay's op events
@@ -94,8 +100,8 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
                      and f.phase == g.phase and f.rule == rule), None)
         msg = twin.message if twin else f"{ev.get('op')} in `{ev['module']}` {what} ({ev.get('line')})."
         evd.pop("unlocated", None)
-        findings[i] = Finding(rule, g.severity, ev.get("phase") or g.phase, ev["module"], ev.get("op"), g.step, msg,
-                              twin.fix if twin else g.fix, evd)
+        findings[i] = Finding(rule, g.severity, ev.get("phase") or g.phase, ev["module"], ev.get("op"), onset(g.step),
+                              msg, twin.fix if twin else g.fix, evd)
         refined.add(id(findings[i]))
     fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
     for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
@@ -113,7 +119,7 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
                 ev = dict(match.evidence)
                 ev.update({k: v for k, v in f.evidence.items() if k != "rank_hint"})
                 ev["module_level_rule"] = match.rule
-                findings[i] = Finding(f.rule, match.severity, f.phase, f.module, f.op, match.step, f.message,
+                findings[i] = Finding(f.rule, match.severity, f.phase, f.module, f.op, onset(match.step), f.message,
                                       f.fix, ev)
                 refined.add(id(findings[i]))
                 continue

@@ -48,9 +48,15 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     last = next((r for r in reversed(steps) if r.next_scale is not None or r.scale is not None), None)
     last_scale = None if last is None else scale_after(last, run.meta.scaler)
     longest = cur = 0
+    streak_start = longest_start = None
     for r in steps:
-        cur = cur + 1 if r.skipped else 0
-        longest = max(longest, cur)
+        if r.skipped:
+            streak_start = r.step if cur == 0 else streak_start
+            cur += 1
+        else:
+            cur = 0
+        if cur > longest:
+            longest, longest_start = cur, streak_start
     first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
     initial = [s for s in skipped if first_good is None or s < first_good]
     later = [s for s in skipped if first_good is not None and s > first_good]
@@ -76,7 +82,9 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             why = (f" The inf/NaN is not transient: it comes from `{p.module or '(root)'}` ({p.phase})." if p else
                    " The loss itself is non-finite on these steps.")
         out.append(Finding(
-            "loss_scale_collapse", "error", "scaler", cause_module, None, skipped[0],
+            "loss_scale_collapse", "error", "scaler", cause_module, None,
+            # the collapse began with its longest run of skips (not at GradScaler's first, benign backoff)
+            longest_start if longest >= cfg.collapse_consecutive and longest_start is not None else skipped[0],
             f"GradScaler skipped {longest} steps in a row and the scale fell from {init:g} to "
             f"{last_scale:.3g}: every step has inf/NaN gradients, so the model has stopped learning.{why}",
             "Fix the source of the persistent inf/NaN (see the nan_origin/overflow finding above); lowering the "
