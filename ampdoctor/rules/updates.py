@@ -58,6 +58,11 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
         return order[bisect.bisect_right(order, s0):bisect.bisect_left(order, s1)]
     ref: dict[str, tuple[int, float, int]] = {}   # name -> (step, norm after that step's update, numel)
     out: dict[str, dict] = {}
+    bad_grad: dict[str, list[int]] = {}           # name -> steps whose gradient for it was not finite
+    for r in run.steps:
+        for p in r.params:
+            if p.grad_nonfinite:
+                bad_grad.setdefault(p.name, []).append(r.step)
     for r in run.steps:
         for p in r.params:
             if p.weight_norm is None or p.name in out:
@@ -69,14 +74,17 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 n_upd = len(upd)
                 f = p.weight_norm / n0 if n0 > 0 else 0.0
                 rms0 = n0 / math.sqrt(max(numel, 1))
+                applied_bad = any(s0 <= b < r.step for b in bad_grad.get(p.name, ()))
                 if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)) \
-                        and _by_updates(run, p.weight_norm - n0, n_upd, numel):
+                        and _by_updates(run, p.weight_norm - n0, n_upd, numel) and not applied_bad:
                     first = upd[0]
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
                                    "after": p.weight_norm, "step": first if n_upd == 1 else s0 + 1,
                                    "between": [s0, r.step], "updates": n_upd, "rms_before": rms0}
                     continue
-            if p.weight_norm_after is not None and rms >= _MIN_RMS and r.step in updated:
+            # (an update that applied a non-finite gradient is that gradient's consequence: the overflow or
+            # nan_origin finding names where it came from)
+            if p.weight_norm_after is not None and rms >= _MIN_RMS and r.step in updated and not p.grad_nonfinite:
                 f = p.weight_norm_after / p.weight_norm
                 if f >= factor:
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": p.weight_norm,

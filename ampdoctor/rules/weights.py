@@ -10,6 +10,11 @@ from .registry import RuleConfig, RunData, register
 _FP16_GRADS = "Attempting to unscale FP16 gradients"
 
 
+def _finite(v) -> bool:
+    """A weight norm that is a finite number (None: not measured, taken as finite)."""
+    return v is None or (v == v and abs(v) != float("inf"))
+
+
 def _common_module(names: list[str]) -> str:
     """The deepest module that contains all the given parameter names ('' = root)."""
     mods = [n.rpartition(".")[0] for n in names]
@@ -52,8 +57,8 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     worst: dict[str, tuple] = {}
     for r in run.steps:
         for p in r.params:
-            if p.update_sampled <= 0:
-                continue
+            if p.update_sampled <= 0 or not _finite(p.weight_norm) or p.grad_nonfinite:
+                continue  # inf + Δw == inf and NaN updates say nothing about rounding: a consequence, not this
             share = p.update_rounded_away / p.update_sampled
             if share >= cfg.rounded_away_share and (p.name not in worst or share > worst[p.name][0]):
                 worst[p.name] = (share, r.step, p)
