@@ -104,6 +104,17 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
     return msg, fix
 
 
+def _custom_fn_hint(device: str) -> str:
+    """The op ran with autograd off inside the forward: most often a custom torch.autograd.Function, which
+    autocast hands low-precision inputs unless its forward says otherwise."""
+    return ("\n\nThis op ran with autograd off inside the forward — inside a custom `torch.autograd.Function` (or "
+            "a `no_grad` block). Autocast hands such a Function low-precision inputs; declare what it needs:\n"
+            f"@torch.amp.custom_fwd(device_type=\"{device}\", cast_inputs=torch.float32)\n"
+            "def forward(ctx, x): ...\n"
+            f"@torch.amp.custom_bwd(device_type=\"{device}\")\n"
+            "def backward(ctx, grad): ...")
+
+
 def needs_fp32_check(findings: list[Finding]) -> bool:
     """A forward origin at a singular point (log/div/rsqrt of zeros): only a run in fp32 (the fix search) tells
     an underflow to zero from a real zero."""
@@ -195,6 +206,8 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
         if rule == "overflow" and e.op.split("::")[-1] in _MASK_CAPABLE and is_mask_like(e.absmax_in):
             rule = "mask_value_overflow"
         msg, fx = _op_text(e, device, softmax_inputs, sdpa_used)
+        if e.grad_off and e.kind == "overflow" and any(d in ("float16", "bfloat16") for d in e.in_dtypes or ()):
+            fx += _custom_fn_hint(device)
         if i == 0 and fix and fix.get("found"):
             fx += f"\n\nSmallest set of modules that makes this step finite in fp32 (ampdoctor fix search):\n{fix['snippet']}"
         evidence = {"absmax_in": e.absmax_in, "out_nan": e.out_nan, "out_posinf": e.out_posinf,

@@ -81,6 +81,8 @@ class OpEvent:
     """shape of the first non-finite output"""
     in_sdpa: bool = False
     """the op ran inside F.scaled_dot_product_attention (its math kernel)"""
+    grad_off: bool = False
+    """a forward op that ran with autograd off: inside a custom torch.autograd.Function's forward (or no_grad)"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -266,4 +268,4 @@ class OpTracer:
             out_neginf=sum(int(torch.isneginf(t).sum()) for t in bad), out_numel=sum(t.numel() for t in bad),
             absmax_in=absmax, in_dtypes=sorted({str(t.dtype).replace("torch.", "") for t in ins}),
             in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins), out_shape=list(bad[0].shape),
-            in_sdpa=self.sdpa_depth > 0))
+            in_sdpa=self.sdpa_depth > 0, grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
