@@ -135,6 +135,13 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not mods or not any(r.headroom for r in run.steps):
         return []
     order = _order(run)
+    first_bad: list = []  # the run's first bad step, read once when a warning needs it (a long run's records
+    #                       come from the spill file)
+
+    def bad() -> int | None:
+        if not first_bad:
+            first_bad.append(first_bad_step(list(run.steps), run.has_scaler))
+        return first_bad[0]
     out: list[Finding] = []
     for phase in ("forward", "backward"):
         pts = {i: series(run, i, phase) for i in range(len(mods))}
@@ -162,7 +169,7 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             named.update(j for j in warn if any(_inside(mods[j][0], mods[c][0]) or j == c for c in chain))
             first = min(chain, key=lambda j: _bits_at(pts[j], w["step"]))
             out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"],
-                                _came_true(run, w, [mods[j][0] for j in chain] + [mods[first][0]])))
+                                _came_true(run, w, [mods[j][0] for j in chain] + [mods[first][0]], bad())))
     return out
 
 
@@ -170,11 +177,10 @@ CONFIRM_STEPS = 8
 """Steps after the first bad one whose producers may tie it to the warned layers (the follow-up steps)."""
 
 
-def _came_true(run: RunData, w: dict, chain: list[str]) -> dict | None:
+def _came_true(run: RunData, w: dict, chain: list[str], bad: int | None) -> dict | None:
     """The forecast overflow happened: the run's first bad step came after the warning, and its inf/NaN producer
     (on that step or the follow-up steps) is one of the warned layers, inside one, or beside one in the same
     parent (the dropout or activation right after a growing projection). None otherwise."""
-    bad = first_bad_step(list(run.steps), run.has_scaler)
     if bad is None or bad <= w["step"]:
         return None
     parents = {c.rpartition(".")[0] for c in chain}
