@@ -135,20 +135,16 @@ class _Step:
             #         value past 128 is an integer, so a large activation would look like one
         if self.probes and t.device != self.probes[0].device:
             return
-        try:
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        except RuntimeError:
+        key = _memory_key(t)
+        if key is None:
             return
-        hit = self.probe_seen.get(key)
-        if hit is not None and hit[0]() is not None:  # the same tensor, still alive (its memory not reused)
+        hit = _recall(self.probe_seen, key)
+        if hit is not None:  # the same tensor this step
             idx = hit[1]
         else:
             idx = len(self.probes)
             self.probes.append(integer_probe(t))
-            try:
-                self.probe_seen[key] = (weakref.ref(t), idx)
-            except TypeError:
-                pass
+            _remember(self.probe_seen, key, t, idx)
         c.probes.append((idx, dt_name(t.dtype)))
 
     def measure(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None, compile_stats=False) -> None:
@@ -160,12 +156,9 @@ class _Step:
         # Keyed by memory, not identity: a view of the same memory (e.g. the gradient flowing out of one module
         # and into the next) has the same values. The first tensor measured there must still be alive (so the
         # memory was not reused) and the shared version counter unchanged (no in-place write since).
-        try:
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, ref)
-        except RuntimeError:  # inference tensors have no version counter; some wrappers no storage
-            key = None
-        hit = self.seen.get(key) if key is not None else None
-        if hit is not None and hit[0]() is not None and (light or hit[2]):
+        key = _memory_key(t, ref)
+        hit = _recall(self.seen, key)
+        if hit is not None and (light or hit[2]):
             c.rows[slot].append((hit[1], dt_name(t.dtype), dt_name(ref)))
             return
         idx = len(self.vecs)
@@ -184,8 +177,28 @@ class _Step:
             v = light_stats(t, ref) if light else full_stats(t, ref)
         c.rows[slot].append((idx, dt_name(t.dtype), dt_name(ref)))
         self.vecs.append(v)
-        if key is not None:
-            try:
-                self.seen[key] = (weakref.ref(t), idx, not light)
-            except TypeError:
-                pass
+        _remember(self.seen, key, t, idx, not light)
+
+
+def _memory_key(t: torch.Tensor, *extra):
+    """A tensor keyed by its memory (see `_Step.measure`): where it starts, its shape, strides, dtype and the
+    version counter its views share. None for tensors without a version counter (inference) or storage."""
+    try:
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, *extra)
+    except RuntimeError:
+        return None
+
+
+def _recall(memo: dict, key) -> tuple | None:
+    """What was remembered under `key` this step, if the tensor it was remembered for is still alive (so its
+    memory was not reused): (weakref, *value)."""
+    hit = memo.get(key) if key is not None else None
+    return hit if hit is not None and hit[0]() is not None else None
+
+
+def _remember(memo: dict, key, t: torch.Tensor, *value) -> None:
+    if key is not None:
+        try:
+            memo[key] = (weakref.ref(t), *value)
+        except TypeError:  # a tensor subclass that takes no weak reference: not remembered
+            pass
