@@ -45,6 +45,11 @@ def attention_scores(ev: OpEvent, softmax_inputs: list) -> bool:
     return any(seq > ev.seq and list(shape) == list(ev.out_shape) for seq, _, shape in softmax_inputs)
 
 
+def _at_pole(ev: OpEvent) -> bool:
+    """A forward op whose inputs sat at its singular point (log/div/rsqrt of 0, log1p of -1)."""
+    return ev.phase == "forward" and ev.op.split("::")[-1] in _POLES and ev.in_zeros > 0
+
+
 def _inf_sign(ev: OpEvent) -> str:
     """"+inf", "-inf" or "±inf" as the op's output had them (the words follow the values)."""
     pos, neg = ev.out_posinf > 0, ev.out_neginf > 0
@@ -94,7 +99,7 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
                "F.cross_entropy for losses, or subtract the max before exp; or run it in fp32: "
                "`torch.exp(x.float())`")
         return msg, fix
-    if short in _POLES and ev.in_zeros:
+    if _at_pole(ev):
         msg = f"{ev.op} in {where} hit its singular point (an input is 0 / -1) and produced {inf}"
         fix = ("keep the argument away from the singularity with an eps that exists in the working dtype "
                "(fp16's smallest normal is 6.1e-5), or compute this op in fp32:\n" + snip)
@@ -126,7 +131,7 @@ def _pole_underflow(e: OpEvent, fix: dict | None, device: str, step, severity: s
     in the low-precision dtype — a saturated sigmoid's 1 - p, a softmax probability below fp16's smallest
     subnormal — when the fix search made the step finite in fp32 (in fp32 they are not zero). An `underflow`
     finding beside the op's own: shared/FP16.md lists these under underflow."""
-    if e.phase != "forward" or e.op.split("::")[-1] not in _POLES or not e.in_zeros:
+    if not _at_pole(e):
         return None
     if not (fix and fix.get("found")):
         return None  # zero in fp32 too: a real singular point, not a precision effect
@@ -214,7 +219,7 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
                     "out_neginf": e.out_neginf, "out_numel": e.out_numel, "out_dtype": e.out_dtype,
                     "in_dtypes": e.in_dtypes, "line": e.line, "autograd_node": e.autograd_node,
                     "role": "origin", "rank_hint": next(rank) + (0 if step_bad else 500)}
-        if e.phase == "forward" and e.op.split("::")[-1] in _POLES and e.in_zeros:
+        if _at_pole(e):
             evidence["pole_zeros_in"] = e.in_zeros  # inputs at the op's singular point (see _pole_underflow)
         if i == 0 and consequences:
             evidence["consequences"] = [
