@@ -58,6 +58,17 @@ def test_every_step_every_module_on_the_default_watch():
         assert h["dtype"][names.index("a")] == "h"  # an fp16 Linear output under autocast
 
 
+def assert_same_series(full, fast):
+    """Step by step after step 0, the sampled run (full statistics) and the routine one (always-on headroom)
+    give the same series (also used by tests/test_fused.py on CUDA)."""
+    for a, b in zip(list(full.steps)[1:], list(fast.steps)[1:]):
+        assert a.sampled and not b.sampled
+        for key in ("fwd", "bwd"):
+            for x, y in zip(a.headroom[key], b.headroom[key]):
+                assert x == y or math.isclose(x, y, rel_tol=1e-2), (key, a.headroom, b.headroom)
+        assert a.headroom["dtype"] == b.headroom["dtype"]
+
+
 def test_routine_steps_agree_with_the_full_statistics():
     """every=1 (full statistics) and the default (always-on) see the same abs-max on the same step."""
     torch.manual_seed(0)
@@ -66,12 +77,7 @@ def test_routine_steps_agree_with_the_full_statistics():
     m2.load_state_dict(m1.state_dict())
     full = _train(m1, 4, every=1)
     fast = _train(m2, 4, every=200)
-    for a, b in zip(list(full.steps)[1:], list(fast.steps)[1:]):
-        assert a.sampled and not b.sampled
-        for key in ("fwd", "bwd"):
-            for x, y in zip(a.headroom[key], b.headroom[key]):
-                assert x == y or math.isclose(x, y, rel_tol=1e-2), (key, a.headroom, b.headroom)
-        assert a.headroom["dtype"] == b.headroom["dtype"]
+    assert_same_series(full, fast)
 
 
 def test_non_finite_values_show_through():
