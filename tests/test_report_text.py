@@ -50,3 +50,10 @@ def test_replay_without_loss_says_backward_not_run(tmp_path):
     line = next(ln for ln in out.splitlines() if ln.startswith("replay:"))
     assert "backward was not run" in line and "--loss" in line
     assert "LOSS not finite" not in out
+
+
+def test_one_error_and_one_warning_are_singular():
+    rep = rs.overflow_report()
+    rep.findings = [f for f in rep.findings if f.severity == "error"][:1] + \
+        [f for f in rep.findings if f.severity == "warning"][:1]
+    assert render_text(rep).splitlines()[-1].startswith("1 error, 1 warning, 0 info")

@@ -48,7 +48,7 @@ def render_text(report, width: int = 100) -> str:
     crash = s.get("crash") if isinstance(s.get("crash"), dict) else None
     if crash:
         out.append(f"CRASHED: {prose.crash_line(crash)}")
-    counts = f"{n['error']} errors, {n['warning']} warnings, {n['info']} info"
+    counts = f"{_count(n['error'], 'error')}, {_count(n['warning'], 'warning')}, {n['info']} info"
     if s.get("skipped_steps"):
         counts += f" · {s['skipped_steps']} skipped steps"
     if not problems:
@@ -75,3 +75,7 @@ def render_text(report, width: int = 100) -> str:
     out.append("")
     out.append(counts)
     return "\n".join(out) + "\n"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
