@@ -83,6 +83,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--prof-steps", type=int, default=30)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--spin", default=None, metavar="VARIANT:SECONDS",
+                   help="only run this variant's loop for SECONDS (to sample with py-spy; see pyspy_attr.py)")
     a = p.parse_args()
     dev = torch.device(a.device)
     if a.model == "nanogpt-tiny":  # nanoGPT's module tree (6 blocks) with tiny tensors: host cost only
@@ -101,6 +103,16 @@ def main():
         base, batches, loss_of = build(a.model, dev)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[a.amp]
     names = [n for n in a.variants.split(",") if n]
+    if a.spin:
+        name, _, secs = a.spin.partition(":")
+        v = Variant(name, base, dev, amp)
+        v.install()
+        t0, i = time.perf_counter(), 0
+        while time.perf_counter() - t0 < float(secs or 20):
+            v.step(batches[i % len(batches)], loss_of).item()
+            i += 1
+        print(f"{name}: {i} steps in {secs} s")
+        return
     vs = [Variant(n, copy.deepcopy(base), dev, amp) for n in names]
     for v in vs:
         v.install()
