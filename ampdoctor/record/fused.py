@@ -235,43 +235,63 @@ def _build_absmax():
 
 
 class AbsMaxTable:
-    """One step's abs-maxes on one device: `add(tensors)` launches one kernel per dtype over a table of
-    (address, numel, row) and returns the rows; `vector()` gives them (NaN where a NaN was seen) for the
-    step's transfer. The tensors must stay referenced until `add` returns (the kernel is queued on the current
-    stream behind the kernels that made them; memory freed afterwards is reused only behind it)."""
+    """One step's abs-maxes on one device: `add(tensors)` launches one kernel over a table of (address, numel,
+    row) and returns the first row; `vector()` gives them (NaN where a NaN was seen) for the step's transfer.
+    The tensors must stay referenced until `add` returns (the kernel is queued on the current stream behind
+    the kernels that made them; memory freed afterwards is reused only behind it).
+
+    Host cost per `add` is what the always-on headroom pays per flush, so: the table is written into pinned
+    host memory from the caching host allocator (which keeps a block until the copy that reads it has run)
+    and copied into a device table kept across steps; the abs-maxes and the NaN flags are one int32 buffer
+    (the first half read as float32), zeroed with one kernel per step."""
 
     def __init__(self, device: torch.device, rows: int = 512):
         self.device = device
-        self.out = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.nan = torch.zeros(rows, dtype=torch.int32, device=device)
         self.n = 0
+        self._alloc(rows)
+        self.meta = torch.empty(0, dtype=torch.int64, device=device)
+        self.used = 0  # entries of `meta` taken this step (each add's table stays intact until its kernel ran)
+
+    def _alloc(self, rows: int) -> None:
+        self.rows = rows
+        self.buf = torch.zeros(2 * rows, dtype=torch.int32, device=self.device)
+        self.out = self.buf[:rows].view(torch.float32)
+        self.nan = self.buf[rows:]
 
     def _grow(self, need: int) -> None:
-        r = self.out.shape[0]
+        r = self.rows
         while r < need:
             r *= 2
-        out = torch.zeros(r, dtype=torch.float32, device=self.device)
-        nan = torch.zeros(r, dtype=torch.int32, device=self.device)
-        out[:self.n] = self.out[:self.n]
-        nan[:self.n] = self.nan[:self.n]
-        self.out, self.nan = out, nan
+        out, nan, n = self.out, self.nan, self.n
+        self._alloc(r)
+        self.out[:n] = out[:n]
+        self.nan[:n] = nan[:n]
 
     def add(self, tensors: list) -> int:
         """Queue the abs-max of each tensor (one dtype, each `absmax_available`); returns the first row (rows
         are consecutive)."""
         T = len(tensors)
         first = self.n
-        if first + T > self.out.shape[0]:
+        if first + T > self.rows:
             self._grow(first + T)
         self.n = first + T
-        ns = [t.numel() for t in tensors]
-        big = max(ns) if ns else 0
-        if not big:
+        if not T:
             return first
         base = tensors[0]
         b, size = base.data_ptr(), base.element_size()
-        meta = torch.tensor([(t.data_ptr() - b) // size for t in tensors] + ns + list(range(first, first + T)),
-                            dtype=torch.int64).to(self.device, non_blocking=True)
+        ns = [t.numel() for t in tensors]
+        big = max(ns)
+        if not big:
+            return first
+        host = torch.empty(3 * T, dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = [(t.data_ptr() - b) // size for t in tensors] + ns + list(range(first, first + T))
+        k = self.used
+        if k + 3 * T > self.meta.shape[0]:  # a larger device table; the old one is freed behind its readers
+            self.meta = torch.empty(max(2 * self.meta.shape[0], k + 3 * T, 1536), dtype=torch.int64,
+                                    device=self.device)
+        meta = self.meta[k:k + 3 * T]
+        meta.copy_(host, non_blocking=True)
+        self.used = k + 3 * T
         P = max(1, min(_AM_MAX_PROGRAMS, triton_cdiv(big, _AM_BLOCK * _AM_ITERS)))
         _absmax_kernel()[(T, P)](base, meta, T, self.out, self.nan, BLOCK=_AM_BLOCK)
         return first
@@ -283,6 +303,6 @@ class AbsMaxTable:
 
     def reset(self) -> None:
         if self.n:
-            self.out[:self.n].zero_()
-            self.nan[:self.n].zero_()
+            self.buf.zero_()
         self.n = 0
+        self.used = 0

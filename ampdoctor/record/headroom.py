@@ -2,8 +2,8 @@
 flowing into that output, with inf/NaN showing through (an abs-max that is not finite).
 
 The hooks only keep a reference: a module's forward post-hook appends its output tensor and the module's slot
-(its index in `RunMeta.modules`, fixed at watch start) to a pending list, and puts a tensor hook on the output
-that does the same with its gradient. Every `FLUSH_TENSORS` tensors (or `FLUSH_BYTES_*` of them, so that the
+(its index in `RunMeta.modules`, fixed at watch start) to a pending list, and puts a pre-hook on the autograd
+node that made the output (hooks.GradTap), which does the same with the gradient flowing into it. Every `FLUSH_TENSORS` tensors (or `FLUSH_BYTES_*` of them, so that the
 references never hold much memory alive; gradients, which nothing else keeps, sooner) one multi-tensor kernel
 per (device, dtype) group, `torch._foreach_norm(ord=inf, dtype=float32)`, turns the pending tensors into 0-d
 abs-maxes on the device (NaN and inf propagate, so "not finite" falls out of the same number). At the step's
@@ -76,8 +76,10 @@ class Headroom:
             self.ft.append(t)  # not detached (no allocation): the reduction runs under no_grad
             self.fs.append(slot)
             self.fbytes += t.nbytes
-            if t.requires_grad and t.grad_fn is not None:
-                t.register_hook(tap)
+            fn = t.grad_fn
+            if fn is not None:  # the gradient into this output, when the backward reaches its node
+                nr = t.output_nr
+                fn.register_prehook(tap if nr == 0 else tap.at(nr))
             last = t
         if last is not self.last:
             self.last, self.last_slot = last, slot
@@ -122,6 +124,11 @@ class Headroom:
             self.bt, self.bs, self.bbytes = [], [], 0
 
     def _reduce(self, phase: str, ts: list, ss: list) -> None:
+        self.staged = None
+        if ts[0].is_cuda and ts[0].dtype in _LOW and fused.absmax_kernel_ready():
+            ts, ss = self._reduce_table(phase, ts, ss)
+            if not ts:
+                return
         t0 = ts[0]
         dev0, dt0 = t0.device, t0.dtype
         if all(t.dtype is dt0 and t.device == dev0 for t in ts):
@@ -134,7 +141,6 @@ class Headroom:
                     g = groups[(t.device, t.dtype)] = ([], [])
                 g[0].append(t)
                 g[1].append(s)
-        self.staged = None
         with torch.no_grad():
             for (dev, dt), (gt, gs) in groups.items():
                 code = DTYPE_CODES.get(dt, "f")
@@ -142,25 +148,38 @@ class Headroom:
                     self.vecs.setdefault(dev, []).append(_cpu_absmax(gt))
                     self.done.append((phase, code, gs, ("v", dev)))
                     continue
-                if dev.type == "cuda" and fused.absmax_kernel_ready():
-                    dense = [fused.absmax_available(t) for t in gt]  # one Triton launch for all of these
-                    if any(dense):
-                        tab = self.tables.get(dev)
-                        if tab is None:
-                            tab = self.tables[dev] = fused.AbsMaxTable(dev)
-                        n0 = tab.n
-                        try:
-                            tab.add([t for t, d in zip(gt, dense) if d])
-                        except Exception:  # Triton cannot compile or launch here: _foreach_norm from now on
-                            tab.n = n0
-                            fused.disable_absmax()
-                        else:
-                            self.done.append((phase, code, [s for s, d in zip(gs, dense) if d], ("t", dev)))
-                            gt = [t for t, d in zip(gt, dense) if not d]
-                            gs = [s for s, d in zip(gs, dense) if not d]
-                if gt:  # one multi-tensor kernel (NaN and inf propagate into the abs-max), fp32 results
-                    self.norms.setdefault(dev, []).extend(torch._foreach_norm(gt, _INF, dtype=_F32))
-                    self.done.append((phase, code, gs, ("n", dev)))
+                # one multi-tensor kernel (NaN and inf propagate into the abs-max), fp32 results
+                self.norms.setdefault(dev, []).extend(torch._foreach_norm(gt, _INF, dtype=_F32))
+                self.done.append((phase, code, gs, ("n", dev)))
+
+    def _reduce_table(self, phase: str, ts: list, ss: list) -> tuple[list, list]:
+        """The CUDA path: the tensors of the first one's device and dtype that `fused.AbsMaxTable` can read
+        (dense, 16-byte aligned) in one Triton launch; returns the others (for _foreach_norm)."""
+        t0 = ts[0]
+        dt0, d0 = t0.dtype, t0.get_device()
+        take, slots, rest, rest_s = [], [], [], []
+        for t, s in zip(ts, ss):  # fused.absmax_available, inlined: this loop runs for every value read
+            if t.dtype is dt0 and t.get_device() == d0 and not t.data_ptr() & 15 and t.numel() and (
+                    t.is_contiguous() or fused.is_dense(t)):
+                take.append(t)
+                slots.append(s)
+            else:
+                rest.append(t)
+                rest_s.append(s)
+        if take:
+            dev = t0.device
+            tab = self.tables.get(dev)
+            if tab is None:
+                tab = self.tables[dev] = fused.AbsMaxTable(dev)
+            n0 = tab.n
+            try:
+                tab.add(take)
+            except Exception:  # Triton cannot compile or launch here: _foreach_norm from now on
+                tab.n = n0
+                fused.disable_absmax()
+                return ts, ss
+            self.done.append((phase, DTYPE_CODES.get(dt0, "f"), slots, ("t", dev)))
+        return rest, rest_s
 
     def stage(self) -> None:
         """Reduce and stack what is pending now, at `scaler.step()`'s entry: the kernels are queued while the

@@ -49,12 +49,15 @@ class CopiesInert:
 
 class ModuleHook(CopiesInert):
     """A forward (pre-)hook calling `fn`; `register(module)` installs it and returns the RemovableHandle."""
-    __slots__ = ("fn", "kind")
+    __slots__ = ("fn", "kind", "outside")
 
     def __init__(self, fn, kind: str, eager: bool = False):
-        # eager: run outside torch.compile's graph (a graph break), for the root module's hooks
-        self.fn = torch.compiler.disable(fn) if eager else fn
+        # eager: run outside torch.compile's graph (a graph break), for the root module's hooks. Only while
+        # Dynamo traces is the call routed through `torch.compiler.disable` (its wrapper costs ~10 us a call
+        # in an eager loop, twice per step)
+        self.fn = fn
         self.kind = kind
+        self.outside = torch.compiler.disable(fn) if eager else None
 
     def register(self, module: torch.nn.Module):
         if self.kind == "pre":
@@ -64,6 +67,8 @@ class ModuleHook(CopiesInert):
         return h
 
     def __call__(self, *args):
+        if self.outside is not None and torch.compiler.is_compiling():
+            return self.outside(*args)
         return self.fn(*args)
 
 
@@ -120,19 +125,35 @@ def passes_on(module: torch.nn.Module) -> bool:
 
 
 class GradTap:
-    """Tensor hook on a module's output: keep the gradient flowing into it (see Headroom.grad)."""
-    __slots__ = ("hr", "slot")
+    """Pre-hook on the autograd node that made a module's output (`grad_fn.register_prehook`): keep the gradient
+    flowing into that output, its `nr`-th (see Headroom.grad). A node pre-hook is what `Tensor.register_hook`
+    installs too, behind a Python dictionary and a handle per tensor; on the node it costs half as much, and
+    it sees the gradient the node consumes (after any hook of the user's own on the tensor)."""
+    __slots__ = ("hr", "slot", "nr", "others")
 
-    def __init__(self, hr: "Headroom", slot: int):
-        self.hr, self.slot = hr, slot
+    def __init__(self, hr: "Headroom", slot: int, nr: int = 0):
+        self.hr, self.slot, self.nr, self.others = hr, slot, nr, None
 
-    def __call__(self, g):
+    def at(self, nr: int) -> "GradTap":
+        """The tap of this slot for the node's `nr`-th output (e.g. a split's second part)."""
+        if nr == self.nr:
+            return self
+        if self.others is None:
+            self.others = {}
+        tap = self.others.get(nr)
+        if tap is None:
+            tap = self.others[nr] = GradTap(self.hr, self.slot, nr)
+        return tap
+
+    def __call__(self, grads):
         hr = self.hr
-        if hr.on and g is not None:
-            try:
-                hr.grad(self.slot, g)
-            except Exception:  # never break the user's backward; the step just lacks this value
-                pass
+        if hr.on and self.nr < len(grads):
+            g = grads[self.nr]
+            if g is not None:
+                try:
+                    hr.grad(self.slot, g)
+                except Exception:  # never break the user's backward; the step just lacks this value
+                    pass
         return None
 
 
