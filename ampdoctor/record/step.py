@@ -256,7 +256,9 @@ class StepMachine(MonitorCallbacks):
                 # (fp16/bf16 sum in fp32: asked for float64, CUDA's bf16 reduction first makes a copy the size of
                 # the output, +785 MiB on GPT-2's logits; a finite bf16 output whose fp32 sum overflows needs values
                 # near 1e34, already broken)
-                sums = [t.sum(dtype=torch.float32 if t.dtype in _HALF else torch.float64).reshape(1)
+                # (a one-value fp32/fp64 output, e.g. the loss, is its own sum: no kernel)
+                sums = [t.detach().reshape(1) if t.numel() == 1 and t.dtype in _WIDE else
+                        t.detach().sum(dtype=torch.float32 if t.dtype in _HALF else torch.float64).reshape(1)
                         for t in outs]
                 st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
         if module is self.root and self.hr.on and exc is None:
@@ -315,3 +317,4 @@ class StepMachine(MonitorCallbacks):
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_WIDE = (torch.float32, torch.float64)
