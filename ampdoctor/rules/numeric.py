@@ -154,33 +154,61 @@ _ZERO_OK = ("ReLU", "Dropout", "Threshold", "Hardtanh", "Hardshrink", "Softshrin
             "Identity", "Sequential", "ModuleList")
 
 
+def _flushed(c, before: tuple[float, float] | None) -> str | None:
+    """How a module with large nonzero inputs shows an fp16 intermediate that overflowed and was flushed
+    (x * rsqrt(inf) = 0): "zeros" (a share of exact zeros its inputs did not have) or "bias" (a norm whose output
+    fell far below its abs-max of earlier steps: every row flushed, only a trained bias left). `before` is a
+    norm's (output abs-max, share of zeros) on an earlier step whose input could not overflow. None when it
+    shows neither."""
+    i, o = c.inp, c.out
+    zin, zout = i.zeros / max(i.numel, 1), o.zeros / o.numel
+    if zout >= 0.25:
+        return "zeros"
+    if "Norm" not in c.type or before is None:
+        return None
+    # Against the norm's own earlier steps: a few flushed rows (outlier tokens) are far below 25% of the output,
+    # but zeros that were not there before are the overflow. (Zeros without that history can also be fp16
+    # cancellation in x - mean, which is not an overflow.)
+    if zout >= max(0.01, 2 * zin, 4 * before[1]):
+        return "zeros"
+    return "bias" if before[0] and o.absmax < before[0] / 16 else None
+
+
 @register("silent_zeros", emits=("overflow",))
 def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
-    """A norm that squares in fp16 overflows internally (x² > 65504 for |x| > 256) and returns zeros, not inf:
-    inputs nonzero and large, outputs mostly exact zeros."""
+    """A norm that squares in fp16 overflows internally (x² > 65504 for |x| > 256) and returns zeros (or, with a
+    trained bias, only the bias), not inf: inputs nonzero and large, outputs exact zeros or far below the norm's
+    own output on earlier steps."""
+    before: dict[str, tuple[float, float]] = {}  # a norm's output on an earlier step whose input could not overflow
     for r in run.steps:
         hits = []
         for c in r.modules:
             i, o = c.inp, c.out
             if i is None or o is None or o.ref != "float16" or not o.finite or o.numel < 8 or c.depth == 0:
                 continue
+            if i.absmax < 256.0 and "Norm" in c.type and o.absmax:
+                before.setdefault(c.module, (o.absmax, o.zeros / o.numel))
             if any(k in c.type for k in _ZERO_OK) or i.absmax < 256.0 or i.zeros < 0:
                 continue
             if "Norm" not in c.type and (c.par is None or _ACTIVATION.search(c.type)):
                 continue  # a parameter-free module or an activation (SiLU/GELU of large negatives is 0)
-            if o.zeros / o.numel >= 0.25 and i.zeros / max(i.numel, 1) <= 0.02:
+            if i.zeros / max(i.numel, 1) <= 0.02 and _flushed(c, before.get(c.module)):
                 hits.append(c)
         if hits:
             c = max(hits, key=lambda c: (c.depth, -c.seq))
+            how = _flushed(c, before.get(c.module))
+            shown = (f"returned {c.out.zeros / c.out.numel:.0%} exact zeros" if how == "zeros" else
+                     f"returned values no larger than {c.out.absmax:.3g} (up to {before[c.module][0]:.3g} on earlier "
+                     "steps: only its bias is left)")
             return [Finding(
                 "overflow", "error", "forward", c.module, None, r.step,
-                f"`{c.module}` ({c.type}) returned {c.out.zeros / c.out.numel:.0%} exact zeros from nonzero inputs "
+                f"`{c.module}` ({c.type}) {shown} from nonzero inputs "
                 f"up to {c.inp.absmax:.4g}: an intermediate overflowed in fp16 (e.g. x² > 65504 in a variance, "
                 "then x * rsqrt(inf) = 0) and was silently flushed to zero.",
                 "Compute the statistics in fp32 (`x.float().pow(2).mean(...)`, as HF's RMSNorm/T5LayerNorm do) or "
                 "keep the norm in fp32:\n" + fp32_snippet(c.module, autocast_device(run)),
                 {"absmax_in": c.inp.absmax, "zeros_out": c.out.zeros, "numel_out": c.out.numel,
-                 "zeros_in": c.inp.zeros, "rank_hint": 15})]
+                 "zeros_in": c.inp.zeros, "absmax_out": c.out.absmax, "flushed": how, "rank_hint": 15})]
     return []
 
 
