@@ -8,7 +8,7 @@ frames under them. With benchmarks/host_profile.py --spin:
 """
 import collections, sys
 tot=0; mine=collections.Counter(); n_ad=0; outside=collections.Counter()
-PLAIN=("adam.py","nanogpt.py","clip_grad.py","functional.py","linear.py","autograd/__init__.py","sparse.py","normalization.py","_tensor.py (backward","grad_scaler.py","optimizer.py","modeling_gpt2.py","overhead.py (step")
+PLAIN=("adam.py","nanogpt.py","clip_grad.py","functional.py","linear.py","autograd/__init__.py","sparse.py","normalization.py","_tensor.py (backward","grad_scaler.py","optimizer.py","modeling_gpt2.py","overhead.py (step","host_profile.py (main","tiny.py (step")
 for line in open(sys.argv[1]):
     stack, _, cnt = line.rstrip().rpartition(' ')
     cnt=int(cnt)

@@ -49,9 +49,10 @@ def scaler_stage(scaler, optimizer) -> str | None:
     """GradScaler's per-optimizer stage name (READY / UNSCALED / STEPPED) or None."""
     try:
         st = scaler._per_optimizer_states[id(optimizer)]["stage"]
-        return getattr(st, "name", str(st))
     except (AttributeError, KeyError, TypeError):
         return None
+    name = getattr(st, "name", None)  # an OptState enum (str() of it is slow, and once per scaler call)
+    return name if isinstance(name, str) else str(st)
 
 
 class _InstancePatch:

@@ -77,7 +77,7 @@ class MonitorCallbacks:
         sc = self.w.scaler
         if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
             st.scale_t = sc._scale.detach().clone()
-        if ev.kind == "unscale_" and opt is not None and self.owns(opt):
+        if ev.kind == "unscale_" and opt is not None and st.sampled and self.owns(opt):  # (sampled steps only)
             grads_after_unscale(self, opt)
         if ev.kind == "step":
             st.in_scaler_step -= 1
@@ -128,7 +128,8 @@ class MonitorCallbacks:
         if ev is None:
             return
         if isinstance(out, torch.Tensor) and out.numel() == 1:  # read with the step's one transfer
-            self.st.norms.append((ev, local(out.detach()).double().reshape(())))  # FSDP2: a replicated DTensor
+            # (FSDP2: a replicated DTensor; any float dtype: the step's transfer concatenates into the widest)
+            self.st.norms.append((ev, local(out.detach()).reshape(())))
 
     def global_opt_pre(self, opt, args, kwargs):
         if self.disabled:

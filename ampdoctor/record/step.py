@@ -172,7 +172,11 @@ class StepMachine(MonitorCallbacks):
             pass
 
     def event(self, kind: str, **kw) -> CallEvent:
-        f, ln = caller_location(3)
+        evs = self.st.events
+        if kw.get("via_scaler") and evs and evs[-1].kind == "step":
+            f, ln = evs[-1].file, evs[-1].line  # the optimizer step scaler.step() made: where that was called
+        else:
+            f, ln = caller_location(3)
         ev = CallEvent(kind=kind, step=self.st.step, index=self._event_index, file=f, line=ln, **kw)
         self._event_index += 1
         self.st.events.append(ev)

@@ -39,6 +39,9 @@ class _Pending:
             by_dev.setdefault(t.device, []).append((k, t.reshape(-1)))
         self.items = []
         for dev, items in by_dev.items():
+            if dev.type == "cpu":  # nothing to move: each value is read where it is (no concatenation)
+                self.items.append((items, None, None))
+                continue
             flat = torch.cat([t for _, t in items]) if len(items) > 1 else items[0][1]
             ev = None
             if asynchronous and dev.type == "cuda":
@@ -52,6 +55,10 @@ class _Pending:
     def result(self) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {}
         for items, flat, ev in self.items:
+            if flat is None:
+                for k, t in items:
+                    out[k] = t.tolist()
+                continue
             if ev is not None:
                 ev.synchronize()
             vals = flat.cpu().tolist()
