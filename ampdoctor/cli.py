@@ -137,7 +137,7 @@ def _cmd_report(args) -> int:
         meta, steps = read_run(ranks[0][1])
         report = build_report(meta, steps, run_dir=args.run_dir, config=cfg)
     else:
-        report = diagnose_run_dir(args.run_dir)
+        report = diagnose_run_dir(args.run_dir, saved_replay=not args.model)  # --model: replayed afresh below
     if args.model:
         from .analysis import merge_capture_replay
         from .replay.modelio import build_model, resolve

@@ -6,6 +6,8 @@ Layout (format "ampdoctor-run", version 1)::
       manifest.json     {"format": "ampdoctor-run", "format_version": 1, "runs": [{"run": 0, "meta": RunMeta}, ...]}
       steps.jsonl       one StepRecord per line, tagged {"run": i, ...}; appended and flushed after every step
       captures/<step>/  batch captures written at the first bad step (ampdoctor/capture.py)
+      replay-<run>.json the in-process op-level replay of run <run>'s capture, as the watch folded it into its report
+                        ({"format": "ampdoctor-replay", "run": i, "capture": "<step>", "report": Report})
       rank-<r>/         the same layout per rank in a distributed run
       .ampdoctor.lock   taken while a run index is allocated
 
@@ -28,7 +30,7 @@ from .errors import BadInput
 from .fsutil import atomic_write_text, clean_stale_temps, loads_bounded, locked, raw_depth_within, read_regular
 from .records import RunMeta, StepRecord
 
-__all__ = ["RunDirWriter", "read_run", "find_rank_dirs", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["RunDirWriter", "read_run", "find_rank_dirs", "write_replay", "read_replay", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "ampdoctor-run"
 FORMAT_VERSION = 1
@@ -260,3 +262,43 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
     if bad and not good:
         raise BadInput(f"{sp}: no readable record ({bad} corrupt line(s)); not written by ampdoctor.watch?")
     return meta, steps
+
+
+# -- the watch's replay of its capture (so that diagnose(run_dir) folds in what w.report() did) ---------------
+REPLAY_FORMAT = "ampdoctor-replay"
+MAX_REPLAY = 64 << 20
+
+
+def write_replay(run_dir: str, run: int, capture: str, report: dict) -> str:
+    """Write run `run`'s replay (a Report's dict) of its capture `capture` (the capture directory's name) next to
+    the records, atomically; a replay already there for this run and capture is replaced by the same content."""
+    path = os.path.join(run_dir, f"replay-{int(run)}.json")
+    doc = {"format": REPLAY_FORMAT, "run": int(run), "capture": str(capture), "report": report}
+    return atomic_write_text(path, json.dumps(doc))
+
+
+def read_replay(run_dir: str) -> tuple[str, dict] | None:
+    """(capture name, Report dict) of the replay saved for the last run of `run_dir`; None when there is none.
+    Raises BadInput on a file that is not one."""
+    run = _last_run(run_dir)
+    path = os.path.join(run_dir, f"replay-{run}.json")
+    if run is None or not os.path.lexists(path):
+        return None
+    if os.path.islink(path):
+        raise BadInput(f"{path}: is a symbolic link; refusing to follow it")
+    doc = loads_bounded(read_regular(path, "saved replay", MAX_REPLAY), f"{path}: not a readable ampdoctor replay",
+                        MAX_RECORD_DEPTH)
+    if not (isinstance(doc, dict) and doc.get("format") == REPLAY_FORMAT and doc.get("run") == run
+            and isinstance(doc.get("capture"), str) and isinstance(doc.get("report"), dict)
+            and isinstance(doc["report"].get("findings"), list)):
+        raise BadInput(f"{path}: not an ampdoctor replay of run {run}")
+    return doc["capture"], doc["report"]
+
+
+def _last_run(run_dir: str) -> int | None:
+    man_path = os.path.join(run_dir, "manifest.json")
+    if not os.path.exists(man_path):
+        return None
+    runs = _read_manifest(man_path)["runs"]
+    run = runs[-1].get("run", len(runs) - 1)
+    return run if isinstance(run, int) else None

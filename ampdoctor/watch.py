@@ -39,7 +39,7 @@ def _close_at_exit() -> None:
     for w in list(_OPEN):
         try:
             w._record_fatal(exc)
-            w.close()
+            w._close(replay=(w.meta.world_size or 1) <= 1)  # (no collective-bound replay while ranks exit)
         except Exception:
             pass
 
@@ -97,6 +97,7 @@ class Watch:
             raise WatchError(f"scaler= expects a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.optimizer, self.scaler = optimizer, scaler
         self._closed = False
+        self._replay: tuple | None = None  # (capture, its replay Report or None): see replayed()
         self._handles: list = []
         self._patches: list = []
         names = {}
@@ -137,7 +138,12 @@ class Watch:
         self.close()
 
     def close(self) -> None:
-        """Finish the open step, remove every hook and patch, close the run directory. Idempotent."""
+        """Finish the open step, remove every hook and patch, close the run directory. Idempotent. When the run
+        went bad and left a capture, its op-level replay is run once and saved in the run directory (see
+        `replayed`), so that `diagnose(run_dir)` and `ampdoctor report RUN_DIR` say what `w.report()` says."""
+        self._close(replay=True)
+
+    def _close(self, replay: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -157,6 +163,18 @@ class Watch:
             if _WATCHED.get(self.model) is self:
                 del _WATCHED[self.model]
             _OPEN.discard(self)
+        if replay and self.run_dir is not None and not self.machine.disabled:
+            try:
+                from .analysis import build_report
+                from .analysis.replayfold import pick_capture
+                steps = list(self.machine.records)
+                cap = pick_capture(build_report(self.meta, steps, run_dir=self.run_dir), steps)
+                if cap is not None:
+                    self.replayed(cap)
+            except Exception as e:  # the run directory stands without it; diagnose() then reports module-level
+                import warnings
+                warnings.warn(f"ampdoctor: could not save the replay of the run's capture ({type(e).__name__}: "
+                              f"{e})", RuntimeWarning, stacklevel=3)
 
     def _record_fatal(self, exc) -> None:
         """The process is ending on `exc` (uncaught): mark the open step as the one that raised it."""
@@ -170,7 +188,7 @@ class Watch:
     def __del__(self):  # pragma: no cover - best effort when a user forgets close()
         try:
             if not self._closed:
-                self.close()
+                self._close(replay=False)
         except Exception:
             pass
 
@@ -191,6 +209,33 @@ class Watch:
             from .analysis import merge_replay
             rep = merge_replay(rep, self)
         return rep
+
+    def replayed(self, capture: str):
+        """The op-level replay (a Report) of one of this run's captures, as `report()` folds it in: run once
+        in-process on the watched model (the watch's own hooks suspended; weights, gradients and RNG restored),
+        then kept, and written into the run directory (`replay-<run>.json`) for `diagnose(run_dir)`. None when
+        the replay could not run."""
+        if self._replay is not None and self._replay[0] == capture:
+            return self._replay[1]
+        from .analysis.replayfold import run_replay
+        m = self.machine
+        m.suspended = True  # the watch's own hooks must not record the replay's forward
+        try:
+            rr = run_replay(capture, self.model)
+        finally:
+            m.suspended = False
+        self._replay = (capture, rr)
+        writer = m.writer
+        if rr is not None and writer is not None and getattr(writer, "run", None) is not None:
+            import os
+            from .rundir import write_replay
+            try:
+                write_replay(writer.path, writer.run, os.path.basename(os.path.normpath(capture)), rr.to_dict())
+            except OSError as e:
+                import warnings
+                warnings.warn(f"ampdoctor: could not save the replay in {writer.path} ({e})", RuntimeWarning,
+                              stacklevel=2)
+        return rr
 
     # -- for trainer integrations --------------------------------------------------------------------
     def begin_iteration(self) -> None:

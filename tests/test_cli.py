@@ -157,8 +157,10 @@ def test_doctor_and_help(capsys, tmp_path):
 
 
 def test_report_with_model_replays_the_capture_to_name_the_op(capsys, tmp_path, monkeypatch):
-    """A transient overflow on an unsampled step, no scaler: on disk the layer is unknown; with --model the
-    capture is replayed and the finding names the layer and the op."""
+    """A transient overflow on an unsampled step, no scaler: the records alone do not know the layer. The watch
+    replayed its capture at close and saved that replay in the run dir, so `report RUN_DIR` names the layer and
+    the op as `w.report()` does; without the saved replay (a run dir from before it was saved), --model replays
+    the capture and names them."""
     import ampdoctor
     monkeypatch.chdir(ROOT)
     torch.manual_seed(0)
@@ -174,6 +176,10 @@ def test_report_with_model_replays_the_capture_to_name_the_op(capsys, tmp_path, 
             if torch.isfinite(loss):
                 loss.backward()
                 opt.step()
+    assert cli(capsys, "report", rd, "--json", tmp_path / "saved.json", "--no-html")[0] == 1
+    f = json.loads((tmp_path / "saved.json").read_text())["findings"][0]
+    assert (f["rule"], f["module"], f["step"]) == ("overflow", "0", 4) and f["op"]
+    (rd / "replay-0.json").unlink()
     assert cli(capsys, "report", rd, "--json", tmp_path / "plain.json", "--no-html")[0] == 1
     assert json.loads((tmp_path / "plain.json").read_text())["findings"][0]["module"] is None
     rc, _, err = cli(capsys, "report", rd, "--model", "fixtures.models:mlp", "--json", tmp_path / "r.json",

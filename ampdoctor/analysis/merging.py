@@ -16,12 +16,14 @@ from .ranking import build_report, rank
 __all__ = ["diagnose_run_dir"]
 
 
-def diagnose_run_dir(run_dir: str) -> Report:
-    """Read a run directory (all ranks) and build its Report; findings carry evidence.rank when distributed."""
+def diagnose_run_dir(run_dir: str, saved_replay: bool = True) -> Report:
+    """Read a run directory (all ranks) and build its Report; findings carry evidence.rank when distributed.
+    With `saved_replay`, the op-level replay the watch ran of a rank's capture (rundir.read_replay) is folded in
+    as `w.report()` did."""
     from ..rundir import find_rank_dirs, read_run
     ranks = find_rank_dirs(run_dir)
     try:
-        return _diagnose(run_dir, ranks, read_run)
+        return _diagnose(run_dir, ranks, read_run, saved_replay)
     except (TypeError, AttributeError, KeyError, ValueError, IndexError) as e:
         if isinstance(e, BadInput):
             raise
@@ -29,14 +31,34 @@ def diagnose_run_dir(run_dir: str) -> Report:
                        "ampdoctor.watch?") from None
 
 
-def _diagnose(run_dir, ranks, read_run) -> Report:
+def _diagnose(run_dir, ranks, read_run, saved_replay: bool) -> Report:
     if len(ranks) == 1 and ranks[0][0] is None:
         meta, steps = read_run(ranks[0][1])
-        return build_report(meta, steps, run_dir=run_dir)
+        rep = build_report(meta, steps, run_dir=run_dir)
+        return _with_saved_replay(rep, steps, ranks[0][1]) if saved_replay else rep
     runs = [(r, path, *read_run(path)) for r, path in ranks]
     _combine_shards([steps for _, _, _, steps in runs])
     reports = [(r, build_report(meta, steps, run_dir=path), steps) for r, path, meta, steps in runs]
+    if saved_replay:
+        reports = [(r, _with_saved_replay(rep, steps, path), steps) for (r, rep, steps), (_, path)
+                   in zip(reports, ranks)]
     return _merge_ranks(run_dir, reports)
+
+
+def _with_saved_replay(rep: Report, steps: list[StepRecord], path: str) -> Report:
+    """Fold in the replay saved with this run (rundir.read_replay) when it is of the capture this report would
+    replay; any other (a stale one, of another capture) is left out."""
+    import os
+    from ..rundir import read_replay
+    from .replayfold import fold_replay, pick_capture
+    saved = read_replay(path)
+    if saved is None:
+        return rep
+    name, doc = saved
+    cap = pick_capture(rep, steps)
+    if cap is None or os.path.basename(os.path.normpath(cap)) != name:
+        return rep
+    return fold_replay(rep, steps, cap, Report.from_dict(doc))
 
 
 def _combine_shards(per_rank: list[list[StepRecord]]) -> None:

@@ -11,7 +11,7 @@ from ..records import StepRecord
 from ..summary import verdict
 from .ranking import rank
 
-__all__ = ["merge_capture_replay", "merge_replay"]
+__all__ = ["merge_capture_replay", "merge_replay", "pick_capture", "run_replay", "fold_replay"]
 
 
 _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow", "underflow")
@@ -19,13 +19,56 @@ _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow", "u
 
 def merge_replay(rep: Report, watch) -> Report:
     """Re-run the first capture in-process with op-level instrumentation and fold its findings in: an op-level
-    finding at the same module (or inside it) refines the module-level one (rule and op)."""
-    m = watch.machine
-    m.suspended = True  # the watch's own hooks must not record the replay's forward
+    finding at the same module (or inside it) refines the module-level one (rule and op). The watch keeps the
+    replay (and writes it into its run directory, see `Watch.replayed`), so `diagnose(run_dir)` folds in the same."""
+    picked = pick_capture(rep, watch.steps)
+    if picked is None:
+        return rep
+    rr = watch.replayed(picked)
+    return rep if rr is None else fold_replay(rep, watch.steps, picked, rr)
+
+
+def pick_capture(rep: Report, steps: list[StepRecord]) -> str | None:
+    """The capture a report's replay re-runs: the one of its top error's step, else the first; None when the
+    report has nothing wrong (e.g. GradScaler's normal backoff: a replay could only add advisory constants to a
+    healthy run)."""
+    caps = rep.summary.get("captures") or []
+    top = next((f for f in rep.findings if f.severity == "error"), None)
+    by_step = {r.step: r.capture for r in steps if r.capture}
+    cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
+    if cap is None or not any(f.severity in ("error", "warning") for f in rep.findings):
+        return None
+    return cap
+
+
+def run_replay(cap: str, model, loss_fn=None, *, strict: bool = False) -> Report | None:
+    """The op-level replay of capture `cap` that a report folds in (no shadow run or what-if; the fix search only
+    for zeros under a log or a division). With `strict`, a replay that fails raises (BadInput); otherwise it
+    warns and gives None."""
+    from ..replay import replay
+    from ..replay.explain import needs_fp32_check
     try:
-        return merge_capture_replay(rep, watch.steps, watch.model)
-    finally:
-        m.suspended = False
+        rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=False)
+        if needs_fp32_check(rr.findings):  # log/div of zeros: were they zeros in fp32 too? (underflow or not)
+            rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=True)
+    except Exception as e:  # replay is a bonus here; the watch report stands on its own
+        if strict:
+            raise BadInput(f"replaying {cap} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+                from None
+        warnings.warn(f"ampdoctor: in-process replay of {cap} failed ({type(e).__name__}: {e})", RuntimeWarning,
+                      stacklevel=4)
+        return None
+    return rr
+
+
+def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=None, *, strict: bool = False) -> Report:
+    """`merge_replay` for any model (e.g. `ampdoctor report RUN_DIR --model pkg.mod:factory`). With `strict`, a
+    replay that fails raises (BadInput); otherwise it only warns and the report stands as it was."""
+    cap = pick_capture(rep, steps)
+    if cap is None:
+        return rep
+    rr = run_replay(cap, model, loss_fn, strict=strict)
+    return rep if rr is None else fold_replay(rep, steps, cap, rr)
 
 
 def _follow_refined(findings: list[Finding], refined: set[int], before: list[str | None]) -> None:
@@ -45,30 +88,10 @@ def _follow_refined(findings: list[Finding], refined: set[int], before: list[str
             findings[i] = Finding(f.rule, f.severity, f.phase, new, f.op, f.step, msg, f.fix, f.evidence)
 
 
-def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=None, *, strict: bool = False) -> Report:
-    """`merge_replay` for any model (e.g. `ampdoctor report RUN_DIR --model pkg.mod:factory`). With `strict`, a
-    replay that fails raises (BadInput); otherwise it only warns and the report stands as it was."""
-    caps = rep.summary.get("captures") or []
-    top = next((f for f in rep.findings if f.severity == "error"), None)
+def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> Report:
+    """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied)."""
+    rr = Report.from_dict(rr.to_dict())
     by_step = {r.step: r.capture for r in steps if r.capture}
-    cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
-    if cap is None or not any(f.severity in ("error", "warning") for f in rep.findings):
-        # nothing wrong by the watch's own records (e.g. GradScaler's normal backoff): a replay could only add
-        # advisory constants to a healthy run
-        return rep
-    from ..replay import replay
-    from ..replay.explain import needs_fp32_check
-    try:
-        rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=False)
-        if needs_fp32_check(rr.findings):  # log/div of zeros: were they zeros in fp32 too? (underflow or not)
-            rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=True)
-    except Exception as e:  # replay is a bonus here; the watch report stands on its own
-        if strict:
-            raise BadInput(f"replaying {cap} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
-                from None
-        warnings.warn(f"ampdoctor: in-process replay of {cap} failed ({type(e).__name__}: {e})", RuntimeWarning,
-                      stacklevel=3)
-        return rep
     findings = list(rep.findings)
     before = [f.module for f in findings]
     # the replay tells what happened at the capture's step: a finding it confirms there (first seen on a later
