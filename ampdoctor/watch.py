@@ -39,7 +39,7 @@ def _close_at_exit() -> None:
     for w in list(_OPEN):
         try:
             w._record_fatal(exc)
-            w._close(replay=(w.meta.world_size or 1) <= 1)  # (no collective-bound replay while ranks exit)
+            w._close(replay=True)
         except Exception:
             pass
 
@@ -140,7 +140,8 @@ class Watch:
     def close(self) -> None:
         """Finish the open step, remove every hook and patch, close the run directory. Idempotent. When the run
         went bad and left a capture, its op-level replay is run once and saved in the run directory (see
-        `replayed`), so that `diagnose(run_dir)` and `ampdoctor report RUN_DIR` say what `w.report()` says."""
+        `replayed`; single-process runs), so that `diagnose(run_dir)` and `ampdoctor report RUN_DIR` say what
+        `w.report()` says."""
         self._close(replay=True)
 
     def _close(self, replay: bool) -> None:
@@ -163,7 +164,9 @@ class Watch:
             if _WATCHED.get(self.model) is self:
                 del _WATCHED[self.model]
             _OPEN.discard(self)
-        if replay and self.run_dir is not None and not self.machine.disabled:
+        # not in a distributed run: a replay's forward may need a collective that the ranks without a capture
+        # would never join (w.report() on such a rank still replays, as it always did)
+        if replay and self.run_dir is not None and not self.machine.disabled and (self.meta.world_size or 1) <= 1:
             try:
                 from .analysis import build_report
                 from .analysis.replayfold import pick_capture
