@@ -1,4 +1,5 @@
 """Healthy training must produce no warning and no error (shared/CONTRACT.md; issue 3 'No false alarms')."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -134,3 +135,28 @@ def test_two_optimizers_sharing_one_scaler_is_the_documented_pattern():
             sc.step(o1)
             sc.update()
     _no_alarm(w)
+
+
+@pytest.mark.parametrize("every", [1, None])
+def test_a_long_first_search_for_a_working_scale_is_info_only(every):
+    """A loss whose gradients need a loss scale of 32: GradScaler starts at 65536 and halves 11 times in a row
+    before its first update, then trains every step. That is its search, as designed (10 halvings or more are not
+    a collapse when they end in updates with a scale >= 1); nothing to warn about."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    xs = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in range(40)]
+    w = train(net, lambda i: (xs[i],), lambda out, *a: (out.float() * 300.0).pow(2).mean(), steps=40, clip=1.0,
+              every=every or 200)
+    assert sum(r.skipped for r in w.steps[:12]) >= 10 and not any(r.skipped for r in w.steps[14:])
+    rep = _no_alarm(w)
+    assert any(f.rule == "skipped_steps" and f.severity == "info" for f in rep.findings)
+
+
+def test_a_search_that_ends_below_scale_one_is_still_an_error():
+    """The same loss 10x larger: the gradients overflow fp16 unscaled (the scale falls below 1)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    xs = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in range(40)]
+    w = train(net, lambda i: (xs[i],), lambda out, *a: (out.float() * 3000.0).pow(2).mean(), steps=40, clip=1.0)
+    rep = w.report()
+    assert any(f.rule == "loss_scale_collapse" and f.severity == "error" for f in rep.findings[:3])

@@ -33,6 +33,24 @@ def scale_after(r: StepRecord, scaler: dict) -> float | None:
     return r.scale * (scaler.get("backoff_factor") or 0.5) if r.skipped else r.scale
 
 
+def _longest_run(steps) -> tuple[int, int | None]:
+    """The longest run of consecutive skipped steps: (length, its first step)."""
+    longest = cur = 0
+    start = longest_start = None
+    prev = None
+    for r in steps:
+        if r.skipped and prev is not None and prev.skipped and r.step == prev.step + 1:
+            cur += 1
+        elif r.skipped:
+            cur, start = 1, r.step
+        else:
+            cur = 0
+        if cur > longest:
+            longest, longest_start = cur, start
+        prev = r
+    return longest, longest_start
+
+
 @register("scale_timeline", emits=("loss_scale_collapse", "skipped_steps"))
 def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler or not run.steps:
@@ -67,6 +85,10 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     ev = {"skipped": len(skipped), "steps": len(steps), "longest_streak": longest, "init_scale": init,
           "last_scale": last_scale, "skipped_steps": skipped[:100],
           "timeline": [[r.step, r.scale, bool(r.skipped)] for r in steps][:400]}
+    if longest >= cfg.collapse_consecutive and benign:
+        # the first search for a working scale, ended in updates, is no collapse however long (steps.benign_backoff):
+        # the longest run of the other skips decides
+        longest, longest_start = _longest_run([r for r in steps if not (r.skipped and r.step in benign)])
     collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
     if collapse:
         # the persistent cause: a forward producer first, then NaN made in backward, then any producer

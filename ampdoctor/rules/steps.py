@@ -32,8 +32,10 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
                    min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
     """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
     (loss, outputs, no crash, no inf/NaN producer other than a mask), the scale was still >= `min_scale`, the
-    streak of consecutive skips is shorter than `max_streak`, and either it ended in an applied update or it is not
-    NaN made in the backward three times running (halving the scale does nothing to a NaN). Skips after the first stepped update count only while
+    streak of consecutive skips is shorter than `max_streak` (or it is the first search, before any update, and it
+    ended in one: a loss whose gradients need a scale of 32 takes 11 halvings from 65536), and either it ended in an
+    applied update or it is not NaN made in the backward three times running (halving the scale does nothing to a
+    NaN). Skips after the first stepped update count only while
     they stay rare (fewer than `later_min`, or under `later_share` of the steps after it): a steady rate of
     skips is the `skipped_steps` rule's business, not a benign search."""
     if not has_scaler:
@@ -45,7 +47,8 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     after = sum(1 for r in steps if first_good is not None and r.step > first_good)
     later_ok = len(later) < later_min or len(later) / max(after, 1) < later_share
     for s in _streaks(steps):
-        if len(s) >= max_streak:
+        first_search = first_good is not None and s[-1].step < first_good
+        if len(s) >= max_streak and not first_search:
             continue
         # skips before a forward failure in the same streak can still be the search (a first-step backoff, then
         # a batch that overflows the forward); from the failure on, nothing in the streak is
@@ -59,6 +62,8 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
         # One still running at the end of the run: NaN made in the backward three times is no scale's doing.
         nxt = by_step.get(s[-1].step + 1)
         ended = nxt is not None and not nxt.skipped and nxt.grad_finite is not False and not ended_by_failure
+        if len(s) >= max_streak and not ended:
+            continue
         nan_made = sum(1 for r in s if r.backward_producer is not None and r.backward_producer.kind == "nan")
         if nan_made >= 3 and not ended:
             continue
