@@ -154,6 +154,11 @@ _ZERO_OK = ("ReLU", "Dropout", "Threshold", "Hardtanh", "Hardshrink", "Softshrin
             "Identity", "Sequential", "ModuleList")
 
 
+# torch.nn's norms (and nanoGPT's LayerNorm, which calls F.layer_norm): their statistics are accumulated in fp32
+_NATIVE_NORMS = frozenset({"LayerNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+                           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm", "RMSNorm"})
+
+
 def _flushed(c, before: tuple[float, float] | None) -> str | None:
     """How a module with large nonzero inputs shows an fp16 intermediate that overflowed and was flushed
     (x * rsqrt(inf) = 0): "zeros" (a share of exact zeros its inputs did not have) or "bias" (a norm whose output
@@ -164,8 +169,8 @@ def _flushed(c, before: tuple[float, float] | None) -> str | None:
     zin, zout = i.zeros / max(i.numel, 1), o.zeros / o.numel
     if zout >= 0.25:
         return "zeros"
-    if "Norm" not in c.type or before is None:
-        return None
+    if "Norm" not in c.type or before is None or c.type in _NATIVE_NORMS:
+        return None  # torch's own norm kernels accumulate in fp32: a large offset, not an overflow, shrinks them
     # Against the norm's own earlier steps: a few flushed rows (outlier tokens) are far below 25% of the output,
     # but zeros that were not there before are the overflow. (Zeros without that history can also be fp16
     # cancellation in x - mean, which is not an overflow.)
