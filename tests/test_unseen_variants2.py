@@ -333,11 +333,6 @@ def test_fp16_gradient_accumulation_overflow_every_step_is_at_its_step(tmp_path)
         assert any(g.rule == "fp16_master_weights" for g in rep.findings[:3])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "default sampling: step 3 is unsampled, the trip-wire records grad_finite=False (finite forward) and a capture, "
-    "yet ampdoctor/rules/origins.py _bad_weights reports `overflow at 2, phase optimizer, step 4` (the first sampled "
-    "step, whose weights the inf gradients had already overwritten). The first inf was in step 3's accumulated "
-    "gradient: expected overflow at `2`, backward, step 3 (as with every=1)"))
 def test_fp16_gradient_accumulation_overflow_default_sampling_is_at_its_step(tmp_path):
     w = _accumulate(None, tmp_path)
     f = top3(w.report(), "overflow", "2")
@@ -449,10 +444,6 @@ def test_temperature_in_the_loss_every_step_is_outside_the_model_at_step_4(tmp_p
         no_error_at(rep, ("", "enc"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "default sampling: step 4 is unsampled (the trip-wire saw the NaN loss), step 5 is sampled; "
-    "ampdoctor/rules/origins.py _outside_model returns r.step of the first sampled step with finite module outputs "
-    "and does not walk back with onset_step() as producers() does. Expected step 4, got 5"))
 def test_temperature_in_the_loss_default_sampling_is_at_step_4(tmp_path):
     w = _temperature(None, tmp_path)
     f = next(f for f in w.report().findings[:3] if f.module is None and f.rule in ("overflow", "nan_origin"))

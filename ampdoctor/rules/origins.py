@@ -146,6 +146,9 @@ def _bad_weights(run: RunData) -> list[Finding]:
         if bad:
             c = min(bad, key=lambda c: c.seq)
             kind = "NaN" if c.par.nan else "inf"
+            made = _applied_bad_gradients(prev, {b.module for b in bad}, kind)
+            if made is not None:
+                return made
             before = f"step {prev.step}'s update" if prev is not None else "an update before the watch began"
             grads = ("" if prev is None or prev.grad_finite is None else
                      " with finite gradients" if prev.grad_finite else " with non-finite gradients")
@@ -160,6 +163,34 @@ def _bad_weights(run: RunData) -> list[Finding]:
                  "previous_step": prev.step if prev is not None else None, "rank_hint": 12})]
         prev = r
     return []
+
+
+def _applied_bad_gradients(prev: StepRecord | None, bad_modules: set[str], kind: str) -> list[Finding] | None:
+    """The weights went bad because the step before applied non-finite gradients that its finite forward's
+    backward made (no GradScaler skipped it; e.g. micro-batches summed into fp16 `.grad` past 65504): the
+    producer is that backward, at that step, in the layer whose gradients they were (a routine step records
+    every parameter whose gradient was non-finite). None when that is not what the records show."""
+    if prev is None or prev.grad_finite is not False or prev.skipped or prev.loss_finite is False \
+            or prev.output_finite is False or prev.exception:
+        return None
+    grads = [p for p in prev.params if p.grad_nonfinite]
+    if not grads:
+        return None
+    p = next((p for p in grads if p.module in bad_modules), grads[0])
+    nan = p.grad_absmax is not None and p.grad_absmax != p.grad_absmax
+    acc = prev.micro_batches > 1
+    return [Finding(
+        "nan_origin" if nan else "overflow", "error", "backward", p.module, None, prev.step,
+        f"The gradient of `{p.name}` was {'NaN' if nan else 'inf'} at step {prev.step} although the forward was "
+        f"finite{f' (summed over {prev.micro_batches} micro-batches into .grad)' if acc else ''}; the optimizer "
+        f"applied it, and from step {prev.step + 1} on the weights of `{p.module}` are {kind}.",
+        ("Accumulate gradients in fp32: keep fp32 master weights (train in autocast instead of `.half()`), or scale "
+         "each micro-batch's loss down (divide by the number of micro-batches) and use torch.amp.GradScaler, "
+         "which skips a step whose gradients overflowed." if acc else
+         "Use torch.amp.GradScaler (it skips a step whose gradients overflowed and lowers the scale) with fp32 "
+         "master weights, or `clip_grad_norm_(..., error_if_nonfinite=True)` to stop before the update."),
+        {"param": p.name, "grad_absmax": p.grad_absmax, "micro_batches": prev.micro_batches,
+         "weights_bad_from": prev.step + 1, "modules": sorted(bad_modules)[:20], "rank_hint": 12})]
 
 
 def _unlocated(run: RunData) -> list[Finding]:
@@ -203,12 +234,15 @@ def _outside_model(run: RunData) -> list[Finding]:
         if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \
                 and not any(c.out is not None and not c.out.finite and not _only_neginf(c.out) for c in r.modules):
             inf = r.loss is not None and math.isinf(r.loss)
-            return [Finding("overflow" if inf else "nan_origin", "error", "forward", None, None, r.step,
+            step = onset_step(run.steps, r.step, "forward")  # the first bad step, when only the trip-wire saw it
+            ev = {"loss": r.loss, "rank_hint": 11}
+            if step != r.step:
+                ev["observed_step"] = r.step
+            return [Finding("overflow" if inf else "nan_origin", "error", "forward", None, None, step,
                             f"The loss became {'inf' if inf else 'NaN'} outside the watched model (in the loss "
                             "computation) while every module's output was finite.",
                             "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
-                            "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.",
-                            {"loss": r.loss, "rank_hint": 11})]
+                            "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.", ev)]
         if _output_grad_nonfinite(r) and not benign:
             root = next(c for c in r.modules if c.depth == 0)
             nan = root.gout.nan > 0 and root.gout.posinf + root.gout.neginf == 0
