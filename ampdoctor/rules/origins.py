@@ -144,7 +144,9 @@ def _bad_weights(run: RunData) -> list[Finding]:
     for r in run.steps:
         bad = [c for c in r.modules if c.par is not None and not c.par.finite]
         if bad:
-            c = min(bad, key=lambda c: c.seq)
+            # inf weights before NaN ones (an inf update makes NaN downstream on the next step, not the reverse),
+            # then the first in forward order
+            c = min(bad, key=lambda c: (bool(c.par.nan), c.seq))
             kind = "NaN" if c.par.nan else "inf"
             made = _applied_bad_gradients(prev, {b.module for b in bad}, kind)
             if made is not None:
