@@ -11,7 +11,10 @@ Silent by construction on:
   fp32 residual stream that only reaches LayerNorm in fp32 is not at risk;
 - activations that grow and settle early in training: far from the max, and a settled series has no steady
   negative slope;
-- gradients scaled by a GradScaler: judged unscaled (the scaler's own growth and backoff are its job).
+- gradients scaled by a GradScaler: judged unscaled (the scaler's own growth and backoff are its job);
+- the model's own output growing while the loss falls: a regression fitting unnormalised targets (an MSE on
+  values in the thousands) grows its output until it matches them, then settles; the loss pulls it there, so
+  its past rate forecasts nothing. Layers inside the model still warn on their own headroom.
 
 One finding per chain, at the producer: a parent passing on its child's value is dropped for the child, and
 of the layers falling at the same rate the first in forward order (the one the others take their input from)
@@ -20,6 +23,7 @@ is named; the layer forecast to overflow first is given in the evidence.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ..findings import Finding
 from ..records import DTYPE_LIMITS
@@ -73,14 +77,15 @@ def trend(pts: list[tuple[int, float, str]], k: int, window: int = WINDOW) -> tu
     return slope, sum(1 for s in slopes if s < 0) / len(slopes)
 
 
-def _first_warning(pts, cfg: RuleConfig):
-    """The first point where the series is close, falling steadily and forecast to reach zero in time."""
+def _first_warning(pts, cfg: RuleConfig, fitting=None):
+    """The first point where the series is close, falling steadily and forecast to reach zero in time
+    (`fitting(window)`: the window's values are the model's output growing towards what the loss asks for)."""
     for k in range(len(pts)):
         bits = pts[k][1]
         if bits > cfg.headroom_max_bits:
             continue
         t = trend(pts, k)
-        if t is None:
+        if t is None or fitting is not None and fitting(pts[k + 1 - WINDOW:k + 1]):
             continue
         slope, steady = t
         if slope > -cfg.headroom_min_rate or steady < STEADY:
@@ -125,6 +130,33 @@ def _order(run: RunData) -> dict[str, int]:
     return order
 
 
+def _fitting(run: RunData, root: list) -> Callable[[list], bool]:
+    """A predicate on a window of a forward series: its values are the root's output (the same abs-max at every
+    step: the model's prediction) and the loss fell: its median over the window's last half is below its median
+    around the window's start (half a window either side; an overshoot at the end of the fit, the loss bouncing
+    while the output still grows a few steps, is still a fit)."""
+    rootv = {p[0]: p[1] for p in root}
+    losses: dict = {}
+
+    def fitting(window) -> bool:
+        if not rootv or any(rootv.get(p[0]) != p[1] for p in window):
+            return False
+        if not losses:
+            losses.update((r.step, r.loss) for r in run.steps if r.loss is not None and math.isfinite(r.loss))
+        s0, s1 = window[0][0], window[-1][0]
+        half = max((s1 - s0 + 1) // 2, 1)
+        before = [v for s in range(s0 - half, s0 + half) if (v := losses.get(s)) is not None]
+        recent = [v for s in range(s1 - half + 1, s1 + 1) if (v := losses.get(s)) is not None]
+        return len(before) >= half and len(recent) >= half and _median(recent) < _median(before)
+    return fitting
+
+
+def _median(v: list[float]) -> float:
+    v = sorted(v)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else 0.5 * (v[mid - 1] + v[mid])
+
+
 def _inside(child: str, parent: str) -> bool:
     return parent == "" and child != "" or child.startswith(parent + ".")
 
@@ -143,9 +175,11 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             first_bad.append(first_bad_step(list(run.steps), run.has_scaler))
         return first_bad[0]
     out: list[Finding] = []
+    root = next((i for i, m in enumerate(mods) if m[0] == ""), None)
     for phase in ("forward", "backward"):
         pts = {i: series(run, i, phase) for i in range(len(mods))}
-        warn = {i: w for i, p in pts.items() if (w := _first_warning(p, cfg)) is not None}
+        fitting = _fitting(run, pts[root]) if phase == "forward" and root is not None else None
+        warn = {i: w for i, p in pts.items() if (w := _first_warning(p, cfg, fitting)) is not None}
         # a parent whose child warns too only passes the child's value on
         warn = {i: w for i, w in warn.items()
                 if not any(j != i and _inside(mods[j][0], mods[i][0]) for j in warn)}

@@ -256,15 +256,33 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "Use `scaler.step(optimizer)` instead of `optimizer.step()`:\n" + ORDER)
     # a step with scaler.step but no update before the next iteration, without an exception
     if not any(f.rule == "missing_scaler_update" for f in out):
-        for r in run.steps[:-1]:
-            ks = [e.kind for e in r.events if not e.internal]
-            if "step" in ks and "update" not in ks[ks.index("step"):]:
-                e = next(e for e in r.events if e.kind == "step")
-                add("missing_scaler_update", e, f"Step {r.step} called `scaler.step()` at {_loc(e)} but never "
+        last = run.steps[-1].step if run.steps else None
+        for i, e in enumerate(events):
+            if e.kind == "step" and e.step != last and not _updated_later(events, i):
+                add("missing_scaler_update", e, f"Step {e.step} called `scaler.step()` at {_loc(e)} but never "
                     "`scaler.update()`: the loss scale cannot adapt.", "Call `scaler.update()` every iteration:\n"
                     + ORDER)
                 break
     return out
+
+
+def _updated_later(events: list[CallEvent], i: int) -> bool:
+    """An `update()` follows the scaler.step `events[i]` in its iteration: in its own step record, or in a later
+    one after another optimizer's scaler.step. A GAN steps its discriminator's optimizer, runs the generator's
+    backward and steps the other optimizer on the same scaler, then updates once (torch AMP docs, multiple
+    optimizers: update() once, after all of them stepped); the watch starts a new step record at each optimizer
+    step, so the update lands in the next record. The same optimizer unscaling or stepping again first: missing."""
+    e = events[i]
+    other = False
+    for j in range(i + 1, len(events)):
+        p = events[j]
+        if p.kind == "update":
+            return p.step == e.step or other
+        if p.kind in ("step", "unscale_") and p.opt == e.opt:
+            return False
+        if p.kind == "step":
+            other = True
+    return False
 
 
 def ranks_diverged(per_rank: dict[int, list[StepRecord]]) -> list[Finding]:

@@ -3,7 +3,10 @@ large factor — a learning rate too high for the weights' scale, a missing warm
 
 Reads ParamStat.weight_norm / weight_norm_after (L2 norms right before and after the update, sampled steps;
 ampdoctor/record/params.py). Weights too small to have a meaningful scale (zero-initialised biases, LoRA's B) are
-left out: their first updates multiply them by any factor, as designed.
+left out: their first updates multiply them by any factor, as designed. A weight first seen at zero has no scale
+but the sum of its own updates for its first `_ZERO_GRACE` updates: momentum building up and a warmup ramping the
+learning rate multiply that sum by 2-3 per update (a BatchNorm bias under SGD momentum and OneCycle: 0.0009,
+0.0021, 0.0045, 0.0123), as designed; the other weights of its layer carry the layer's scale.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ _MIN_RMS = 1e-3        # weights whose root-mean-square is below this have no sc
 _WINDOW_UPDATES = 50   # between two sampled steps, look only this many updates apart (or at a huge factor)
 _HUGE = 1e3
 _ADAM_MAX_STEP = 4.0   # Adam's per-element step is at most ~lr * (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr
+_ZERO_GRACE = 10       # updates a weight first seen at zero takes to have a scale of its own
 
 
 def _lr(run: RunData) -> float | None:
@@ -63,12 +67,19 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
         for p in r.params:
             if p.grad_nonfinite:
                 bad_grad.setdefault(p.name, []).append(r.step)
+    born_zero: dict[str, int] = {}                # name -> the step it was first seen at zero
+    seen: set[str] = set()
     for r in run.steps:
         for p in r.params:
             if p.weight_norm is None or p.name in out:
                 continue
             rms = p.weight_norm / math.sqrt(max(p.numel, 1))
-            if p.name in ref:  # several updates since the last sampled step
+            if p.name not in seen:
+                seen.add(p.name)
+                if rms < _MIN_RMS:
+                    born_zero[p.name] = r.step
+            young = p.name in born_zero and len(between(born_zero[p.name] - 1, r.step)) < _ZERO_GRACE
+            if p.name in ref and not young:  # several updates since the last sampled step
                 s0, n0, numel = ref[p.name]
                 upd = between(s0, r.step)
                 n_upd = len(upd)
@@ -84,7 +95,8 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                     continue
             # (an update that applied a non-finite gradient is that gradient's consequence: the overflow or
             # nan_origin finding names where it came from)
-            if p.weight_norm_after is not None and rms >= _MIN_RMS and r.step in updated and not p.grad_nonfinite:
+            if p.weight_norm_after is not None and rms >= _MIN_RMS and r.step in updated and not p.grad_nonfinite \
+                    and not young:
                 f = p.weight_norm_after / p.weight_norm
                 if f >= factor:
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": p.weight_norm,
