@@ -12,6 +12,8 @@ Silent by construction on:
 - activations that grow and settle early in training: far from the max, and a settled series has no steady
   negative slope;
 - gradients scaled by a GradScaler: judged unscaled (the scaler's own growth and backoff are its job);
+- one batch far from the others (heavy-tailed inputs: a Student-t feature's outlier row): the closeness is read
+  from the window's trend line, not from its last point alone, so a single dip is not a layer running out;
 - the model's own output growing while the loss falls: a regression fitting unnormalised targets (an MSE on
   values in the thousands) grows its output until it matches them, then settles; the loss pulls it there, so
   its past rate forecasts nothing. Layers inside the model still warn on their own headroom.
@@ -74,7 +76,11 @@ def trend(pts: list[tuple[int, float, str]], k: int, window: int = WINDOW) -> tu
     slopes = sorted((w[j + half][1] - w[j][1]) / max(w[j + half][0] - w[j][0], 1) for j in range(half))
     mid = len(slopes) // 2
     slope = slopes[mid] if len(slopes) % 2 else 0.5 * (slopes[mid - 1] + slopes[mid])
-    return slope, sum(1 for s in slopes if s < 0) / len(slopes)
+    # steadiness over every pair at least half a window apart (21 pairs for 12 points), not only the 6 that set
+    # the slope: a noisy series with no trend (heavy-tailed batches) has 5 of 6 pairs falling by chance about one
+    # window in nine; 16 of 21 far less often, while a real decline falls across all of them
+    far = [w[b][1] - w[a][1] for a in range(len(w)) for b in range(a + half, len(w))]
+    return slope, sum(1 for d in far if d < 0) / len(far)
 
 
 def _first_warning(pts, cfg: RuleConfig, fitting=None):
@@ -90,6 +96,13 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
         slope, steady = t
         if slope > -cfg.headroom_min_rate or steady < STEADY:
             continue
+        # the level the window's trend line gives at this step (the median of its points carried along the
+        # slope): one batch of outliers — heavy-tailed inputs — dips a single point, not the line
+        step = pts[k][0]
+        level = _median([b + slope * (step - s) for s, b, _ in pts[k + 1 - WINDOW:k + 1]])
+        if level > cfg.headroom_max_bits:
+            continue
+        bits = max(bits, level)
         left = max(bits, 0.0) / -slope
         if left <= cfg.headroom_horizon:
             return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),

@@ -6,7 +6,10 @@ ampdoctor/record/params.py). Weights too small to have a meaningful scale (zero-
 left out: their first updates multiply them by any factor, as designed. A weight first seen at zero has no scale
 but the sum of its own updates for its first `_ZERO_GRACE` updates: momentum building up and a warmup ramping the
 learning rate multiply that sum by 2-3 per update (a BatchNorm bias under SGD momentum and OneCycle: 0.0009,
-0.0021, 0.0045, 0.0123), as designed; the other weights of its layer carry the layer's scale.
+0.0021, 0.0045, 0.0123), as designed; the other weights of its layer carry the layer's scale. A factor is taken against the largest norm the weight has
+had so far, not only the one right before the update: a weight crossing zero (a regression head's bias marching
+from -0.05 to the target's mean at Adam's ±lr per update: 0.0098 -> 0.0197) passes through norms far below its
+own scale, and regrowing to it is no spike.
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
             if p.grad_nonfinite:
                 bad_grad.setdefault(p.name, []).append(r.step)
     born_zero: dict[str, int] = {}                # name -> the step it was first seen at zero
+    peak: dict[str, float] = {}                   # name -> the largest norm it had before this step
     seen: set[str] = set()
     for r in run.steps:
         for p in r.params:
@@ -83,7 +87,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 s0, n0, numel = ref[p.name]
                 upd = between(s0, r.step)
                 n_upd = len(upd)
-                f = p.weight_norm / n0 if n0 > 0 else 0.0
+                f = p.weight_norm / max(n0, peak.get(p.name, 0.0)) if n0 > 0 else 0.0
                 rms0 = n0 / math.sqrt(max(numel, 1))
                 applied_bad = any(s0 <= b < r.step for b in bad_grad.get(p.name, ()))
                 if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)) \
@@ -97,7 +101,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
             # nan_origin finding names where it came from)
             if p.weight_norm_after is not None and rms >= _MIN_RMS and r.step in updated and not p.grad_nonfinite \
                     and not young:
-                f = p.weight_norm_after / p.weight_norm
+                f = p.weight_norm_after / max(p.weight_norm, peak.get(p.name, 0.0))
                 if f >= factor:
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": p.weight_norm,
                                    "after": p.weight_norm_after, "step": r.step, "between": [r.step, r.step + 1],
@@ -105,6 +109,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                     continue
             after = p.weight_norm_after if p.weight_norm_after is not None and r.step in updated else p.weight_norm
             ref[p.name] = (r.step, after, p.numel)
+            peak[p.name] = max(peak.get(p.name, 0.0), p.weight_norm, after)
     return list(out.values())
 
 
