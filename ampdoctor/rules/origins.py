@@ -57,6 +57,24 @@ def _evidence(c: ModuleCall | None, phase: str, rec: StepRecord) -> dict:
     return ev
 
 
+def _inside(module: str, name: str) -> bool:
+    return name != module and (module == "" or name.startswith(module + "."))
+
+
+def _kind(r: StepRecord, p) -> str:
+    """The producer's kind, 'nan' read as 'inf' where the NaN was made from an inf this module itself made: a
+    module inside it already received ±inf (forward: as an input; backward: as its incoming gradient), e.g. a
+    custom autograd Function's backward overflowing before a Linear's backward turned the inf into inf - inf."""
+    if p.kind != "nan" or p.module is None:
+        return p.kind
+    for c in r.modules:
+        if _inside(p.module, c.module):
+            s = c.inp if p.phase == "forward" else c.gout
+            if s is not None and (s.posinf or s.neginf):
+                return "inf"
+    return p.kind
+
+
 @register("producers", emits=("overflow", "nan_origin"))
 def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """The first inf/NaN producer of each bad step, grouped by (phase, module, kind)."""
@@ -66,7 +84,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
             if p is None or (p.phase == "backward" and (r.loss_finite is False or r.output_finite is False
                                                         or _output_grad_nonfinite(r))):
                 continue  # the backward of a non-finite loss/output/output gradient: a consequence
-            groups.setdefault((p.phase, p.module, p.kind), []).append(r)
+            groups.setdefault((p.phase, p.module, _kind(r, p)), []).append(r)
     out = []
     outside = _outside_model(run)
     benign = benign_backoff(run.steps, run.has_scaler)
@@ -88,6 +106,8 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
         at = where(module)
         typ = c.type if c else p.detail.get("type", "?")
         vals = _what_inf(c.out if c and phase == "forward" else c.gin if c else None)
+        if kind == "inf" and vals == "NaN":
+            vals = "±inf (NaN by the time it left)"
         if vals == "inf/NaN":
             vals = "±inf" if kind == "inf" else "NaN"
         sev = "error"
@@ -224,13 +244,32 @@ def _output_grad_nonfinite(r: StepRecord) -> bool:
             and r.output_finite is not False and (root.out is None or root.out.finite) and not r.forward_bad)
 
 
+def _search_cut_by_failure(run: RunData, out_bwd: list[StepRecord]) -> bool:
+    """GradScaler's first search for a loss scale, cut short by a forward failure: from the run's first step every
+    step was skipped with a finite forward and the scale still >= 1 (the scaled loss gradient overflowing, as
+    designed), until a step whose forward itself went non-finite. The search never got to end in an update, but
+    the failure is that forward, not the loss's backward."""
+    if not run.has_scaler:
+        return False
+    k = next((i for i, r in enumerate(run.steps) if r.forward_bad or r.exception), None)
+    if not k or run.steps[k].step != run.steps[k - 1].step + 1:
+        return False
+    head = run.steps[:k]
+    if head[0].step != 0 or any(b.step - a.step != 1 for a, b in zip(head, head[1:])):
+        return False
+    if not all(r.skipped and r.scale is not None and r.scale >= 1.0 for r in head):
+        return False
+    return all(r.step < run.steps[k].step for r in out_bwd)
+
+
 def _outside_model(run: RunData) -> list[Finding]:
     """The loss computation outside the watched model as the producer: the loss went non-finite although every
     module's output was finite (forward), or the gradient reaching the model's output was already non-finite
     although the loss was finite (backward: the loss's own backward, e.g. a manual loss scale too large for fp16
     or an fp16 cast of the loss gradient)."""
     out_bwd = [r for r in run.steps if _output_grad_nonfinite(r)]
-    benign = bool(out_bwd) and all(r.step in benign_backoff(run.steps, run.has_scaler) for r in out_bwd)
+    benign = bool(out_bwd) and (all(r.step in benign_backoff(run.steps, run.has_scaler) for r in out_bwd)
+                                or _search_cut_by_failure(run, out_bwd))
     for r in run.steps:
         p = r.forward_producer
         if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \
