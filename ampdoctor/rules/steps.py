@@ -28,6 +28,34 @@ def _streaks(steps: list[StepRecord]) -> list[list[StepRecord]]:
     return out
 
 
+def _later_probes(steps: list[StepRecord], first_good: int | None) -> int:
+    """How many times GradScaler backed off after the first applied update, counting the skips of one probe once:
+    a probe is the scale above the last one that earned a growth (the scale before GradScaler's latest increase),
+    from that growth until the scale is back at or below it. With `growth_factor=4` one growth above a working
+    scale costs two halvings (a skip at 4x, perhaps later one at 2x), and is still one probe, as one skip is with
+    the default factor 2. A skip at or below the scale that earned the growth counts on its own."""
+    if first_good is None:
+        return 0
+    n = 0
+    base = prev = None
+    probe = 0
+    counted: set[int] = set()
+    for r in steps:
+        if r.scale is None:
+            continue
+        if prev is not None and r.scale > prev:
+            base, probe = prev, probe + 1  # GradScaler grew the scale: `prev` earned it
+        if r.skipped and r.step > first_good:
+            if base is not None and r.scale > base:
+                if probe not in counted:
+                    counted.add(probe)
+                    n += 1
+            else:
+                n += 1
+        prev = r.scale
+    return n
+
+
 def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
                    min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
     """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
@@ -43,9 +71,9 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     out: set[int] = set()
     by_step = {r.step: r for r in steps}
     first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
-    later = [r for r in steps if r.skipped and first_good is not None and r.step > first_good]
     after = sum(1 for r in steps if first_good is not None and r.step > first_good)
-    later_ok = len(later) < later_min or len(later) / max(after, 1) < later_share
+    n_later = _later_probes(steps, first_good)
+    later_ok = n_later < later_min or n_later / max(after, 1) < later_share
     for s in _streaks(steps):
         first_search = first_good is not None and s[-1].step < first_good
         if len(s) >= max_streak and not first_search:
