@@ -175,13 +175,11 @@ def test_hf_bf16_nan_in_a_layer_every_1_is_named(tmp_path):
     assert ("nan_origin", name, K) in top3(cb.report), [f.one_line() for f in cb.report.findings]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core, not the callback (a plain loop with ampdoctor.watch at the default sampling gives the same): step K is "
-    "unsampled, its update writes NaN weights, and the report's only finding is nan_origin (phase optimizer) at "
-    "the embedding on step K+1. The capture of step K is written and `ampdoctor.replay` of it names "
-    "nan_origin@layer@K (aten::sqrt), but ampdoctor/analysis/replayfold.py (pick_capture falls back to it, "
-    "fold_replay matches replay findings by phase) never folds that forward finding in"))
 def test_hf_bf16_nan_in_a_layer_default_sampling_is_named(tmp_path):
+    """At the default sampling step K is unsampled and its update writes NaN into the weights: the only
+    module-level finding is 'weights already NaN' at step K+1. The replay of step K's capture (the step's own,
+    finite weights) names the op, and the fold keeps it: a module whose weights a later update broke is no
+    reason to drop it."""
     _hf()
     from ampdoctor.integrations import AmpDoctorCallback
     cb = AmpDoctorCallback()

@@ -146,7 +146,10 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                                       f.fix, ev)
                 refined.add(id(findings[i]))
                 continue
-            bad_weights = {c.module for r in steps for c in r.modules if c.par is not None and not c.par.finite}
+            # weights already non-finite when the captured step ran (not those a later update wrote: the capture
+            # holds the step's own weights, so an op the replay saw make inf/NaN from them is the producer)
+            bad_weights = {c.module for r in steps if cap_step is None or r.step <= cap_step
+                           for c in r.modules if c.par is not None and not c.par.finite}
             if f.module is None or f.module in bad_weights or any(
                     g.rule in ("overflow", "nan_origin") and g.phase == f.phase for g in findings):
                 continue  # (non-finite weights from an earlier update are not produced by this op)
