@@ -11,6 +11,26 @@ import torch.nn.functional as F
 import ampdoctor
 
 
+def one_thread():
+    """A fixture body (`@pytest.fixture(autouse=True)` in a test file: `one_thread_fixture = pytest.fixture(
+    autouse=True)(one_thread)`): tiny models run faster on one intra-op thread, and do not fight a machine's
+    other jobs for cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def gen(i):
+    return torch.Generator().manual_seed(i)
+
+
+def alarms(findings):
+    """The warnings and errors among findings (Finding objects or their JSON dicts), one line each."""
+    return [f.one_line() if hasattr(f, "one_line") else f"{f['rule']}@{f['module']}" for f in findings
+            if (f.severity if hasattr(f, "severity") else f["severity"]) in ("warning", "error")]
+
+
 class Block(nn.Module):
     def __init__(self, d=32, h=4):
         super().__init__()

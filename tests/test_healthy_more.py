@@ -21,24 +21,10 @@ from ampdoctor.records import ParamStat, RunMeta, StepRecord
 from ampdoctor.rules import RuleConfig, RunData
 from ampdoctor.rules.headroom import headroom_trend
 from ampdoctor.rules.updates import update_spike
+from scenarios import alarms, gen, one_thread
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and does not fight a machine's other jobs for cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def gen(i):
-    return torch.Generator().manual_seed(i)
-
-
-def alarms(findings):
-    return [f.one_line() if hasattr(f, "one_line") else f"{f['rule']}@{f['module']}" for f in findings
-            if (f.severity if hasattr(f, "severity") else f["severity"]) in ("warning", "error")]
+one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
 def quiet(w, run_dir=None, cli=False):

@@ -19,23 +19,10 @@ import ampdoctor
 from ampdoctor.records import ParamStat, RunMeta, StepRecord
 from ampdoctor.rules import RuleConfig, RunData
 from ampdoctor.rules.updates import update_spike
+from scenarios import alarms, gen, one_thread
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and does not fight a machine's other jobs for cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def gen(i):
-    return torch.Generator().manual_seed(i)
-
-
-def alarms(findings):
-    return [f.one_line() for f in findings if f.severity in ("warning", "error")]
+one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
 def quiet(w, run_dir=None):

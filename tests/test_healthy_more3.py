@@ -24,24 +24,10 @@ from ampdoctor.rules import RuleConfig, RunData
 from ampdoctor.rules.scaler import scale_timeline
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import TinyGPT  # noqa: E402
+from scenarios import TinyGPT, alarms, gen, one_thread  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and does not fight a machine's other jobs for cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def gen(i):
-    return torch.Generator().manual_seed(i)
-
-
-def alarms(findings):
-    return [f.one_line() for f in findings if f.severity in ("warning", "error")]
+one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
 def std_step(loss_fn, *, clip=1.0, clip_value=None, error_if_nonfinite=False):

@@ -21,16 +21,12 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import ampdoctor  # noqa: E402
+from scenarios import one_thread  # noqa: E402
 
 K = 7  # the optimizer step from which the injected failure starts
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
 def bad_findings(rep):

@@ -9,17 +9,12 @@ test is a strict xfail whose reason says what and where."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import ampdoctor
+from scenarios import one_thread
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
 def randn(*shape, seed=0):
