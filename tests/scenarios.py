@@ -31,6 +31,46 @@ def alarms(findings):
             if (f.severity if hasattr(f, "severity") else f["severity"]) in ("warning", "error")]
 
 
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def amp_loop(model, batch, loss_fn, *, steps=8, every=None, lr=1e-3, run_dir=None, warmup=0, clip=1.0, call=None,
+             init_scale=65536.0):
+    """AdamW + GradScaler("cpu", init_scale), fp16 autocast on the CPU: backward -> unscale_ -> clip -> step ->
+    update (-> a linear warmup scheduler); `batch(i)` gives step i's args, `call` runs the forward (default the
+    model itself), `every=None` is ampdoctor's default sampling. Returns the closed Watch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)) if warmup else None
+    sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=run_dir,
+                        **({} if every is None else {"every": every}))
+    call = model if call is None else call
+    for i in range(steps):
+        opt.zero_grad()
+        args = batch(i)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(call(*args), *args)
+        sc.scale(loss).backward()
+        sc.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        sc.step(opt)
+        sc.update()
+        if sched:
+            sched.step()
+    w.close()
+    return w
+
+
+def top3(rep, rule, module):
+    """The finding `rule` at `module` among the report's first three (asserted; the run is an error run)."""
+    got = [(f.rule, f.module) for f in rep.findings[:3]]
+    assert (rule, module) in got, [f.one_line() for f in rep.findings]
+    assert rep.exit_code == 1
+    return next(f for f in rep.findings if (f.rule, f.module) == (rule, module))
+
+
 class Block(nn.Module):
     def __init__(self, d=32, h=4):
         super().__init__()

@@ -3,9 +3,11 @@ under the default sampling, nested module names, a CLIP loss module whose logit 
 that flush only some rows (or leave only their trained bias), attention with a fully masked row, scaler misuse
 seen from the command line, and healthy runs with a learning-rate warmup. Real torch, real hooks, fp16 autocast
 on the CPU with a real GradScaler; the right rule at the producing module among the first three findings."""
+import functools
 import json
 import subprocess
 import sys
+
 
 import pytest
 import torch
@@ -13,47 +15,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import ConvNet, TinyGPT, hf_loss, mse_to_zero
+from scenarios import ConvNet, TinyGPT, amp_loop, hf_loss, mse_to_zero, randn, top3
 
 
-def loop(model, batch, loss_fn, *, steps=6, every=None, lr=1e-3, run_dir=None, warmup=0, clip=1.0):
-    """backward -> unscale_ -> clip -> step -> update (-> scheduler), fp16 autocast on the CPU."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)) if warmup else None
-    sc = torch.amp.GradScaler("cpu")
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=run_dir,
-                        **({} if every is None else {"every": every}))
-    for i in range(steps):
-        opt.zero_grad()
-        args = batch(i)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(model(*args), *args)
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        sc.step(opt)
-        sc.update()
-        if sched:
-            sched.step()
-    w.close()
-    return w
-
-
-def top3(rep, rule, module):
-    got = [(f.rule, f.module) for f in rep.findings[:3]]
-    assert (rule, module) in got, [f.one_line() for f in rep.findings]
-    assert rep.exit_code == 1
-    return next(f for f in rep.findings if (f.rule, f.module) == (rule, module))
+loop = functools.partial(amp_loop, steps=6)
 
 
 def quiet(rep):
     bad = [f.one_line() for f in rep.findings if f.severity in ("error", "warning")]
     assert not bad and rep.exit_code == 0, bad
 
-
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 # -- 1. SwiGLU `silu(gate) * up` overflowing inside a nested block, from step 4 on --------------------------------

@@ -6,7 +6,9 @@ parameters, a learnable temperature applied in a loss outside the model, and a r
 offset rounds the signal away before a LayerNorm. Real torch, real hooks, a real GradScaler; the right rule at
 the producing module among the first three findings, at the step where it began. Where ampdoctor is wrong the
 test is a strict xfail whose reason says what and where."""
+import functools
 import math
+
 
 import pytest
 import torch
@@ -14,38 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
+from scenarios import amp_loop, randn, top3
 
 
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def loop(model, batch, loss_fn, *, steps=8, every=None, lr=1e-3, run_dir=None, clip=1.0):
-    """backward -> unscale_ -> clip -> step -> update, fp16 autocast on the CPU."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu")
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=run_dir,
-                        **({} if every is None else {"every": every}))
-    for i in range(steps):
-        opt.zero_grad()
-        args = batch(i)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(model(*args), *args)
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        sc.step(opt)
-        sc.update()
-    w.close()
-    return w
-
-
-def top3(rep, rule, module):
-    got = [(f.rule, f.module) for f in rep.findings[:3]]
-    assert (rule, module) in got, [f.one_line() for f in rep.findings]
-    assert rep.exit_code == 1
-    return next(f for f in rep.findings if (f.rule, f.module) == (rule, module))
+loop = functools.partial(amp_loop, steps=8)
 
 
 def no_error_at(rep, modules):

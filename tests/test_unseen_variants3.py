@@ -6,53 +6,25 @@ autograd Function), NaN from sqrt of a negative variance (a hand-written std), l
 holding the real model as `.module`, and torch.compile. Real torch, real hooks, a real GradScaler; the right rule
 at the producing module among the first three findings, at the step where it began. Where ampdoctor is wrong the
 test is a strict xfail whose reason says what and where."""
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 
 import ampdoctor
-from scenarios import one_thread
+from scenarios import amp_loop, one_thread, randn, top3
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
-def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def loop(model, batch, loss_fn, *, steps=8, every=None, lr=1e-3, run_dir=None, clip=1.0, call=None,
-         init_scale=65536.0):
-    """backward -> unscale_ -> clip -> step -> update, fp16 autocast on the CPU."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=run_dir,
-                        **({} if every is None else {"every": every}))
-    call = model if call is None else call
-    for i in range(steps):
-        opt.zero_grad()
-        args = batch(i)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(call(*args), *args)
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        sc.step(opt)
-        sc.update()
-    w.close()
-    return w
+loop = functools.partial(amp_loop, steps=8)
 
 
 def lines(rep):
     return [f.one_line() for f in rep.findings]
 
-
-def top3(rep, rule, module):
-    got = [(f.rule, f.module) for f in rep.findings[:3]]
-    assert (rule, module) in got, lines(rep)
-    assert rep.exit_code == 1
-    return next(f for f in rep.findings if (f.rule, f.module) == (rule, module))
 
 
 def no_error_at(rep, modules):
