@@ -30,7 +30,8 @@ from .errors import BadInput
 from .fsutil import atomic_write_text, clean_stale_temps, loads_bounded, locked, raw_depth_within, read_regular
 from .records import RunMeta, StepRecord
 
-__all__ = ["RunDirWriter", "read_run", "find_rank_dirs", "write_replay", "read_replay", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["RunDirWriter", "read_run", "find_rank_dirs", "capture_name", "write_replay", "read_replay", "FORMAT",
+           "FORMAT_VERSION"]
 
 FORMAT = "ampdoctor-run"
 FORMAT_VERSION = 1
@@ -267,6 +268,12 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
 # -- the watch's replay of its capture (so that diagnose(run_dir) folds in what w.report() did) ---------------
 REPLAY_FORMAT = "ampdoctor-replay"
 MAX_REPLAY = 64 << 20
+
+
+def capture_name(capture: str) -> str:
+    """How a saved replay names its capture: the capture directory's name (`captures/<step>`), whatever path the
+    run directory was reached by."""
+    return os.path.basename(os.path.normpath(capture))
 
 
 def write_replay(run_dir: str, run: int, capture: str, report: dict) -> str:

@@ -165,8 +165,10 @@ class Watch:
                 del _WATCHED[self.model]
             _OPEN.discard(self)
         # not in a distributed run: a replay's forward may need a collective that the ranks without a capture
-        # would never join (w.report() on such a rank still replays, as it always did)
-        if replay and self.run_dir is not None and not self.machine.disabled and (self.meta.world_size or 1) <= 1:
+        # would never join (w.report() on such a rank still replays, as it always did); and only when a capture
+        # was taken (a healthy run's close reads no records and builds no report)
+        if replay and self.run_dir is not None and not self.machine.disabled and (self.meta.world_size or 1) <= 1 \
+                and self.machine.policy.captures:
             try:
                 from .analysis import build_report
                 from .analysis.replayfold import pick_capture
@@ -230,10 +232,9 @@ class Watch:
         self._replay = (capture, rr)
         writer = m.writer
         if rr is not None and writer is not None and getattr(writer, "run", None) is not None:
-            import os
-            from .rundir import write_replay
+            from .rundir import capture_name, write_replay
             try:
-                write_replay(writer.path, writer.run, os.path.basename(os.path.normpath(capture)), rr.to_dict())
+                write_replay(writer.path, writer.run, capture_name(capture), rr.to_dict())
             except OSError as e:
                 import warnings
                 warnings.warn(f"ampdoctor: could not save the replay in {writer.path} ({e})", RuntimeWarning,

@@ -48,15 +48,14 @@ def _diagnose(run_dir, ranks, read_run, saved_replay: bool) -> Report:
 def _with_saved_replay(rep: Report, steps: list[StepRecord], path: str) -> Report:
     """Fold in the replay saved with this run (rundir.read_replay) when it is of the capture this report would
     replay; any other (a stale one, of another capture) is left out."""
-    import os
-    from ..rundir import read_replay
+    from ..rundir import capture_name, read_replay
     from .replayfold import fold_replay, pick_capture
     saved = read_replay(path)
     if saved is None:
         return rep
     name, doc = saved
     cap = pick_capture(rep, steps)
-    if cap is None or os.path.basename(os.path.normpath(cap)) != name:
+    if cap is None or capture_name(cap) != name:
         return rep
     return fold_replay(rep, steps, cap, Report.from_dict(doc))
 
