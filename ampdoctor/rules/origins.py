@@ -244,32 +244,13 @@ def _output_grad_nonfinite(r: StepRecord) -> bool:
             and r.output_finite is not False and (root.out is None or root.out.finite) and not r.forward_bad)
 
 
-def _search_cut_by_failure(run: RunData, out_bwd: list[StepRecord]) -> bool:
-    """GradScaler's first search for a loss scale, cut short by a forward failure: from the run's first step every
-    step was skipped with a finite forward and the scale still >= 1 (the scaled loss gradient overflowing, as
-    designed), until a step whose forward itself went non-finite. The search never got to end in an update, but
-    the failure is that forward, not the loss's backward."""
-    if not run.has_scaler:
-        return False
-    k = next((i for i, r in enumerate(run.steps) if r.forward_bad or r.exception), None)
-    if not k or run.steps[k].step != run.steps[k - 1].step + 1:
-        return False
-    head = run.steps[:k]
-    if head[0].step != 0 or any(b.step - a.step != 1 for a, b in zip(head, head[1:])):
-        return False
-    if not all(r.skipped and r.scale is not None and r.scale >= 1.0 for r in head):
-        return False
-    return all(r.step < run.steps[k].step for r in out_bwd)
-
-
 def _outside_model(run: RunData) -> list[Finding]:
     """The loss computation outside the watched model as the producer: the loss went non-finite although every
     module's output was finite (forward), or the gradient reaching the model's output was already non-finite
     although the loss was finite (backward: the loss's own backward, e.g. a manual loss scale too large for fp16
     or an fp16 cast of the loss gradient)."""
     out_bwd = [r for r in run.steps if _output_grad_nonfinite(r)]
-    benign = bool(out_bwd) and (all(r.step in benign_backoff(run.steps, run.has_scaler) for r in out_bwd)
-                                or _search_cut_by_failure(run, out_bwd))
+    benign = bool(out_bwd) and all(r.step in benign_backoff(run.steps, run.has_scaler) for r in out_bwd)
     for r in run.steps:
         p = r.forward_producer
         if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \

@@ -56,6 +56,12 @@ def _later_probes(steps: list[StepRecord], first_good: int | None) -> int:
     return n
 
 
+def _output_grad_overflowed(r: StepRecord) -> bool:
+    """The gradient arriving at the model's output was already non-finite (a sampled step's root call)."""
+    root = next((c for c in r.modules if c.depth == 0), None)
+    return root is not None and root.gout is not None and not root.gout.finite
+
+
 def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
                    min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
     """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
@@ -92,7 +98,10 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
         ended = nxt is not None and not nxt.skipped and nxt.grad_finite is not False and not ended_by_failure
         if len(s) >= max_streak and not ended:
             continue
-        nan_made = sum(1 for r in s if r.backward_producer is not None and r.backward_producer.kind == "nan")
+        # (NaN made downstream of a gradient that reached the model's output already inf is the scaled loss
+        # gradient overflowing, the search itself, not a NaN the model makes)
+        nan_made = sum(1 for r in s if r.backward_producer is not None and r.backward_producer.kind == "nan"
+                       and not _output_grad_overflowed(r))
         if nan_made >= 3 and not ended:
             continue
         if first_good is not None and s[0].step > first_good and not later_ok:
