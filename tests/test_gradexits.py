@@ -74,3 +74,84 @@ def test_same_exits_on_a_hugging_face_t5():
     model, batch, _ = _t5()
     full, fast, out = _exits_both_ways(model, **batch(0))
     assert len(full) > 20 and full == fast
+
+
+# -- torch without `_get_sequence_nr` (before 2.13: the 2.11 of the GPU machine) ------------------------------------
+def test_probe_gives_the_number_the_next_node_takes():
+    """probe_sequence_nr (the fallback) says what torch's own counter says: the number of the next node."""
+    from ampdoctor.record.gradexits import _native_sequence_nr, probe_sequence_nr
+    x = torch.randn(3, requires_grad=True)
+    n = probe_sequence_nr()
+    y = x * 2
+    assert y.grad_fn._sequence_nr() == n
+    if _native_sequence_nr is not None:
+        assert probe_sequence_nr() == _native_sequence_nr()
+
+
+def test_exits_found_with_the_probe_are_the_native_ones(monkeypatch):
+    """The walk bounded by the probe's numbers finds the same exits, on the nested model and on T5."""
+    import test_gradexits as me
+    from ampdoctor.record.gradexits import probe_sequence_nr
+    for model, args, kw in ((Net(), (torch.randn(4, 8, requires_grad=True),), {}), _t5_args()):
+        torch.manual_seed(0)
+        native, _, _ = _exits_both_ways(model, *args, **kw)
+        monkeypatch.setattr(me, "sequence_nr", probe_sequence_nr)
+        probed, _, _ = _exits_both_ways(model, *args, **kw)
+        monkeypatch.setattr(me, "sequence_nr", sequence_nr)
+        assert len(native) > 10 and [sorted(i for _, i in c) for c in native] == [sorted(i for _, i in c) for c in probed]
+
+
+def _t5_args():
+    from test_identity import _t5
+    model, batch, _ = _t5()
+    return model, (), batch(0)
+
+
+def test_backward_overflow_found_and_gradients_unchanged_without_native_counter(monkeypatch, tmp_path):
+    """With torch's counter gone (as before 2.13), a module whose backward overflows (x.pow(4): finite forward,
+    its gradient 4x³·g past 65504) is still named in the backward, from its own gradient towards its input; the
+    watched run's gradients stay bitwise those of the unwatched one. On torch 2.11 this was a bare skipped_steps."""
+    import ampdoctor
+    import ampdoctor.record.step as step
+    from ampdoctor.record.gradexits import probe_sequence_nr
+    monkeypatch.setattr(step, "sequence_nr", probe_sequence_nr)
+
+    class Quartic(nn.Module):
+        def forward(self, h):
+            return (h * 12.0).pow(4)
+
+    class PowNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.quart = nn.Linear(8, 16), Quartic()
+
+        def forward(self, x):
+            return self.quart(torch.tanh(self.inp(x)))
+
+    def run(watch):
+        torch.manual_seed(0)
+        m = PowNet()
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)) * 3
+        opt = torch.optim.SGD(m.parameters(), lr=1e-6)
+        sc = torch.amp.GradScaler("cpu")
+        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=tmp_path / "r", every=1) if watch else None
+        grads = []
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().mean()
+            sc.scale(loss).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            sc.step(opt)
+            sc.update()
+        if w:
+            w.close()
+        return w, grads
+    w, watched = run(True)
+    _, plain = run(False)
+    assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num())
+               for ga, gb in zip(watched, plain) for a, b in zip(ga, gb))
+    quart = next(c for c in w.steps[0].modules if c.module == "quart")
+    assert quart.gin is not None and quart.gin.posinf + quart.gin.neginf > 0
+    f = next(f for f in w.report().findings if f.rule == "overflow")
+    assert (f.module, f.phase, f.step) == ("quart", "backward", 0), f.one_line()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "sequence_nr", "gradient_exits", "ExitHook", "Regions"]
+__all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "gradient_exits", "ExitHook", "Regions"]
 
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -20,7 +20,23 @@ def in_backward() -> bool:
     return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
-sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)  # the next node's number (or None)
+_native_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)  # torch >= 2.13
+_probe: list = []
+
+
+def probe_sequence_nr() -> int:
+    """The number autograd gives the next node on this thread, where torch has no `_get_sequence_nr` (before
+    2.13, e.g. the 2.11 of our GPU machine; without this no module's gradient towards its inputs was read there):
+    a view of a persistent 0-d leaf makes one node, which takes the current number. The counter only moves on,
+    so every later node keeps its order (autograd's ready queue orders by it); nothing is added to the user's
+    graph. Call with grad enabled."""
+    if not _probe:
+        _probe.append(torch.zeros((), requires_grad=True))
+    leaf = _probe[0]
+    return leaf.view_as(leaf).grad_fn._sequence_nr() + 1
+
+
+sequence_nr = _native_sequence_nr or probe_sequence_nr  # the next node's number
 _NO_SEQ = (1 << 64) - 1  # AccumulateGrad nodes (leaves) carry the largest sequence number
 
 
