@@ -54,6 +54,9 @@ class MonitorCallbacks:
             st.scaled_since_update = True
         elif kind == "update":
             st.scaled_since_update = False
+            if st.phase is StepPhase.OPEN and st.scale_t is not None and st.scale_t is getattr(
+                    self.w.scaler, "_scale", None):
+                st.scale_t = st.scale_t.clone()  # update() before the step's values were staged: keep the old
             new = args[0] if args else kwargs.get("new_scale")
             ev.has_steps = any(e.kind == "step" for e in st.events)
             found_inf_all(self)
@@ -76,7 +79,9 @@ class MonitorCallbacks:
         st = self.st
         sc = self.w.scaler
         if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
-            st.scale_t = sc._scale.detach().clone()
+            # the scale tensor itself: only update() changes it in place, after presync has queued its copy
+            # (an update() that comes first takes a copy then, see before)
+            st.scale_t = sc._scale
         if ev.kind == "unscale_" and opt is not None and st.sampled and self.owns(opt):  # (sampled steps only)
             grads_after_unscale(self, opt)
         if ev.kind == "step":

@@ -22,7 +22,7 @@ from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Call, _Step
 from .headroom import Headroom
 from .hooks import GradTap, HeadroomHook, PassHook, passes_on
-from .transfer import finalize
+from .transfer import HostSlots, finalize
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, flatten_tensors, is_sharded, loss_of,
                       module_type, rng_state, tb_location, tb_module)
@@ -44,6 +44,7 @@ class StepMachine(MonitorCallbacks):
         self._event_index = 0
         self.policy = CapturePolicy(self.cfg)  # which steps are sampled, which bad steps captured
         self._mod_handles: list = []
+        self.host_slots = HostSlots()  # the pinned buffers the step's values come back through (transfer.py)
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}
@@ -264,7 +265,7 @@ class StepMachine(MonitorCallbacks):
                 sums = [t.detach().reshape(1) if t.numel() == 1 and t.dtype in _WIDE else
                         t.detach().sum(dtype=torch.float32 if t.dtype in _HALF else torch.float64).reshape(1)
                         for t in outs]
-                st.out_ok.append((sums[0] if len(sums) == 1 else torch.cat(sums), len(st.batches) - 1))
+                st.out_ok.append((sums, len(st.batches) - 1))  # concatenated with the step's other values
         if module is self.root and self.hr.on and exc is None:
             self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
             self.hr.forward_done()
