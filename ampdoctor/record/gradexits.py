@@ -20,16 +20,15 @@ def in_backward() -> bool:
     return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
-_native_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)  # torch >= 2.13
+_native_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _probe: list = []
 
 
 def probe_sequence_nr() -> int:
-    """The number autograd gives the next node on this thread, where torch has no `_get_sequence_nr` (before
-    2.13, e.g. the 2.11 of our GPU machine; without this no module's gradient towards its inputs was read there):
-    a view of a persistent 0-d leaf makes one node, which takes the current number. The counter only moves on,
-    so every later node keeps its order (autograd's ready queue orders by it); nothing is added to the user's
-    graph. Call with grad enabled."""
+    """The number autograd gives the next node on this thread, for a torch without `_get_sequence_nr` (without
+    it no module's gradient towards its inputs could be read): a view of a persistent 0-d leaf makes one node,
+    which takes the current number. The counter only moves on, so every later node keeps its order (autograd's
+    ready queue orders by it); nothing is added to the user's graph. Call with grad enabled."""
     if not _probe:
         _probe.append(torch.zeros((), requires_grad=True))
     leaf = _probe[0]
@@ -38,10 +37,6 @@ def probe_sequence_nr() -> int:
 
 sequence_nr = _native_sequence_nr or probe_sequence_nr  # the next node's number
 _NO_SEQ = (1 << 64) - 1  # AccumulateGrad nodes (leaves) carry the largest sequence number
-
-
-def _key(t):
-    return (id(t.grad_fn), t.output_nr) if t.grad_fn is not None else ("leaf", id(t))
 
 
 class Region:
@@ -83,7 +78,12 @@ def gradient_exits(outputs: list, inputs: list, seq0: int, regions: Regions | No
     per input would reorder those sums and change the gradients' last bits). Only nodes created during the
     module's forward (sequence number >= seq0) are walked; with `regions`, a submodule call walked before is
     passed in one move, so nested modules cost one walk of the graph, not one per level."""
-    targets = {_key(t) for t in inputs}
+    # the inputs' nodes are held for the walk (and by the region after it): on torch 2.11 (the H200's) a node's
+    # Python object lives only while something references it, so `t.grad_fn` and the node's `next_functions`
+    # entry were different objects with different ids, no input was ever matched, and no module's input
+    # gradient was read
+    in_fns = [t.grad_fn for t in inputs]
+    targets = {(id(fn), t.output_nr) if fn is not None else ("leaf", id(t)) for fn, t in zip(in_fns, inputs)}
     region = Region(seq0)
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: dict[int, object] = {}
@@ -132,7 +132,7 @@ def gradient_exits(outputs: list, inputs: list, seq0: int, regions: Regions | No
                 stack.append(nxt)
     if regions is not None:
         region.nodes = list(seen.values())
-        region.inputs = [t.grad_fn for t in inputs if t.grad_fn is not None]
+        region.inputs = [fn for fn in in_fns if fn is not None]
         for n in mine:  # only nodes this call's forward made: not the inputs' nodes the walk stopped at
             regions.owner.setdefault(id(n), region)
         region.done = True

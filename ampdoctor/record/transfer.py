@@ -108,7 +108,8 @@ def found_inf_all(m) -> None:
     fi = [v.detach().double().reshape(()) for s in states.values() for v in s.get("found_inf_per_device", {}).values()]
     if fi:
         m.st.late = _Pending([("found_inf_all", torch.stack(fi).sum())],
-                             getattr(m.w.scaler, "_device", "") == "cuda", slots=m.host_slots, slot=("late", m.st.step & 1))
+                             getattr(m.w.scaler, "_device", "") == "cuda", slots=m.host_slots,
+                             slot=("late", m.st.step & 1))
 
 
 def presync(m, opt, grads_scaled: bool = False) -> None:
