@@ -15,7 +15,7 @@ def _tensors(x):
 
 
 def _exits_both_ways(model, *args, **kwargs):
-    pending, full, fast = {}, [], []
+    pending, full, fast, keep = {}, [], [], []
     regions = Regions()
 
     def pre(mod, a, kw):
@@ -27,8 +27,10 @@ def _exits_both_ways(model, *args, **kwargs):
         if not ins:
             return
         outs = _tensors(out)
-        full.append(sorted((id(n), tuple(sorted(i))) for n, i in gradient_exits(outs, ins, seq0)))
-        fast.append(sorted((id(n), tuple(sorted(i))) for n, i in gradient_exits(outs, ins, seq0, regions)))
+        a, b = gradient_exits(outs, ins, seq0), gradient_exits(outs, ins, seq0, regions)
+        keep.append((a, b))  # a node's Python object (and its id) lives only while held on torch 2.11
+        full.append(sorted((id(n), tuple(sorted(i))) for n, i in a))
+        fast.append(sorted((id(n), tuple(sorted(i))) for n, i in b))
     hs = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in model.modules()]
     hs += [m.register_forward_hook(post, with_kwargs=True) for m in model.modules()]
     try:
