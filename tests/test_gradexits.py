@@ -158,3 +158,55 @@ def test_backward_overflow_found_and_gradients_unchanged_without_native_counter(
     assert quart.gin is not None and quart.gin.posinf + quart.gin.neginf > 0
     f = next(f for f in w.report().findings if f.rule == "overflow")
     assert (f.module, f.phase, f.step) == ("quart", "backward", 0), f.one_line()
+
+
+# -- modules that work in place (torchvision's ResNet: ReLU(inplace=True), `out += identity`) ------------------------
+class InplaceBlock(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc, self.relu = nn.Linear(d, d), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.fc(x)
+        out += x                       # in place, as torchvision's BasicBlock
+        return self.relu(out)          # in place: the output is the input tensor, with a new grad_fn
+
+
+class InplaceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.relu = nn.Linear(4, 8), nn.ReLU(inplace=True)
+        self.block, self.head = InplaceBlock(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.block(self.relu(self.fc0(x))))
+
+
+def test_in_place_modules_have_their_input_gradient(tmp_path):
+    """An in-place ReLU has rewritten its input's grad_fn by the time it returns: matched against that, neither it
+    nor any module around it (the block, the whole ResNet) had a gradient towards its input. Every module call
+    whose input needs a gradient has one now, and the ReLU's is the gradient at fc0's output (a tensor hook on
+    the unwatched twin gives the truth)."""
+    import ampdoctor
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+
+    def run(watch):
+        torch.manual_seed(0)
+        m = InplaceNet()
+        w = ampdoctor.watch(m, run_dir=tmp_path / f"r{watch}", every=1) if watch else None
+        seen = {}
+        if not watch:
+            def grab(mod, i, o):
+                o.register_hook(lambda g: seen.setdefault("g", g.clone()))
+            m.fc0.register_forward_hook(grab)
+        m(x).pow(2).mean().backward()
+        if w:
+            w.close()
+        return w, seen.get("g"), [p.grad for p in m.parameters()]
+    w, _, watched = run(True)
+    _, truth, plain = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+    calls = {c.module: c for c in w.steps[0].modules}
+    missing = [n for n, c in calls.items() if n not in ("", "fc0") and c.gin is None]
+    assert not missing, missing
+    assert calls["relu"].gin.absmax == truth.abs().max().item()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "gradient_exits", "ExitHook", "Regions"]
+__all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "input_nodes", "gradient_exits", "ExitHook", "Regions"]
 
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -68,6 +68,11 @@ class Regions:
         return r
 
 
+def input_nodes(inputs: list) -> list:
+    """(tensor, grad_fn, output_nr) of each input, taken when a module's forward begins (see gradient_exits)."""
+    return [(t, t.grad_fn, t.output_nr) for t in inputs]
+
+
 def gradient_exits(outputs: list, inputs: list, seq0: int, regions: Regions | None = None) -> list:
     """The autograd nodes a module's forward created that hand a gradient straight to one of its inputs, each
     with the positions of those inputs among the node's next functions.
@@ -78,12 +83,15 @@ def gradient_exits(outputs: list, inputs: list, seq0: int, regions: Regions | No
     per input would reorder those sums and change the gradients' last bits). Only nodes created during the
     module's forward (sequence number >= seq0) are walked; with `regions`, a submodule call walked before is
     passed in one move, so nested modules cost one walk of the graph, not one per level."""
-    # the inputs' nodes are held for the walk (and by the region after it): on torch 2.11 (the H200's) a node's
-    # Python object lives only while something references it, so `t.grad_fn` and the node's `next_functions`
-    # entry were different objects with different ids, no input was ever matched, and no module's input
-    # gradient was read
-    in_fns = [t.grad_fn for t in inputs]
-    targets = {(id(fn), t.output_nr) if fn is not None else ("leaf", id(t)) for fn, t in zip(in_fns, inputs)}
+    # `inputs`: tensors, or (tensor, grad_fn, output_nr) as they were when the forward began (input_nodes): a
+    # module that works in place (ReLU(inplace=True), `x += y`) has rewritten its input's grad_fn to its own node
+    # by the time it returns, and matching that found no exit (nor did any enclosing module's walk pass it).
+    # The nodes are held for the walk (and by the region after it): on torch 2.11 (the H200's) a node's Python
+    # object lives only while something references it, so `t.grad_fn` and the node's `next_functions` entry were
+    # different objects with different ids, and no input was ever matched
+    inputs = [x if isinstance(x, tuple) else (x, x.grad_fn, x.output_nr) for x in inputs]
+    in_fns = [fn for _, fn, _ in inputs]
+    targets = {(id(fn), nr) if fn is not None else ("leaf", id(t)) for t, fn, nr in inputs}
     region = Region(seq0)
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: dict[int, object] = {}

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from .autocapture import CapturePolicy
-from .gradexits import ExitHook, Regions, gradient_exits, in_backward, sequence_nr
+from .gradexits import ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import ModuleHook, hookable, in_compiled_frame
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
@@ -231,7 +231,7 @@ class StepMachine(MonitorCallbacks):
         if grad and sequence_nr is not None:
             ins = [t for t in tensors if t.requires_grad and is_measurable(t)]
             if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)
-                c.grad_inputs = ins
+                c.grad_inputs = input_nodes(ins)  # their nodes now: an in-place forward replaces them
                 c.seq0 = sequence_nr()
 
     def forward_post(self, module, args, kwargs, output):

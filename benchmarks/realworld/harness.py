@@ -122,6 +122,16 @@ def healthy_replay(case: Case, size, device, model):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _gin_share(w):
+    """Of step 0's module calls with a gradient into their outputs and an input that needs one (a floating
+    input: gin is read where the gradient leaves towards it), the share whose gin was measured."""
+    if w is None or not len(w.steps) or not w.steps[0].sampled:
+        return None
+    calls = [c for c in w.steps[0].modules if c.gout is not None and c.inp is not None and c.grad_enabled
+             and c.inp.dtype in ("float16", "bfloat16", "float32")]
+    return None if not calls else sum(c.gin is not None for c in calls) / len(calls)
+
+
 def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, every=None):
     iters = case.iters[size] if not quick else max(4, case.iters[size] // 2)
     res = {"case": case.name, "model": case.model, "dtype": case.dtype, "compiled": case.compiled,
@@ -155,6 +165,12 @@ def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, 
                                                          for f in fs[:8]],
                inject_info=wa["inject_info"], seconds_unwatched=un["seconds"], seconds_watched=wa["seconds"],
                run_dir=run_dir if keep_dir else None)
+    # the hooks read gradients at all: on step 0 (sampled) of an eager run, modules whose inputs need a gradient
+    # have one measured towards those inputs (torch 2.11's short-lived node objects once left every one unread)
+    gin = _gin_share(wa["watch"]) if not case.compiled else None
+    res["gin_share_step0"] = gin
+    if gin is not None and gin < 0.9:
+        internal.append(f"input gradients read for {gin:.0%} of step 0's module calls with a gradient")
     ok = not internal and res["steps_recorded"] == iters and eq in ("==",) + ((eq,) if eq.startswith("~") else ())
     why = []
     if internal:

@@ -121,30 +121,6 @@ def neg_overflow(module_name, feeder_name, step, probe, target=4 * FP16_MAX, wei
     return inject
 
 
-def backward_only(module_name, norm_name, step, weight_cap=FP16_MAX / 2):
-    """At `step`, move a factor F from a norm's gain into the Linear it feeds: the norm's weight / F, the
-    Linear's weight * F (as large as the fp16 weight allows). The forward is the same function (the Linear's
-    output unchanged up to rounding); its backward, the gradient towards the Linear's input (g @ W * F, with the
-    loss scale in g), overflows in fp16 at every loss scale GradScaler tries down to ~1: an overflow in the
-    backward only, the Linear's own (shared/FP16.md: large weights behind a small-gain norm, re-parameterised
-    multipliers)."""
-    info = {"module": module_name, "step": step}
-
-    def inject(it, model, opt):
-        if it != step:
-            return
-        mod, norm = model.get_submodule(module_name), model.get_submodule(norm_name)
-        f = weight_cap / float(mod.weight.detach().abs().max())
-        with torch.no_grad():
-            mod.weight.mul_(f)
-            norm.weight.div_(f)
-            if getattr(norm, "bias", None) is not None:
-                norm.bias.div_(f)
-        info.update(factor=f)
-    inject.info = info
-    return inject
-
-
 def grow(module_name, start, rate, probe, start_absmax=64.0):
     """From `start` on, one layer's weight grows by `rate` per step (x1.15: 15%), after being set at `start` so
     that its output abs-max is `start_absmax` (about 10 bits of fp16 headroom)."""
