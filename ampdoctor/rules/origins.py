@@ -171,6 +171,11 @@ def _bad_weights(run: RunData) -> list[Finding]:
             made = _applied_bad_gradients(prev, {b.module for b in bad}, kind)
             if made is not None:
                 return made
+            if prev is not None and prev.forward_bad:
+                # the update before applied the gradients of a step that had already gone bad (e.g. an unsampled
+                # step's NaN loss, stepped without a scaler): those weights are its consequence, and its origin
+                # is that step's (unlocated here: the replay of its capture names the op)
+                return []
             before = f"step {prev.step}'s update" if prev is not None else "an update before the watch began"
             grads = ("" if prev is None or prev.grad_finite is None else
                      " with finite gradients" if prev.grad_finite else " with non-finite gradients")
