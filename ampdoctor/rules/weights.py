@@ -2,6 +2,8 @@
 gradients) and update_underflow (low-precision updates that round away: w + Δw == w)."""
 from __future__ import annotations
 
+import math
+
 import os
 
 from ..findings import Finding
@@ -86,6 +88,20 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
 _FP16_TINY = 2.0 ** -24  # smallest fp16 subnormal: anything below half of it rounds to 0
 
 
+def _broken_at(run: RunData, names: set) -> int | None:
+    """The step whose update the vanished eps broke: the first sampled update that left one of `names` non-finite,
+    else the update just before the run's first bad step (when that step itself was fine); None when neither."""
+    prev = None
+    for r in run.steps:
+        if any(p.name in names and p.weight_norm_after is not None and not math.isfinite(p.weight_norm_after)
+               for p in r.params):
+            return r.step
+        if r.bad:
+            return prev.step if prev is not None and not prev.bad and prev.step == r.step - 1 else None
+        prev = r
+    return None
+
+
 @register("optimizer_eps", emits=("eps_underflow",))
 def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Adam-style eps that vanishes in fp16 optimizer state: sqrt(v) + eps == sqrt(v), so v == 0 divides by 0."""
@@ -97,7 +113,7 @@ def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
         if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
             continue
         out.append(Finding(
-            "eps_underflow", "error", "optimizer", _common_module(low), "optimizer.step", None,
+            "eps_underflow", "error", "optimizer", _common_module(low), "optimizer.step", _broken_at(run, set(low)),
             f"{run.meta.optimizer.get('class')} uses eps={eps:g} on fp16 parameters: it rounds to 0 in fp16, so "
             "the update divides by sqrt(v) + 0 and any parameter with v == 0 gets inf/NaN.",
             "Keep fp32 master weights (parameters in fp32 + autocast), or use an eps that exists in fp16 "
