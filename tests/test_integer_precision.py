@@ -92,9 +92,14 @@ def test_the_probe_reads_what_it_should():
     def row(x, dt):
         return integer_valued(integer_probe(x).tolist(), dt)
     ramp = torch.arange(300, dtype=torch.float32)
-    assert row(ramp.bfloat16(), "bfloat16") == {"dtype": "bfloat16", "max": 300.0, "exact_up_to": 256.0}
+    assert row(ramp.bfloat16(), "bfloat16") == {"dtype": "bfloat16", "max": 300.0, "exact_up_to": 256.0,
+                                                 "rounds_products_from": 256.0}
     assert row(torch.arange(200.).bfloat16(), "bfloat16") is None          # all exact
     assert row(torch.arange(3000.).half(), "float16")["max"] == 3000.0
+    # exact fp16 integers past 512: products with a fraction (t * freq) are rounded to 0.5
+    assert row(torch.arange(1000.).half(), "float16") == {"dtype": "float16", "max": 999.0, "exact_up_to": 2048.0,
+                                                          "rounds_products_from": 512.0}
+    assert row(torch.arange(500.).half(), "float16") is None
     assert row(torch.randn(1000).bfloat16() * 1000, "bfloat16") is None     # activations: not integers
     assert row(torch.tensor([0.0, -1e4, -1e4]).bfloat16(), "bfloat16") is None  # a mask: one magnitude
     assert row(torch.tensor([1.0, float("inf"), 300.0]).bfloat16(), "bfloat16") is None

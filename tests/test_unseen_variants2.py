@@ -267,12 +267,9 @@ def test_fp16_timesteps_up_to_1000_raise_no_error():
     assert rep.exit_code == 0 and not [g for g in rep.findings if g.severity == "error"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "silent: timesteps up to 1000 are exact integers in fp16, so ampdoctor/record/stats.py integer_valued (limit "
-    "2048 for float16) and rules/numeric.py integer_precision see nothing, but the embedding multiplies them by "
-    "fractional frequencies in fp16: phases past 512 are 0.5 apart and sin/cos are off by up to 0.4. Expected "
-    "precision_loss (warning) at `time`: integer-valued fp16 inputs past ~256 feeding arithmetic"))
 def test_fp16_timesteps_up_to_1000_are_precision_loss_at_the_embedding():
+    """Exact integers in fp16, but the embedding multiplies them by fractional frequencies in fp16: phases past
+    512 are 0.5 apart. A warning at `time`, the module that received them."""
     rep = _timesteps(1000)
     assert ("precision_loss", "time") in [(f.rule, f.module) for f in rep.findings[:3]], \
         [f.one_line() for f in rep.findings]

@@ -227,13 +227,15 @@ def integer_probe(x: torch.Tensor) -> torch.Tensor:
 
 
 def integer_valued(row, dtype: str) -> dict | None:
-    """From an `integer_probe` row read back: the tensor held only integers, beyond the range where `dtype`
-    holds them all (so some already collapsed), with at least two magnitudes below that range too (a position
-    or timestep ramp, not a mask of 0 and -1e4). None otherwise."""
+    """From an `integer_probe` row read back: the tensor held only integers, past the point where the dtype rounds
+    what is computed from them, with smaller nonzero magnitudes too (a position or timestep ramp, not a mask of 0
+    and -1e4). bf16 holds every integer only up to 256; fp16 up to 2048, but past 512 any product with a fraction
+    (a sinusoidal embedding's t * freq) lands on a grid 0.5 apart (`rounds_products_from`). None otherwise."""
     limit = {"float16": 2048.0, "bfloat16": 256.0}.get(dtype)
     if limit is None or row is None or len(row) < 4:
         return None
+    products = 512.0 if dtype == "float16" else limit
     amax, nonfinite, nonint, amin = row[:4]
-    if nonfinite or nonint or not (limit < amax <= 2.0 ** 24) or not (amin < amax and amin <= limit):
+    if nonfinite or nonint or not (products < amax <= 2.0 ** 24) or not (amin < amax and amin <= products):
         return None
-    return {"dtype": dtype, "max": amax, "exact_up_to": limit}
+    return {"dtype": dtype, "max": amax, "exact_up_to": limit, "rounds_products_from": products}

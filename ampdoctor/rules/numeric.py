@@ -236,10 +236,18 @@ def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
             info = c.int_input
             dt, mx, lim = info.get("dtype", "bfloat16"), float(info.get("max", 0)), float(info.get("exact_up_to", 256))
             spacing = 2.0 ** max(math.floor(math.log2(mx)) - math.log2(lim) + 1, 1) if mx > lim else 1.0
-            msg = (f"`{c.module or '(root)'}` ({c.type}) takes a {dt} input that holds only integers, up to {mx:g}: "
-                   f"{dt} holds every integer only up to {lim:g}, so above it neighbouring values (positions, "
-                   f"timesteps, labels) are already rounded together, {spacing:g} apart near the top (e.g. "
-                   f"{lim + 1:g} becomes {lim:g}).")
+            if mx > lim:
+                msg = (f"`{c.module or '(root)'}` ({c.type}) takes a {dt} input that holds only integers, up to "
+                       f"{mx:g}: {dt} holds every integer only up to {lim:g}, so above it neighbouring values "
+                       f"(positions, timesteps, labels) are already rounded together, {spacing:g} apart near the "
+                       f"top (e.g. {lim + 1:g} becomes {lim:g}).")
+            else:  # exact integers, but what is computed from them in this dtype is not
+                frm = float(info.get("rounds_products_from", lim))
+                grid = 2.0 ** (math.floor(math.log2(mx)) - 10)
+                msg = (f"`{c.module or '(root)'}` ({c.type}) takes a {dt} input that holds only integers, up to "
+                       f"{mx:g} (positions or timesteps): exact in {dt}, but anything computed from them in {dt} "
+                       f"past {frm:g} lands on a grid {grid:g} apart — a sinusoidal embedding's phases t * freq "
+                       f"are off by {grid / 2:g} rad or more, and its sin/cos with them.")
             fix = ("Keep positions and timesteps in fp32 (or int64) until the embedding has used them, and cast "
                    "the embedding's output, not its input, to the model's dtype:\n"
                    "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))")
