@@ -408,3 +408,41 @@ def test_compiled_model_overflow_mid_run_is_named_by_the_replay(tmp_path):
             assert (f.phase, f.step) == ("forward", 3), f.one_line()
     finally:
         torch._dynamo.reset()
+
+
+# -- an overflow made in place (x.mul_(k) inside a module) -------------------------------------------------------------
+class Boost(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k = 1.0
+
+    def forward(self, x):
+        return x.mul_(self.k)  # in place: the op's output is its input's storage
+
+
+class BoostNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.boost, self.fc2 = nn.Linear(8, 16), Boost(), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.boost(self.fc1(x))))
+
+
+@EVERY
+def test_in_place_overflow_is_the_in_place_op(tmp_path, every):
+    """From step 3 `boost` multiplies fc1's output by 1e5 in place: inf, then fc2's addmm makes NaN of it. The
+    replay judged the in-place mul_ by its inputs after it ran (already inf: a propagator) and named fc2's addmm
+    `nan_origin` ('from NaN-free inputs'); the inputs are judged before the op now."""
+    torch.manual_seed(0)
+    m, x = BoostNet(), randn(32, 8)
+
+    def batch(i):
+        if i == 3:
+            m.boost.k = 1e5
+        return (x,)
+    w = loop(m, batch, lambda out, x: out.float().mean(), every=every, run_dir=tmp_path / "r", lr=1e-4)
+    for rep in both(w, tmp_path / "r"):
+        f = top3(rep, "overflow", "boost")
+        assert (f.phase, f.step) == ("forward", 3), f.one_line()
+        no_error_at(rep, ("fc1", "fc2"))

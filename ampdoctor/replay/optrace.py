@@ -139,13 +139,19 @@ class _DispatchMode(TorchDispatchMode):
             constants.check_op(tr, func, args, kwargs)
             if func._schema.name in _SOFTMAX and args and isinstance(args[0], torch.Tensor):
                 tr.softmax_inputs.append((tr.seq, tr.module(), tuple(args[0].shape)))
+        before = None
+        if func._schema.is_mutable and len(tr.events) < MAX_EVENTS:
+            # an in-place op (x.mul_(k), relu_, out=): its output is its input's storage, so the input must be
+            # judged before the op writes it, or an op that overflowed in place reads as passing an inf on
+            ins = _floats((args, kwargs))
+            before = (any(bool(torch.isnan(t).any()) for t in ins), any(bool(torch.isinf(t).any()) for t in ins))
         try:
             out = func(*args, **kwargs)
         except Exception:
             tr.note_exception()
             raise
         if len(tr.events) < MAX_EVENTS and func.overloadpacket not in _UNINITIALIZED:
-            tr.check_output(func, args, kwargs, out)
+            tr.check_output(func, args, kwargs, out, before)
         return out
 
 
@@ -236,7 +242,9 @@ class OpTracer:
         return mod, _fmt(frame), node.name()
 
     # inf/NaN origin ---------------------------------------------------------------------------------
-    def check_output(self, func, args, kwargs, out) -> None:
+    def check_output(self, func, args, kwargs, out, before: tuple | None = None) -> None:
+        """Record an op that made inf/NaN from finite (overflow) or NaN-free (nan_origin) inputs. `before`: the
+        inputs' (has NaN, has inf) taken before an in-place op ran (its inputs now hold its output)."""
         outs = _floats(out)
         bad = [t for t in outs if not bool(torch.isfinite(t).all())]
         if not bad:
@@ -246,8 +254,11 @@ class OpTracer:
             return  # a factory (full, scalar_tensor...): constants.py judges its value
         if _has_nonfinite_number(args, kwargs):
             return  # an intended inf/NaN constant, e.g. masked_fill(mask, -inf)
-        in_nan = any(bool(torch.isnan(t).any()) for t in ins)
-        in_inf = any(bool(torch.isinf(t).any()) for t in ins)
+        if before is not None:
+            in_nan, in_inf = before
+        else:
+            in_nan = any(bool(torch.isnan(t).any()) for t in ins)
+            in_inf = any(bool(torch.isinf(t).any()) for t in ins)
         out_nan = sum(int(torch.isnan(t).sum()) for t in bad)
         if out_nan and not in_nan:
             kind = "nan_origin"
