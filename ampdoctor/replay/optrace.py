@@ -101,6 +101,32 @@ def _has_nonfinite_number(args, kwargs) -> bool:
     return False
 
 
+# in-place ops that overwrite all of `self` without reading it: its old values are not an input of the op
+_OVERWRITE_SELF = {"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_",
+                   "aten::bernoulli_", "aten::exponential_", "aten::geometric_", "aten::log_normal_",
+                   "aten::cauchy_", "aten::random_"}
+
+
+def _read_args(func, args, kwargs) -> tuple[tuple, dict]:
+    """An op's arguments less those it only writes: `out=` buffers, and `self` of an op that overwrites it all
+    (copy_, fill_, zero_...). A buffer's old contents (a NaN-filled or uninitialised workspace) are not what the
+    op turned into inf/NaN."""
+    try:
+        schema = func._schema
+        if not schema.is_mutable:
+            return args, kwargs
+        drop = {a.name for a in schema.arguments if a.is_out}
+        if schema.name in _OVERWRITE_SELF and schema.arguments and schema.arguments[0].name == "self":
+            drop.add("self")
+        if not drop:
+            return args, kwargs
+        names = [a.name for a in schema.arguments]
+        return (tuple(v for i, v in enumerate(args) if i >= len(names) or names[i] not in drop),
+                {k: v for k, v in kwargs.items() if k not in drop})
+    except Exception:
+        return args, kwargs
+
+
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _SOFTMAX = {"aten::_softmax", "aten::softmax", "aten::_safe_softmax", "aten::_log_softmax", "aten::log_softmax"}
 
@@ -143,7 +169,7 @@ class _DispatchMode(TorchDispatchMode):
         if func._schema.is_mutable and len(tr.events) < MAX_EVENTS:
             # an in-place op (x.mul_(k), relu_, out=): its output is its input's storage, so the input must be
             # judged before the op writes it, or an op that overflowed in place reads as passing an inf on
-            ins = _floats((args, kwargs))
+            ins = _floats(_read_args(func, args, kwargs))
             before = (any(bool(torch.isnan(t).any()) for t in ins), any(bool(torch.isinf(t).any()) for t in ins))
         try:
             out = func(*args, **kwargs)
@@ -243,13 +269,14 @@ class OpTracer:
 
     # inf/NaN origin ---------------------------------------------------------------------------------
     def check_output(self, func, args, kwargs, out, before: tuple | None = None) -> None:
-        """Record an op that made inf/NaN from finite (overflow) or NaN-free (nan_origin) inputs. `before`: the
-        inputs' (has NaN, has inf) taken before an in-place op ran (its inputs now hold its output)."""
+        """Record an op that made inf/NaN from finite (overflow) or NaN-free (nan_origin) inputs (the arguments it
+        reads: not an `out=` buffer, nor the `self` that copy_/fill_ overwrite). `before`: the inputs' (has NaN,
+        has inf) taken before an in-place op ran (its inputs now hold its output)."""
         outs = _floats(out)
         bad = [t for t in outs if not bool(torch.isfinite(t).all())]
         if not bad:
             return
-        ins = _floats((args, kwargs))
+        ins = _floats(_read_args(func, args, kwargs))
         if not ins:
             return  # a factory (full, scalar_tensor...): constants.py judges its value
         if _has_nonfinite_number(args, kwargs):
