@@ -597,7 +597,6 @@ def test_progressive_unfreezing_add_param_group_mid_run(every, tmp_path):
     and a new param group with a 10x lower lr is added (the ULMFiT / fine-tuning recipe)."""
     torch.manual_seed(3)
     trunk = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
-    pre = torch.optim.Adam(list(trunk.parameters()) + list(nn.Linear(64, 4).parameters()), lr=1e-2)
     m = nn.Sequential(trunk, nn.Linear(64, 4))
     pre = torch.optim.Adam(m.parameters(), lr=1e-2)
     for i in range(30):   # "pretraining" in fp32, unwatched
@@ -858,3 +857,59 @@ def test_250_steps_dropout_mlp_warmup_cosine_grad_accumulation_and_eval(every, t
               opt=lambda m: torch.optim.AdamW(no_decay_groups(m, lr=2e-3), lr=2e-3),
               sched=lambda o: warmup_cosine(o, 20, 250)))
     assert acc[-1] > 0.8, acc
+
+
+# --- losses that reach zero, sharp softmax --------------------------------------------------------------------
+
+@EVERY
+def test_triplet_margin_loss_that_reaches_zero_and_trains_on(every, tmp_path):
+    """Most triplets satisfy the margin after a few steps: their gradients are exactly zero; the loss goes to ~0."""
+    enc = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 16))
+    centers = 0.5 * torch.randn(4, 20, generator=gen(11))
+
+    def batch(i):
+        g = gen(i)
+        c = torch.randint(0, 4, (32,), generator=g)
+        n = (c + torch.randint(1, 4, (32,), generator=g)) % 4
+        def noise():
+            return 0.4 * torch.randn(32, 20, generator=g)
+        return centers[c] + noise(), centers[c] + noise(), centers[n] + noise()
+
+    def loss(m, a, p, n):
+        return F.triplet_margin_loss(m(a).float(), m(p).float(), m(n).float(), margin=1.0)
+    quiet(run(enc, batch, loss, tmp_path, steps=50, every=every, must_fall=0.2,
+              opt=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)))
+
+
+class Lookup(nn.Module):
+    """Soft key-value retrieval through an nn.Softmax module whose distribution sharpens as it learns: its fp16
+    probabilities pass through fp16 subnormals (up to ~40% of them early on) and then mostly flush to exact 0 (80-90%),
+    as a trained attention's do."""
+
+    def __init__(self, n=64, d=16):
+        super().__init__()
+        self.keys = nn.Parameter(torch.randn(n, d))
+        self.values = nn.Parameter(torch.randn(n, d))
+        self.q = nn.Linear(d, d)
+        with torch.no_grad():
+            self.q.weight.copy_(torch.eye(d) + 0.3 * torch.randn(d, d))
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        att = self.softmax(self.q(x) @ self.keys.t() * self.scale.exp())
+        return att @ self.values
+
+
+@EVERY
+def test_softmax_module_that_sharpens_to_tiny_probabilities(every, tmp_path):
+    torch.manual_seed(5)
+    m = Lookup()
+
+    def batch(i):
+        idx = torch.randint(0, 64, (32,), generator=gen(i))
+        with torch.no_grad():
+            return m.keys[idx].detach().clone(), m.values[idx].detach().clone()
+    quiet(run(m, batch, lambda m, x, v: F.mse_loss(m(x).float(), v), tmp_path, steps=80, every=every, must_fall=0.3,
+              opt=lambda m: torch.optim.Adam([{"params": [m.scale], "lr": 1e-1},
+                                              {"params": [m.q.weight, m.q.bias], "lr": 1e-2}])))
