@@ -9,7 +9,9 @@ outputs); gradient accumulation with `zero_grad(set_to_none=False)` and a ragged
 validation between steps; a `.float()` head under `autocast(enabled=False)`; an fp32 LSTM behind an fp16 conv front
 end; `nn.Embedding(max_norm=1)`; `nn.MultiheadAttention` / `nn.TransformerEncoder` with key padding masks;
 `checkpoint(use_reentrant=False)` and `checkpoint_sequential`; spectral norm; knowledge distillation with
-KL(T=4); mixup soft targets. fp16 autocast on the CPU with GradScaler("cpu"), at the default sampling and at
+KL(T=4); mixup soft targets; a triplet loss reaching 0; an nn.Softmax sharpening to zeros; an fp32 head
+outside autocast whose output passes fp16's max; dict outputs with int/bool/None entries; -inf action masking in the
+output (a strict xfail: a false alarm). fp16 autocast on the CPU with GradScaler("cpu"), at the default sampling and at
 every=1, through w.report() and ampdoctor.diagnose(run_dir); each run is asserted healthy (finite, loss falling,
 few backoffs)."""
 import math
@@ -913,3 +915,57 @@ def test_softmax_module_that_sharpens_to_tiny_probabilities(every, tmp_path):
     quiet(run(m, batch, lambda m, x, v: F.mse_loss(m(x).float(), v), tmp_path, steps=80, every=every, must_fall=0.3,
               opt=lambda m: torch.optim.Adam([{"params": [m.scale], "lr": 1e-1},
                                               {"params": [m.q.weight, m.q.bias], "lr": 1e-2}])))
+
+
+# --- fp32 outputs past fp16's range, non-float outputs --------------------------------------------------------
+
+class PriceNet(nn.Module):
+    """The recommended fix for large targets: an fp16 trunk and an fp32 head outside autocast that predicts
+    prices of ~1e5 directly (values past fp16's max, but never cast to fp16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 1)
+        with torch.no_grad():
+            self.head.bias.fill_(10.0)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        with torch.autocast("cpu", enabled=False):
+            return self.head(h.float()).squeeze(-1) * 1e4   # prices in units of 1e4, as a de-normalising head
+
+
+@EVERY
+def test_fp32_head_outside_autocast_predicting_values_past_fp16_max(every, tmp_path):
+    wt = torch.randn(8, generator=gen(21))
+
+    def batch(i):
+        x = torch.randn(64, 8, generator=gen(i))
+        return x, 1e5 + 2e4 * (x @ wt)
+
+    def loss(m, x, y):
+        return F.mse_loss(m(x) / 1e4, y / 1e4)
+    quiet(run(PriceNet(), batch, loss, tmp_path, steps=60, every=every, clip=None,
+              opt=lambda m: torch.optim.AdamW([{"params": m.trunk.parameters(), "lr": 3e-3},
+                                               {"params": m.head.parameters(), "lr": 1e-2}])))
+
+
+class MultiOut(nn.Module):
+    """Returns a dict holding logits, int64 predictions, a bool mask, an fp32 confidence and None."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        logits = self.f(x)
+        p = logits.float().softmax(-1)
+        return {"logits": logits, "pred": logits.argmax(-1), "sure": p.max(-1).values > 0.9,
+                "conf": p.max(-1).values, "aux": None}
+
+
+@EVERY
+def test_dict_output_with_int_bool_fp32_and_none_entries(every, tmp_path):
+    quiet(run(MultiOut(), vectors, lambda m, x, y: F.cross_entropy(m(x)["logits"], y), tmp_path, steps=40,
+              every=every, opt=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)))
