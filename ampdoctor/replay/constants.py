@@ -14,7 +14,8 @@ import torch
 __all__ = ["check_op", "MASK_OPS", "EPS_OPS", "LOW_DTYPES", "is_mask_like"]
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
-# Ops where a huge constant is a mask/fill value (a huge constant in mul/div is judged by the op's output).
+# Ops where a huge constant is a mask/fill value (a huge constant in div, or in mul on anything but a 0/1 mask, is
+# judged by the op's output).
 MASK_OPS = {"masked_fill", "masked_fill_", "fill", "fill_", "full", "full_like", "new_full", "scalar_tensor",
             "where", "add", "add_", "sub", "sub_", "rsub", "clamp", "clamp_", "clamp_min", "clamp_max",
             "index_fill", "index_fill_", "constant_pad_nd", "fill_diagonal_", "mul", "mul_"}
@@ -31,6 +32,21 @@ def is_mask_like(v: float) -> bool:
         return False
     specials = [torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32)]
     return abs(math.log10(v) - round(math.log10(v))) < 1e-6 or any(abs(v - s) <= 1e-6 * s for s in specials)
+
+
+_SCALE_OPS = ("mul", "mul_")
+
+
+def mask_operand(args, kwargs) -> bool:
+    """Whether a product's tensor operands hold only 0s and 1s: `(1 - mask) * finfo(float32).min` is a mask; an
+    activation times a huge factor (`x.mul_(1e6)`) is not (an fp16 op computes with the Python number in fp32, so
+    the overflow is the product's, judged by the op's output)."""
+    ts = [a for a in list(args) + list(kwargs.values())
+          if isinstance(a, torch.Tensor) and a.dim() > 0 and a.numel()]
+    try:
+        return bool(ts) and all(bool(((t == 0) | (t == 1)).all()) for t in ts)
+    except Exception:
+        return True
 
 
 def _working_dtype(args, kwargs) -> torch.dtype | None:
@@ -86,7 +102,7 @@ def check_op(tr, func, args, kwargs) -> None:
         v = float(v)
         if not math.isfinite(v) or v == 0.0:
             continue
-        if short in MASK_OPS and abs(v) > fi.max:
+        if short in MASK_OPS and abs(v) > fi.max and (short not in _SCALE_OPS or mask_operand(args, kwargs)):
             what = "raises or becomes -inf" if v < 0 else "raises or becomes inf"
             _record(tr, "mask_value_overflow", func, dtype, name, v, math.copysign(math.inf, v),
                     f"{v:g} is outside the {dname} range (max {fi.max:g}): it {what}")

@@ -81,6 +81,8 @@ class OpEvent:
     """shape of the first non-finite output"""
     in_sdpa: bool = False
     """the op ran inside F.scaled_dot_product_attention (its math kernel)"""
+    mask_operand: bool = False
+    """mul: every tensor operand holds only 0s and 1s (a 0/1 mask times a constant, not an activation)"""
     grad_off: bool = False
     """a forward op that ran with autograd off: inside a custom torch.autograd.Function's forward (or no_grad)"""
 
@@ -306,4 +308,6 @@ class OpTracer:
             out_neginf=sum(int(torch.isneginf(t).sum()) for t in bad), out_numel=sum(t.numel() for t in bad),
             absmax_in=absmax, in_dtypes=sorted({str(t.dtype).replace("torch.", "") for t in ins}),
             in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins), out_shape=list(bad[0].shape),
-            in_sdpa=self.sdpa_depth > 0, grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
+            in_sdpa=self.sdpa_depth > 0,
+            mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None
+            and constants.mask_operand(args, kwargs), grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
