@@ -277,7 +277,9 @@ class StepRecord:
     `sampled`: full per-module statistics were taken this step. `skipped`: the scaler found inf/NaN and the
     optimizer step was skipped. `scale`: the loss scale the backward used. `loss`: the last loss seen (the value
     passed to `scaler.scale` or `.backward()`, or the model's scalar/`.loss` output). `micro_batches`: forwards of
-    the root module counted into this step (gradient accumulation).
+    the root module counted into this step (gradient accumulation). `output_finite`: the model's outputs held no
+    inf/NaN — an output holding -inf only (a mask of illegal actions or tokens) while the loss stayed finite counts
+    as finite.
     """
 
     step: int

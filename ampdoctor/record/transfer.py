@@ -200,9 +200,14 @@ def resolve(m) -> None:
     grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
     out_sums = host.get("out_ok", [])
     out_ok, i = [], 0  # per micro-batch: were all of its output sums finite?
+    # an output whose sums are finite or -inf held no +inf or NaN: -inf only, a mask (an RL policy's illegal
+    # actions, constrained decoding); with a finite loss it broke nothing, and it is not a non-finite output
+    loss_ok = bool(losses) and all(math.isfinite(v) for v in losses)
     for sums, _ in st.out_ok:
         n = sum(t.numel() for t in sums)
-        out_ok.append(all(math.isfinite(v) for v in out_sums[i:i + n]))
+        vals = out_sums[i:i + n]
+        out_ok.append(all(math.isfinite(v) for v in vals) or loss_ok and all(v == -math.inf or math.isfinite(v)
+                                                                              for v in vals))
         i += n
     st.output_finite = all(out_ok) if out_ok else None
     if st.output_finite is False:  # capture the first micro-batch whose output went non-finite
