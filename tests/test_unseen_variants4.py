@@ -1,11 +1,14 @@
 """Fourth set of failure-pattern variants: in-place operations and aliasing, the way real code writes them, watched
 through the public API only (watch -> ordinary fp16 autocast + GradScaler loop -> w.report(), and
-diagnose(run_dir)), at the default sampling and at every=1: a residual added in place (`out += identity`), an
-in-place activation after an overflowing layer, hand-written normalisation done in place, in-place ops on a view,
-`out=` into a buffer, a module returning a view or its input unchanged, and a backward-only overflow through an
-in-place op. Each model goes bad at a known step; the right rule at the producing module (not one that only passed
-the inf/NaN on) among the first three findings, at that step and phase. Where ampdoctor is wrong the test is a
-strict xfail whose reason says what and where."""
+diagnose(run_dir)), at the default sampling and at every=1: a residual added in place (`out += identity`),
+in-place activations after an overflowing layer, normalisation done in place (div_ by a zero std, sqrt_ of a
+negative variance), in-place ops on a view, writes into a preallocated fp16 buffer (copy_ of an fp32 value, out=
+into a NaN-initialised workspace, index_add_), modules returning a view or their input object, an in-place scale in
+the parent's own code, exp_/cumsum_/div_ in place, backward-only overflows through in-place ops (mul_, sqrt_ at 0),
+weights renormalised in place inside forward, and a model scaling its input batch in place. Each model goes bad at
+a known step; the right rule at the producing module (not one that only passed the inf/NaN on) among the first
+three findings, at that step and phase, and (forward) the op the replay names. Where ampdoctor is wrong the test is
+a strict xfail whose reason says what and where."""
 import functools
 
 import pytest
@@ -874,3 +877,40 @@ def test_model_scaling_its_input_in_place_is_replayed_from_the_raw_batch(tmp_pat
         f = top3(rep, "overflow", "fc")
         assert (f.phase, f.step, f.op) == ("forward", 3, "aten::addmm"), f.one_line()
         no_error_at(rep, ("head", ""))
+
+
+# -- 19. a distance computed with sqrt_ in place: identical pairs make its gradient inf, then NaN (backward only) ----
+class PairDist(nn.Module):
+    def forward(self, a, b):
+        return (a - b).pow(2).sum(-1).sqrt_()  # d/dx sqrt at 0 = inf: the backward of identical pairs
+
+
+class Siamese(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dist = nn.Linear(8, 16), PairDist()
+
+    def forward(self, x1, x2):
+        return self.dist(self.enc(x1), self.enc(x2))
+
+
+@EVERY
+def test_backward_of_an_in_place_sqrt_at_zero_distance_is_named_at_the_distance(tmp_path, every):
+    """From step 3 the batch holds pairs of identical inputs: the distance is 0 (finite forward); SqrtBackward
+    divides by 2 * 0 -> inf, and the chain rule through (a - b) = 0 makes NaN. The producer is `dist`'s backward;
+    enc only receives the NaN."""
+    torch.manual_seed(0)
+    m, x1, x2 = Siamese(), randn(16, 8), randn(16, 8, seed=1)
+
+    def batch(i):
+        return (x1, x1.clone() if i >= 3 else x2)
+    w = loop(m, batch, lambda out, *a: out.float().mean(), every=every, run_dir=tmp_path / "r", lr=1e-6, clip=None)
+    r3 = next(r for r in w.steps if r.step == 3)
+    assert r3.skipped and r3.loss_finite is not False and first_bad(w) == 3
+    for rep in both(w, tmp_path / "r"):
+        got = [(f.rule, f.module) for f in rep.findings[:3]]
+        assert ("overflow", "dist") in got or ("nan_origin", "dist") in got, lines(rep)
+        f = next(f for f in rep.findings if f.module == "dist" and f.rule in ("overflow", "nan_origin"))
+        assert (f.phase, f.step) == ("backward", 3), f.one_line()
+        no_error_at(rep, ("enc", ""))
+
