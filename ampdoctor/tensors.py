@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["flatten_tensors", "local", "is_sharded", "module_type", "dt_name", "loss_of", "rng_state", "autocast_dtype", "autocast_str",
+__all__ = ["flatten_tensors", "copy_tensors", "input_versions", "input_writes", "local", "is_sharded", "module_type", "dt_name", "loss_of", "rng_state", "autocast_dtype", "autocast_str",
            "ac_from_str", "tb_module", "tb_location"]
 
 
@@ -26,6 +26,35 @@ def flatten_tensors(obj, out: list, depth: int = 0) -> list:
         for f in dataclasses.fields(obj):
             flatten_tensors(getattr(obj, f.name, None), out, depth + 1)
     return out
+
+
+def copy_tensors(obj, depth: int = 0):
+    """`obj` with every tensor inside nested tuples/lists/dicts replaced by a detached copy (the rest as is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if depth > 6:
+        return obj
+    if isinstance(obj, dict):
+        return {k: copy_tensors(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [copy_tensors(v, depth + 1) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(copy_tensors(v, depth + 1) for v in obj)
+    return obj
+
+
+def input_versions(obj) -> list:
+    """(tensor, version counter) of each tensor in `obj` that has one (inference tensors have none)."""
+    out = []
+    for t in flatten_tensors(obj, []):
+        if not t.is_inference():
+            out.append((t, t._version))
+    return out
+
+
+def input_writes(versions: list) -> bool:
+    """Whether any tensor of `input_versions` was written in place since (its version counter moved)."""
+    return any(t._version != v for t, v in versions)
 
 
 def is_sharded(t) -> bool:

@@ -849,17 +849,13 @@ class PixelNet(nn.Module):
         return self.head(self.fc(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the capture holds the batch as the forward left it, not as it received it: record/autocapture.py "
-    "maybe_capture writes st.batches[k], references to the step's args kept from the forward's start, after the "
-    "forward ran (captures/3 holds x / 255, max 1.0, not the raw 0..255); its replay divides again, is finite, "
-    "names no op, and the report keeps the module-level finding (op None). Needs a copy of the args (at least "
-    "of those the forward mutates: their _version changed) taken when the step's forward begins"))
 @EVERY
 def test_model_scaling_its_input_in_place_is_replayed_from_the_raw_batch(tmp_path, every):
     """From step 3 fc's weights are 4000 (64 inputs): on [0, 1] inputs its output is ~1.3e5 -> inf. The capture must hold the
     raw batch (0..255) as the forward received it: one that held the batch after the forward's x.div_(255) would
-    replay inputs /255 twice, finite, and the replay could not name the op."""
+    replay inputs /255 twice, finite, and the replay could not name the op. (It did: the capture kept references
+    to the args. The watch sees the version counters of the root's inputs move during step 0's forward and keeps
+    copies of the batches from then on.)"""
     torch.manual_seed(0)
     m = PixelNet()
     raw = (torch.rand(16, 64, generator=torch.Generator().manual_seed(1)) * 255).round()

@@ -84,6 +84,7 @@ class _Step:
     param_names: list = field(default_factory=list)
     upd: list = field(default_factory=list)
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
+    in_versions: list | None = None                   # (tensor, _version) of the root's inputs (input_writes)
     bad_batch: int = -1                                # index into batches of the first non-finite output
     pw_index: list = field(default_factory=list)       # params whose weights were checked at presync
     w_deferred: bool = False                           # CPU: weights checked in resolve, on bad steps only

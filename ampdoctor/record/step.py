@@ -24,8 +24,8 @@ from .headroom import Headroom
 from .hooks import GradTap, HeadroomHook, PassHook, passes_on
 from .transfer import HostSlots, finalize
 from .stats import is_measurable, ref_dtype
-from ..tensors import (ac_from_str, autocast_dtype, autocast_str, flatten_tensors, is_sharded, loss_of,
-                      module_type, rng_state, tb_location, tb_module)
+from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
+                       input_writes, is_sharded, loss_of, module_type, rng_state, tb_location, tb_module)
 
 __all__ = ["StepMachine", "flatten_tensors"]
 
@@ -45,6 +45,7 @@ class StepMachine(MonitorCallbacks):
         self.policy = CapturePolicy(self.cfg)  # which steps are sampled, which bad steps captured
         self._mod_handles: list = []
         self.host_slots = HostSlots()  # the pinned buffers the step's values come back through (transfer.py)
+        self.copy_inputs = False  # the model writes into its inputs: batches are kept as copies (input_writes)
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}
@@ -208,7 +209,12 @@ class StepMachine(MonitorCallbacks):
             st = self.st
             if torch.is_grad_enabled():
                 st.micro += 1
-                st.batches.append((args, kwargs, rng_state()))
+                if self.copy_inputs:  # this model writes into its own inputs: keep them as it received them
+                    st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng_state()))
+                else:
+                    st.batches.append((args, kwargs, rng_state()))
+                    if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
+                        st.in_versions = input_versions((args, kwargs))
                 del st.batches[:-8]  # the last few micro-batches (accumulation, or a loop that skips bad ones)
                 st.autocast = autocast_str()
         if not st.sampled or len(st.calls) >= self.cfg.max_module_calls:
@@ -249,6 +255,11 @@ class StepMachine(MonitorCallbacks):
         exc = sys.exc_info()[1]
         if exc is not None and st.exception is None:
             st.exception = self.exception_info(exc, self.w._names.get(id(module), "?"))
+        if module is self.root and not st.stack and st.in_versions is not None:
+            vers, st.in_versions = st.in_versions, None
+            if input_writes(vers):
+                # e.g. x.div_(255) on the caller's batch: a capture must hold the batch as the forward received it
+                self.copy_inputs = True
         if module is self.root and not st.stack and exc is None and torch.is_grad_enabled():
             loss = loss_of(output)
             if loss is not None and self.w.scaler is None:
