@@ -650,18 +650,16 @@ class PrunedNet(nn.Module):
         return self.head(torch.relu(self.proj(torch.relu(self.inp(x)))))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "weights made NaN by the module's own forward (in place, under no_grad; e.g. a max-norm constraint, a VQ-VAE "
-    "EMA codebook update) read as made by the optimizer: record/transfer.py reads the weights' abs-max (w_bad -> "
-    "ModuleCall.par) at the step's sync, after the forward, so rules/origins.py _bad_weights says 'the weights of "
-    "proj were already NaN when step 3 began: step 2's update with finite gradients wrote them' (phase optimizer) "
-    "at every=1; and record/autocapture.py saves the capture's state_dict at that sync too (proj.weight already "
-    "NaN in captures/3), so the replay sees no op make the NaN and the default sampling gives an unlocated "
-    "nan_origin at (run). Needs the weights' state (or a copy for the capture) from before the step's forward"))
-@EVERY
+@pytest.mark.parametrize("every", [pytest.param(None, marks=pytest.mark.xfail(strict=True, reason=(
+    "default sampling: record/autocapture.py saves the capture's state_dict at the step's sync, after the forward "
+    "wrote proj.weight (NaN in captures/3), so the replay sees no op make the NaN and the report gives an "
+    "unlocated nan_origin at (run). Needs a copy of the weights from before the step's forward for the capture"))),
+    1], ids=["default", "every1"])
 def test_in_place_weight_renorm_in_forward_of_a_zero_row_is_nan_origin_there(tmp_path, every):
     """From step 3 (a pruning step) proj's row 0 is all zeros: its forward divides it by its norm, 0 / 0, and the
-    weight itself becomes NaN in the forward (not in an optimizer update)."""
+    weight itself becomes NaN in the forward (not in an optimizer update). At every=1 the weights were read only
+    at the step's sync, after the forward, and proj was 'already NaN when step 3 began: step 2's update wrote
+    them'; a sampled step now also reads them when its forward begins."""
     torch.manual_seed(0)
     m, x = PrunedNet(), randn(16, 8)
 

@@ -87,6 +87,7 @@ class _Step:
     in_versions: list | None = None                   # (tensor, _version) of the root's inputs (input_writes)
     bad_batch: int = -1                                # index into batches of the first non-finite output
     pw_index: list = field(default_factory=list)       # params whose weights were checked at presync
+    w_start: object = None                             # their abs-max when the step's forward began (sampled)
     w_deferred: bool = False                           # CPU: weights checked in resolve, on bad steps only
     out_ok: list = field(default_factory=list)
     output_finite: bool | None = None

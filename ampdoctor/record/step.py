@@ -23,6 +23,7 @@ from .openstep import StepPhase, _Call, _Step
 from .headroom import Headroom
 from .hooks import GradTap, HeadroomHook, PassHook, passes_on
 from .transfer import HostSlots, finalize
+from .params import checked_weights, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
                        input_writes, is_sharded, loss_of, module_type, rng_state, tb_location, tb_module)
@@ -215,6 +216,11 @@ class StepMachine(MonitorCallbacks):
                     st.batches.append((args, kwargs, rng_state()))
                     if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
                         st.in_versions = input_versions((args, kwargs))
+                if st.sampled and st.micro == 1 and self.params:
+                    # the weights as the step found them: a forward that writes its own weights (an in-place
+                    # renorm, an EMA codebook) is their producer, not an earlier update (transfer.resolve)
+                    st.pw_index = checked_weights(self)
+                    st.w_start = weight_amax(self, st) if st.pw_index else None
                 del st.batches[:-8]  # the last few micro-batches (accumulation, or a loop that skips bad ones)
                 st.autocast = autocast_str()
         if not st.sampled or len(st.calls) >= self.cfg.max_module_calls:

@@ -146,6 +146,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         st.w_deferred = all(m.params[i][1].device.type == "cpu" for i in st.pw_index)
         if st.pw_index and not st.w_deferred:
             parts.append(("w_amax", weight_amax(m, st)))
+            if st.w_start is not None:
+                parts.append(("w_start", st.w_start))
     parts += [(f"norm{j}", t) for j, (_, t) in enumerate(st.norms)]  # gradient norms a clip or engine returned
     if st.fbuf:  # rows computed by the fused kernel (ampdoctor/record/fused.py)
         mats = {dev: buf.vectors() for dev, buf in st.fbuf.items()}
@@ -218,9 +220,13 @@ def resolve(m) -> None:
     w_amax = host.get("w_amax", [])
     if st.w_deferred and st.pw_index and (bad_fwd or bad_bwd):
         w_amax = weight_amax(m, st).tolist()
-    w_bad = {}
-    for i, v in zip(st.pw_index, w_amax):
-        if not math.isfinite(v):
+    w_start = host.get("w_start")
+    if w_start is None and st.w_start is not None and st.w_deferred and (bad_fwd or bad_bwd):
+        w_start = st.w_start.tolist()
+    st.w_start = None
+    w_bad = {}  # weights already non-finite when the step began (finite then: this step's forward wrote them)
+    for k, (i, v) in enumerate(zip(st.pw_index, w_amax)):
+        if not math.isfinite(v) and (w_start is None or k >= len(w_start) or not math.isfinite(w_start[k])):
             w_bad[m.params[i][0].rpartition(".")[0]] = "nan" if v != v else "inf"
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
