@@ -303,6 +303,9 @@ class StepRecord:
     exception: dict | None = None
     capture: str | None = None
     internal_error: dict | None = None  # ampdoctor itself failed here and stopped watching (type, message)
+    loss_ops: list | None = None
+    """On a step whose loss went non-finite: the autograd ops between the loss and the model's outputs (the loss
+    computation outside the model), by name without the trailing number (e.g. "MulBackward", "ExpBackward")."""
     headroom: dict | None = None
     """Every step, every module (ampdoctor/record/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it

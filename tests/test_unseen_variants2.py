@@ -419,10 +419,30 @@ def test_temperature_in_the_loss_default_sampling_is_at_step_4(tmp_path):
     assert f.step == 4, f.one_line()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the first non-finite value is +inf from the fp16 `sim * exp(t)` (an overflow); cross_entropy turns it into a "
-    "NaN loss. ampdoctor/rules/origins.py _outside_model picks the rule from the loss value alone "
-    "(math.isinf(r.loss)) and says nan_origin. Expected overflow (module null)"))
-def test_temperature_in_the_loss_is_an_overflow(tmp_path):
-    w = _temperature(1, tmp_path)
-    top3(w.report(), "overflow", None)
+@EVERY
+def test_temperature_in_the_loss_is_an_overflow(tmp_path, every):
+    """The first non-finite value is +inf from the fp16 `sim * exp(t)`; cross_entropy turns it into a NaN loss.
+    The records see only the NaN loss (it was `nan_origin`); the loss's own autograd ops (mul, exp, a cast,
+    log_softmax, nll_loss) cannot make NaN from finite values, so an inf came first: an overflow."""
+    w = _temperature(every, tmp_path)
+    for rep in (w.report(), ampdoctor.diagnose(tmp_path / "r")):
+        f = top3(rep, "overflow", None)
+        assert (f.phase, f.step) == ("forward", 4), f.one_line()
+
+
+@EVERY
+def test_sqrt_of_a_negative_in_the_loss_stays_a_nan_origin(tmp_path, every):
+    """A NaN the loss computation makes from finite values (sqrt of a negative, from step 3) is not an overflow:
+    its ops include one that makes NaN from finite inputs."""
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), randn(16, 8)
+    shift = {"v": 0.0}
+
+    def batch(i):
+        shift["v"] = 100.0 if i >= 3 else 0.0
+        return (x,)
+    w = loop(m, batch, lambda out, x: (out.float() - shift["v"]).abs().mul(-1 if shift["v"] else 1).add(1e-3)
+             .sqrt().mean(), every=every, run_dir=tmp_path / "r", clip=None)
+    for rep in (w.report(), ampdoctor.diagnose(tmp_path / "r")):
+        f = top3(rep, "nan_origin", None)
+        assert f.step == 3, f.one_line()

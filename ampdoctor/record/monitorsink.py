@@ -51,6 +51,7 @@ class MonitorCallbacks:
             out = args[0] if args else kwargs.get("outputs")
             if isinstance(out, torch.Tensor) and out.numel() == 1:
                 st.losses.append(out.detach().reshape(()))
+                st.loss_node = out.grad_fn  # a reference only: read on a step whose loss went non-finite
             st.scaled_since_update = True
         elif kind == "update":
             st.scaled_since_update = False

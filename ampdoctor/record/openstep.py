@@ -99,6 +99,9 @@ class _Step:
     in_scaler_step: int = 0     # nesting depth of scaler.step() calls (its own unscale_ and optimizer.step inside)
     scaled_since_update: bool = False  # scaler.scale() ran and scaler.update() not yet: the gradients are scaled
     capture: str | None = None
+    loss_ops: list | None = None                       # see StepRecord.loss_ops
+    loss_node: object = None                           # the scaled loss's autograd node (loss_ops, bad steps only)
+    out_seq: int | None = None                         # autograd's next node number when the root's forward returned
     vec_order: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
     pending: object = None  # transfer._Pending: the values on their way to the host, until resolve reads them

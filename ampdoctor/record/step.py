@@ -272,6 +272,8 @@ class StepMachine(MonitorCallbacks):
                 st.losses.append(loss)
             # every step: is the model's output finite? (one reduction, read with the step's other values)
             outs = [t for t in flatten_tensors(output, [])[:4] if is_measurable(t) and t.numel()]
+            if sequence_nr is not None:  # nodes numbered from here on are the loss computation's (loss_ops)
+                st.out_seq = sequence_nr()
             if outs:
                 # a sum is non-finite when any value is (inf - inf = NaN); in a wider dtype it cannot overflow,
                 # and unlike isfinite(t).all() it allocates nothing the size of the output (e.g. the logits)

@@ -99,6 +99,29 @@ class _Pending:
         return out
 
 
+def loss_ops(node, first_seq: int | None, limit: int = 256) -> list | None:
+    """The names (trailing number dropped) of the autograd nodes from the loss's node down to where the model's
+    forward ended (nodes numbered below `first_seq`, autograd's next number when the root's forward returned;
+    nothing of the graph is held for this) and not into the leaves: the loss computation outside the model. None
+    without a node or a number, or past `limit` nodes."""
+    if node is None or first_seq is None:
+        return None
+    seen, names, todo = {}, set(), [node]  # the visited nodes are held: their ids stay theirs (torch 2.11)
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen[id(n)] = n
+        if len(seen) > limit:
+            return None
+        name = type(n).__name__
+        if name == "AccumulateGrad" or n._sequence_nr() < first_seq:
+            continue  # a leaf, or a node the model's forward (or anything before it) made
+        names.add(name.rstrip("0123456789"))
+        todo.extend(nx for nx, _ in n.next_functions if nx is not None)
+    return sorted(names)
+
+
 def found_inf_all(m) -> None:
     """At scaler.update() with several optimizers on one scaler: whether any of them found inf this iteration
     (presync ran at the first scaler.step and saw only that optimizer's). Queued like presync's values."""
@@ -215,6 +238,9 @@ def resolve(m) -> None:
     if st.output_finite is False:  # capture the first micro-batch whose output went non-finite
         st.bad_batch = st.out_ok[out_ok.index(False)][1]
     st.out_ok = []
+    if losses and not loss_ok and st.output_finite is not False:
+        st.loss_ops = loss_ops(st.loss_node, st.out_seq)
+    st.loss_node = None
     bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
     w_amax = host.get("w_amax", [])
@@ -317,6 +343,7 @@ def finalize(m) -> None:
                      micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
+                     loss_ops=st.loss_ops,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True

@@ -228,6 +228,7 @@ def _unlocated(run: RunData) -> list[Finding]:
             inf = r.loss is not None and math.isinf(r.loss)
             where = ("loss" if r.loss_finite is False else "model's output" if r.output_finite is False
                      else "gradients")
+            inf = inf or (where == "loss" and r.output_finite is not False and _nan_made_by_inf(r))
             return [Finding(
                 "overflow" if inf else "nan_origin", "error", "backward" if where == "gradients" else "forward", None,
                 None, r.step, f"The {where} became non-finite at step {r.step}, a step without per-layer statistics; "
@@ -249,6 +250,28 @@ def _output_grad_nonfinite(r: StepRecord) -> bool:
             and r.output_finite is not False and (root.out is None or root.out.finite) and not r.forward_bad)
 
 
+# autograd nodes (names without their trailing number) whose op cannot make NaN from finite inputs: a NaN out of a
+# loss computation made of these alone came from an inf one of them made first (exp, a product, a sum overflowing;
+# then inf - inf, 0 * inf or log_softmax of +inf): an overflow. div, sqrt, log, pow and unknown ops can make NaN
+# from finite values, and leave the question open
+_NO_NAN_FROM_FINITE = frozenset(
+    f"{n}Backward" for n in (
+        "Add", "Sub", "Rsub", "Mul", "Neg", "Exp", "Exp2", "Expm1", "Sum", "Mean", "Max", "Min", "Amax", "Amin",
+        "ToCopy", "View", "UnsafeView", "ReshapeAlias", "T", "Transpose", "Permute", "Expand", "Squeeze",
+        "Unsqueeze", "Slice", "Select", "Index", "Cat", "Stack", "Clone", "Mm", "Bmm", "Addmm", "Dot", "LogSoftmax",
+        "Softmax", "NllLoss", "NllLoss2D", "MseLoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
+        "BinaryCrossEntropyWithLogits", "Abs", "Relu", "Gelu", "Sigmoid", "Tanh", "Silu", "Clamp", "ClampMin",
+        "ClampMax", "Logsumexp", "Cumsum", "Where", "MaskedFill", "Gather", "Split", "SplitWithSizes", "Unbind",
+        "Diagonal", "Trace", "Flip", "Roll", "Repeat", "Softplus"))
+
+
+def _nan_made_by_inf(r: StepRecord) -> bool:
+    """A NaN loss computed outside the model, from finite outputs, by ops none of which makes NaN from finite
+    values (StepRecord.loss_ops): an inf came first — the loss computation overflowed."""
+    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops)
+            and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops))
+
+
 def _outside_model(run: RunData) -> list[Finding]:
     """The loss computation outside the watched model as the producer: the loss went non-finite although every
     module's output was finite (forward), or the gradient reaching the model's output was already non-finite
@@ -261,13 +284,18 @@ def _outside_model(run: RunData) -> list[Finding]:
         if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \
                 and not any(c.out is not None and not c.out.finite and not _only_neginf(c.out) for c in r.modules):
             inf = r.loss is not None and math.isinf(r.loss)
+            via_inf = _nan_made_by_inf(r)
             step = onset_step(run.steps, r.step, "forward")  # the first bad step, when only the trip-wire saw it
             ev = {"loss": r.loss, "rank_hint": 11}
+            if r.loss_ops:
+                ev["loss_ops"] = r.loss_ops[:30]
             if step != r.step:
                 ev["observed_step"] = r.step
-            return [Finding("overflow" if inf else "nan_origin", "error", "forward", None, None, step,
+            return [Finding("overflow" if inf or via_inf else "nan_origin", "error", "forward", None, None, step,
                             f"The loss became {'inf' if inf else 'NaN'} outside the watched model (in the loss "
-                            "computation) while every module's output was finite.",
+                            "computation) while every module's output was finite" + (
+                                "; none of its ops makes NaN from finite values, so one of them overflowed to inf "
+                                "first (then inf - inf or 0 * inf made the NaN)." if via_inf else "."),
                             "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
                             "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.", ev)]
         if _output_grad_nonfinite(r) and not benign:
