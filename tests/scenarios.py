@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -61,6 +62,24 @@ def amp_loop(model, batch, loss_fn, *, steps=8, every=None, lr=1e-3, run_dir=Non
             sched.step()
     w.close()
     return w
+
+
+EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])  # ampdoctor's sampling, and every step
+
+
+def lines(rep):
+    return [f.one_line() for f in rep.findings]
+
+
+def no_error_at(rep, modules):
+    """No error finding at any of `modules` (the modules that only passed a failure on)."""
+    bad = [f.one_line() for f in rep.findings if f.module in modules and f.severity == "error"]
+    assert not bad, bad
+
+
+def both(w, run_dir):
+    """The live report and the one read back from the run directory: they must agree."""
+    return (w.report(), ampdoctor.diagnose(run_dir))
 
 
 def top3(rep, rule, module):

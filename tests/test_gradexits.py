@@ -117,23 +117,13 @@ def test_backward_overflow_found_and_gradients_unchanged_without_native_counter(
     import ampdoctor
     import ampdoctor.record.step as step
     from ampdoctor.record.gradexits import probe_sequence_nr
+    from test_unseen_variants3 import PowNet  # quart(h) = (h * gain) ** 4 after a tanh
     monkeypatch.setattr(step, "sequence_nr", probe_sequence_nr)
-
-    class Quartic(nn.Module):
-        def forward(self, h):
-            return (h * 12.0).pow(4)
-
-    class PowNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.quart = nn.Linear(8, 16), Quartic()
-
-        def forward(self, x):
-            return self.quart(torch.tanh(self.inp(x)))
 
     def run(watch):
         torch.manual_seed(0)
         m = PowNet()
+        m.quart.gain = 12.0
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)) * 3
         opt = torch.optim.SGD(m.parameters(), lr=1e-6)
         sc = torch.amp.GradScaler("cpu")

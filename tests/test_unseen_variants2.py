@@ -10,28 +10,19 @@ import functools
 import math
 
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import amp_loop, randn, top3
+from scenarios import EVERY, amp_loop, no_error_at, randn, top3
 
 
 loop = functools.partial(amp_loop, steps=8)
 
 
-def no_error_at(rep, modules):
-    bad = [f.one_line() for f in rep.findings if f.module in modules and f.severity == "error"]
-    assert not bad, bad
-
-
 def mean_sq(out, *args):
     return out.float().pow(2).mean()
-
-
-EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
 
 
 # -- 1. VAE decoder: the last ConvTranspose2d overflows from step 3 on ------------------------------------------------

@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import ampdoctor
-from scenarios import amp_loop, one_thread, randn, top3
+from scenarios import EVERY, amp_loop, both, lines, no_error_at, one_thread, randn, top3
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -22,25 +21,8 @@ one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 loop = functools.partial(amp_loop, steps=8)
 
 
-def lines(rep):
-    return [f.one_line() for f in rep.findings]
-
-
-
-def no_error_at(rep, modules):
-    bad = [f.one_line() for f in rep.findings if f.module in modules and f.severity == "error"]
-    assert not bad, bad
-
-
-def both(w, run_dir):
-    return (w.report(), ampdoctor.diagnose(run_dir))
-
-
 def mean_sq(out, *args):
     return out.float().pow(2).mean()
-
-
-EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
 
 
 # -- 1. deep MLP with GELU/SiLU/tanh: one Linear overflows on one batch in five ------------------------------------

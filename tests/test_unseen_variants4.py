@@ -17,27 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import amp_loop, one_thread, randn, top3
+from scenarios import EVERY, amp_loop, both, lines, no_error_at, one_thread, randn, top3
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 loop = functools.partial(amp_loop, steps=8, init_scale=1024.0)
-EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
 FP16 = dict(device_type="cpu", dtype=torch.float16)
-
-
-def lines(rep):
-    return [f.one_line() for f in rep.findings]
-
-
-def no_error_at(rep, modules):
-    bad = [f.one_line() for f in rep.findings if f.module in modules and f.severity == "error"]
-    assert not bad, bad
-
-
-def both(w, run_dir):
-    return (w.report(), ampdoctor.diagnose(run_dir))
 
 
 def not_a_mask(rep):

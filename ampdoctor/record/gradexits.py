@@ -1,5 +1,6 @@
 """Autograd-side helpers of the module hooks: whether a backward is running (activation checkpointing re-runs
-forwards inside it), and where the gradient towards a module's inputs leaves that module.
+forwards inside it), where the gradient towards a module's inputs leaves that module, and which ops a loss
+computed outside the model is made of (loss_ops, read on a step whose loss went non-finite).
 
 A module's "gradient out" (towards its inputs) is read by post-hooks on the autograd nodes its forward created
 that hand a gradient straight to one of its inputs: nothing is inserted into the graph, so autograd sums a
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "input_nodes", "gradient_exits", "ExitHook", "Regions"]
+__all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "input_nodes", "gradient_exits", "ExitHook", "Regions",
+           "loss_ops"]
 
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -159,3 +161,26 @@ class ExitHook:
             if i < len(grad_inputs) and grad_inputs[i] is not None:
                 self.hook(grad_inputs[i])
         return None
+
+
+def loss_ops(node, first_seq: int | None, limit: int = 256) -> list | None:
+    """The names (trailing number dropped) of the autograd nodes from the loss's node down to where the model's
+    forward ended (nodes numbered below `first_seq`, autograd's next number when the root's forward returned;
+    nothing of the graph is held for this) and not into the leaves: the loss computation outside the model. None
+    without a node or a number, or past `limit` nodes."""
+    if node is None or first_seq is None:
+        return None
+    seen, names, todo = {}, set(), [node]  # the visited nodes are held: their ids stay theirs (torch 2.11)
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen[id(n)] = n
+        if len(seen) > limit:
+            return None
+        name = type(n).__name__
+        if name == "AccumulateGrad" or n._sequence_nr() < first_seq:
+            continue  # a leaf, or a node the model's forward (or anything before it) made
+        names.add(name.rstrip("0123456789"))
+        todo.extend(nx for nx, _ in n.next_functions if nx is not None)
+    return sorted(names)

@@ -104,7 +104,7 @@ class _Step:
     out_seq: int | None = None                         # autograd's next node number when the root's forward returned
     vec_order: dict = field(default_factory=dict)
     seen: dict = field(default_factory=dict)
-    pending: object = None  # transfer._Pending: the values on their way to the host, until resolve reads them
+    pending: object = None  # hostcopy.Pending: the values on their way to the host, until resolve reads them
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
     headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/record/headroom.py)

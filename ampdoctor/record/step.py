@@ -22,7 +22,8 @@ from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Call, _Step
 from .headroom import Headroom
 from .hooks import GradTap, HeadroomHook, PassHook, passes_on
-from .transfer import HostSlots, finalize
+from .hostcopy import HostSlots
+from .transfer import finalize
 from .params import checked_weights, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
@@ -45,7 +46,7 @@ class StepMachine(MonitorCallbacks):
         self._event_index = 0
         self.policy = CapturePolicy(self.cfg)  # which steps are sampled, which bad steps captured
         self._mod_handles: list = []
-        self.host_slots = HostSlots()  # the pinned buffers the step's values come back through (transfer.py)
+        self.host_slots = HostSlots()  # the pinned buffers the step's values come back through (hostcopy.py)
         self.copy_inputs = False  # the model writes into its inputs: batches are kept as copies (input_writes)
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
@@ -240,7 +241,7 @@ class StepMachine(MonitorCallbacks):
             if is_measurable(t):
                 self._row(c, "inp", t, light=True)
                 st.probe_integers(c, t)
-        if grad and sequence_nr is not None:
+        if grad:
             ins = [t for t in tensors if t.requires_grad and is_measurable(t)]
             if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)
                 c.grad_inputs = input_nodes(ins)  # their nodes now: an in-place forward replaces them
@@ -272,8 +273,7 @@ class StepMachine(MonitorCallbacks):
                 st.losses.append(loss)
             # every step: is the model's output finite? (one reduction, read with the step's other values)
             outs = [t for t in flatten_tensors(output, [])[:4] if is_measurable(t) and t.numel()]
-            if sequence_nr is not None:  # nodes numbered from here on are the loss computation's (loss_ops)
-                st.out_seq = sequence_nr()
+            st.out_seq = sequence_nr()  # nodes numbered from here on are the loss computation's (loss_ops)
             if outs:
                 # a sum is non-finite when any value is (inf - inf = NaN); in a wider dtype it cannot overflow,
                 # and unlike isfinite(t).all() it allocates nothing the size of the output (e.g. the logits)

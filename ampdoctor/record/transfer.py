@@ -2,7 +2,7 @@
 
 `presync` runs just before the optimizer step (or when the scaler skipped it, or when no step came): it
 gathers the loss, the scale, found_inf, gradient norms and every statistic vector the hooks queued, moves
-them to the host in one transfer per device (the step is STAGED); `resolve` reads them and asks the machine's
+them to the host in one transfer per device (ampdoctor/record/hostcopy.py; the step is STAGED); `resolve` reads them and asks the machine's
 CapturePolicy whether the step is worth a capture (ampdoctor/record/autocapture.py). `finalize` turns the step
 into a StepRecord (producers included; the step is FINAL), stores it and hands it to the sinks. What is measured
 about the parameters is ampdoctor/record/params.py.
@@ -14,7 +14,9 @@ import math
 import torch
 
 from .autocapture import maybe_capture
+from .gradexits import loss_ops
 from .headroom import from_calls
+from .hostcopy import Pending
 from .openstep import StepPhase
 from .params import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
@@ -25,103 +27,6 @@ from .storage import store
 __all__ = ["presync", "resolve", "finalize", "found_inf_all"]
 
 
-class HostSlots:
-    """Pinned host buffers and CUDA events kept for the watch's life, two per (slot, device, dtype) by the step's
-    parity: a step's values land in one while the previous step's are read from the other. A pinned block and
-    an event per step cost ~40 us of host time on an H200 (cudaHostAlloc through the caching allocator, event
-    creation and destruction), on a step where every microsecond shows."""
-
-    __slots__ = ("bufs",)
-
-    def __init__(self):
-        self.bufs: dict = {}
-
-    def get(self, key, n: int, dtype: torch.dtype):
-        got = self.bufs.get(key)
-        if got is None or got[0].numel() < n:
-            ev = got[1] if got is not None else torch.cuda.Event()
-            got = self.bufs[key] = (torch.empty(max(n, 64), dtype=dtype, pin_memory=True), ev)
-        return got[0][:n], got[1]
-
-
-class _Pending:
-    """Values on their way to the host. With a GradScaler on CUDA the copy is asynchronous (pinned memory and an
-    event): the step's one synchronisation stays GradScaler's own, and the values are read at the next iteration,
-    long after they arrived. Otherwise they are read at once. `via_scaler`: staged inside scaler.step();
-    `grads_scaled`: the optimizer stepped on gradients still multiplied by the loss scale. A key given several
-    times reads back as its parts' values in order. `slots`/`slot`: reused host buffers (HostSlots)."""
-
-    def __init__(self, parts: list[tuple[str, torch.Tensor]], asynchronous: bool, via_scaler: bool = False,
-                 grads_scaled: bool = False, slots: HostSlots | None = None, slot=None):
-        self.via_scaler, self.grads_scaled = via_scaler, grads_scaled
-        by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-        for k, t in parts:
-            by_dev.setdefault(t.device, []).append((k, t.reshape(-1)))
-        self.items = []
-        for dev, items in by_dev.items():
-            if dev.type == "cpu":  # nothing to move: each value is read where it is (no concatenation)
-                self.items.append((items, None, None))
-                continue
-            flat = torch.cat([t for _, t in items]) if len(items) > 1 else items[0][1]
-            ev = None
-            if asynchronous and dev.type == "cuda":
-                if slots is not None:
-                    host, ev = slots.get((slot, dev, flat.dtype), flat.numel(), flat.dtype)
-                else:
-                    host, ev = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True), torch.cuda.Event()
-                host.copy_(flat, non_blocking=True)
-                ev.record()
-                flat = host
-            self.items.append((items, flat, ev))
-
-    def result(self) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {}
-        for items, flat, ev in self.items:
-            if flat is None:
-                for k, t in items:
-                    v = t.tolist()
-                    if k in out:
-                        out[k] = out[k] + v
-                    else:
-                        out[k] = v
-                continue
-            if ev is not None:
-                ev.synchronize()
-            vals = flat.cpu().tolist()
-            i = 0
-            for k, t in items:
-                n = t.numel()
-                if k in out:
-                    out[k] = out[k] + vals[i:i + n]
-                else:
-                    out[k] = vals[i:i + n]
-                i += n
-        return out
-
-
-def loss_ops(node, first_seq: int | None, limit: int = 256) -> list | None:
-    """The names (trailing number dropped) of the autograd nodes from the loss's node down to where the model's
-    forward ended (nodes numbered below `first_seq`, autograd's next number when the root's forward returned;
-    nothing of the graph is held for this) and not into the leaves: the loss computation outside the model. None
-    without a node or a number, or past `limit` nodes."""
-    if node is None or first_seq is None:
-        return None
-    seen, names, todo = {}, set(), [node]  # the visited nodes are held: their ids stay theirs (torch 2.11)
-    while todo:
-        n = todo.pop()
-        if id(n) in seen:
-            continue
-        seen[id(n)] = n
-        if len(seen) > limit:
-            return None
-        name = type(n).__name__
-        if name == "AccumulateGrad" or n._sequence_nr() < first_seq:
-            continue  # a leaf, or a node the model's forward (or anything before it) made
-        names.add(name.rstrip("0123456789"))
-        todo.extend(nx for nx, _ in n.next_functions if nx is not None)
-    return sorted(names)
-
-
 def found_inf_all(m) -> None:
     """At scaler.update() with several optimizers on one scaler: whether any of them found inf this iteration
     (presync ran at the first scaler.step and saw only that optimizer's). Queued like presync's values."""
@@ -130,7 +35,7 @@ def found_inf_all(m) -> None:
         return
     fi = [v.detach().double().reshape(()) for s in states.values() for v in s.get("found_inf_per_device", {}).values()]
     if fi:
-        m.st.late = _Pending([("found_inf_all", torch.stack(fi).sum())],
+        m.st.late = Pending([("found_inf_all", torch.stack(fi).sum())],
                              getattr(m.w.scaler, "_device", "") == "cuda", slots=m.host_slots,
                              slot=("late", m.st.step & 1))
 
@@ -188,7 +93,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         st.probes = []
     parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/record/headroom.py)
     asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
-    st.pending = _Pending(parts, asynchronous, via_scaler, grads_scaled, m.host_slots, ("main", st.step & 1))
+    st.pending = Pending(parts, asynchronous, via_scaler, grads_scaled, m.host_slots, ("main", st.step & 1))
     st.advance(StepPhase.STAGED)
     if not asynchronous:
         resolve(m)
