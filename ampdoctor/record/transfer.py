@@ -69,7 +69,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
             if st.sampled:
                 parts.append(("g_l2", norms(grads, 2)))
     if st.sampled and m.params:  # are the weights themselves finite?
-        st.pw_index = checked_weights(m)
+        st.pw_index = st.pw_index or checked_weights(m)  # (taken at the forward's start when it ran)
         # on the CPU nothing is gained by queueing: the weights are checked in resolve, on bad steps only
         st.w_deferred = all(m.params[i][1].device.type == "cpu" for i in st.pw_index)
         if st.pw_index and not st.w_deferred:
