@@ -67,6 +67,15 @@ def amp_loop(model, batch, loss_fn, *, steps=8, every=None, lr=1e-3, run_dir=Non
 EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])  # ampdoctor's sampling, and every step
 
 
+def assert_healthy(losses, scales, steps, window, must_fall, max_backoffs):
+    """The run really was healthy: every loss finite, the mean of the last `steps // window` losses below
+    `must_fall` times that of the first, and at most `max_backoffs` loss-scale decreases."""
+    assert all(map(math.isfinite, losses)), losses
+    k = max(1, steps // window)
+    assert sum(losses[-k:]) / k < must_fall * sum(losses[:k]) / k, losses
+    assert sum(b < a for a, b in zip(scales, scales[1:])) <= max_backoffs, scales
+
+
 def lines(rep):
     return [f.one_line() for f in rep.findings]
 

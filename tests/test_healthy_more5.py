@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, one_thread  # noqa: E402
+from scenarios import alarms, assert_healthy, gen, one_thread  # noqa: E402
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -73,10 +73,7 @@ def run(model, batch, loss_fn, tmp_path, *, steps=40, every=None, opt=None, sche
         losses.append(tot)
         scales.append(sc.get_scale())
     w.close()
-    assert all(map(math.isfinite, losses)), losses
-    k = max(1, steps // window)
-    assert sum(losses[-k:]) / k < must_fall * sum(losses[:k]) / k, losses
-    assert sum(b < a for a, b in zip(scales, scales[1:])) <= max_backoffs, scales
+    assert_healthy(losses, scales, steps, window, must_fall, max_backoffs)
     return w.report(), ampdoctor.diagnose(rd)
 
 
