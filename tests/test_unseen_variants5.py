@@ -12,6 +12,7 @@ step; the right rule at the producing module (not one that only passed the inf/N
 findings, at that step. Where ampdoctor is wrong the test is a strict xfail whose reason says what and where."""
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -715,3 +716,126 @@ def test_epoch_end_flush_with_optimizer_step_on_scaled_gradients():
     f = next((f for f in rep.findings[:3] if f.rule == "scaler_misorder"), None)
     assert f is not None, lines(rep)
     assert f.step == 5, f.one_line()
+
+
+# -- 19. a heteroscedastic (Gaussian NLL) head: exp(logvar) in fp16 overflows once logvar passes 11.1 ----------------
+class GaussianNLL(nn.Module):
+    def forward(self, mu, logvar, y):
+        return (0.5 * (logvar + (y - mu) ** 2 / torch.exp(logvar))).mean()  # exp(12) = 1.6e5 -> inf in fp16
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.mean, self.logvar, self.nll = nn.Linear(8, 16), nn.Linear(16, 1), nn.Linear(16, 1), \
+            GaussianNLL()
+
+    def forward(self, x, y):
+        h = torch.relu(self.body(x))
+        return self.nll(self.mean(h), self.logvar(h), y)
+
+
+@EVERY
+def test_gaussian_nll_exp_of_log_variance_overflows_in_the_loss_module(tmp_path, every):
+    """From step 3 the predicted log-variance is ~12 (a bias: an easy batch drove it up): exp is inf in fp16,
+    (y - mu)^2 / inf = 0 and the loss stays finite; ExpBackward's grad * inf is NaN. Made by nll's exp."""
+    torch.manual_seed(0)
+    m, x, y = Regressor(), randn(16, 8), randn(16, 1, seed=1)
+
+    def batch(i):
+        if i == 3:
+            with torch.no_grad():
+                m.logvar.bias.fill_(12.0)
+                m.logvar.weight.mul_(0.01)
+        return (x, y)
+    w = loop(m, batch, lambda out, *a: out, every=every, run_dir=tmp_path / "r", lr=1e-6, clip=None)
+    r3 = next(r for r in w.steps if r.step == 3)
+    assert r3.loss_finite is not False and first_bad(w) == 3
+    with torch.no_grad(), torch.autocast(**FP16):
+        h = torch.relu(m.body(x))
+        lv = m.logvar(h)
+        assert torch.isfinite(lv).all() and lv.max() < 13 and torch.isinf(torch.exp(lv)).any()  # real
+    for rep in both(w, tmp_path / "r"):
+        f = top3(rep, "overflow", "nll")
+        assert (f.phase, f.step, f.op) == ("forward", 3, "aten::exp"), f.one_line()
+        no_error_at(rep, ("body", "mean", "logvar", ""))
+
+
+# -- 20. diffusion in pure fp16 (model.half()): the cosine schedule's last alpha_bar (1.9e-15) is 0 in fp16 --------
+class Schedule(nn.Module):
+    def __init__(self, T=1000):
+        super().__init__()
+        s = torch.arange(T + 1) / T
+        self.register_buffer("alphas_cumprod", torch.cos((s + 0.008) / 1.008 * math.pi / 2) ** 2)
+
+    def forward(self, x_t, t, eps):  # the x0 prediction, from the predicted noise
+        ab = self.alphas_cumprod[t][:, None]
+        return (x_t - (1 - ab).sqrt() * eps) / ab.sqrt()  # ab == 0 at t = T in fp16: x / 0 = inf
+
+
+class X0Diffusion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.schedule = Schedule()
+        self.denoiser = nn.Sequential(nn.Linear(9, 32), nn.SiLU(), nn.Linear(32, 8))
+
+    def forward(self, x0, t, noise):
+        ab = self.schedule.alphas_cumprod[t][:, None]
+        x_t = ab.sqrt() * x0 + (1 - ab).sqrt() * noise
+        eps = self.denoiser(torch.cat([x_t, (t[:, None] / 1000).to(x_t.dtype)], -1))
+        return (self.schedule(x_t, t, eps) - x0).pow(2).mean()
+
+
+@EVERY
+def test_pure_fp16_diffusion_schedule_division_by_a_flushed_alpha_bar(every):
+    """model.half() (buffers too) + SGD, no scaler: steps 0-2 sample t < 1000; from step 3 the batch holds
+    t = 1000, whose alpha_bar (1.9e-15 in fp32) is 0 in fp16: predict_x0 divides by sqrt(0) -> inf. The producer
+    is `schedule` (its x0 prediction's division), at step 3; the denoiser only receives the NaN afterwards."""
+    torch.manual_seed(0)
+    m = X0Diffusion().half()
+    assert m.schedule.alphas_cumprod[-1] == 0 and X0Diffusion().schedule.alphas_cumprod[-1] > 0  # real
+    x0, noise = randn(16, 8).half(), randn(16, 8, seed=1).half()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    w = ampdoctor.watch(m, optimizer=opt, **({} if every is None else {"every": every}))
+    losses = []
+    for i in range(8):
+        t = torch.arange(16) * 50 + 20 * i
+        if i == 3:
+            t[0] = 1000
+        opt.zero_grad()
+        loss = m(x0, t, noise).float()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    w.close()
+    assert all(math.isfinite(v) for v in losses[:3]) and not math.isfinite(losses[3]), losses
+    rep = w.report()
+    got = [(f.rule, f.module) for f in rep.findings[:3]]
+    assert ("overflow", "schedule") in got or ("underflow", "schedule") in got, lines(rep)
+    f = next(f for f in rep.findings[:3] if f.module == "schedule" and f.rule in ("overflow", "underflow"))
+    assert (f.phase, f.step) == ("forward", 3) and f.op in (None, "aten::div"), f.one_line()
+    no_error_at(rep, ("denoiser.0", "denoiser.1", "denoiser.2", "denoiser", ""))
+
+
+# -- 21. model.half() handed to a GradScaler: torch raises at unscale_, the report names the fp16 weights -----------
+def test_half_model_with_grad_scaler_names_fp16_master_weights():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
+    x = randn(16, 8)
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x.half()).float().pow(2).mean()
+            sc.scale(loss).backward()
+            sc.unscale_(opt)
+            sc.step(opt)
+            sc.update()
+    rep = w.report()
+    w.close()
+    f = next((f for f in rep.findings[:3] if f.rule == "fp16_master_weights"), None)
+    assert f is not None and f.module in ("", "0", "2"), lines(rep)
+    assert f.step == 0 and f.severity == "error", f.one_line()
