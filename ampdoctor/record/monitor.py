@@ -6,6 +6,7 @@ the exception propagates, so a report after a crashed script still names the mis
 """
 from __future__ import annotations
 
+import enum
 import os
 import sys
 import threading
@@ -24,7 +25,11 @@ _LIB_DIRS = tuple(os.path.join(_SITE, n) + os.sep for n in ("transformers", "acc
 
 
 _SKIP_PREFIXES = (_PKG_DIR, _TORCH_DIR, "<frozen") + _LIB_DIRS
-_SKIP_CODE: dict = {}  # code object -> whether its frames are skipped (decided once per function)
+_SKIP_CODE: dict = {}  # id(code) -> (code, whether its frames are skipped): decided once per function; keyed by
+#                        id (hashing a code object hashes its contents, ~0.6 us) and holding the code, so the id
+#                        is not reused while the entry lives
+_LINE: dict = {}       # (id(code), f_lasti) -> line: f_lineno decodes the line table, linear in the code's length
+#                        (a training loop at a script's top level is one long code object)
 
 
 def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
@@ -32,17 +37,27 @@ def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
     f = sys._getframe(skip)
     while f is not None:
         code = f.f_code
-        skipped = _SKIP_CODE.get(code)
-        if skipped is None:
+        seen = _SKIP_CODE.get(id(code))
+        if seen is None or seen[0] is not code:
             if len(_SKIP_CODE) > 4096:  # generated code (exec, compile) must not grow it forever
                 _SKIP_CODE.clear()
+                _LINE.clear()
             fn = code.co_filename
-            skipped = _SKIP_CODE[code] = (fn.startswith(_SKIP_PREFIXES) or fn.endswith("/contextlib.py")
-                                          or fn.endswith("/functools.py"))
-        if not skipped:
-            return code.co_filename, f.f_lineno
+            seen = _SKIP_CODE[id(code)] = (code, fn.startswith(_SKIP_PREFIXES) or fn.endswith("/contextlib.py")
+                                           or fn.endswith("/functools.py"))
+        if not seen[1]:
+            key = (id(code), f.f_lasti)
+            line = _LINE.get(key)
+            if line is None:
+                if len(_LINE) > 16384:
+                    _LINE.clear()
+                line = _LINE[key] = f.f_lineno
+            return code.co_filename, line
         f = f.f_back
     return None, None
+
+
+_STAGE_NAMES: dict = {}  # id(OptState member) -> (member, its name): an enum's hash and .name are Python code
 
 
 def scaler_stage(scaler, optimizer) -> str | None:
@@ -51,8 +66,14 @@ def scaler_stage(scaler, optimizer) -> str | None:
         st = scaler._per_optimizer_states[id(optimizer)]["stage"]
     except (AttributeError, KeyError, TypeError):
         return None
+    known = _STAGE_NAMES.get(id(st))
+    if known is not None and known[0] is st:
+        return known[1]
     name = getattr(st, "name", None)  # an OptState enum (str() of it is slow, and once per scaler call)
-    return name if isinstance(name, str) else str(st)
+    name = name if isinstance(name, str) else str(st)
+    if isinstance(st, enum.Enum):  # members live as long as their class: the id is theirs
+        _STAGE_NAMES[id(st)] = (st, name)
+    return name
 
 
 class _InstancePatch:

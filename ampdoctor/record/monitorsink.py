@@ -43,7 +43,7 @@ class MonitorCallbacks:
         if kind in ("unscale_", "step"):
             opt = args[0] if args else kwargs.get("optimizer")
         stage = scaler_stage(self.w.scaler, opt) if opt is not None else None
-        ev = self.event(kind, stage=stage)
+        ev = self.event(kind, 5, stage=stage)
         if opt is not None:  # several optimizers may share one scaler (one step each, one update)
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
@@ -111,7 +111,7 @@ class MonitorCallbacks:
         if self.disabled:
             return
         self.begin()
-        self.event("zero_grad")
+        self.event("zero_grad", 5)
 
     @_guarded
     def clip_before(self, kind, parameters):
@@ -127,7 +127,7 @@ class MonitorCallbacks:
         if sc is not None and self.w.optimizer is not None and getattr(sc, "_enabled", True):
             stage = scaler_stage(sc, self.w.optimizer)
             scaled = self.st.scaled_since_update and stage in (None, "READY")
-        return self.event(kind, stage=stage, scaled=scaled)
+        return self.event(kind, 5, stage=stage, scaled=scaled)
 
     @_guarded
     def clip_after(self, ev, out) -> None:

@@ -45,6 +45,9 @@ _NEXT = {
 }
 
 
+_NEXT_BY_ID = {id(k): tuple(v) for k, v in _NEXT.items()}  # the same, looked up without hashing an enum (Python)
+
+
 class StepPhaseError(RuntimeError):
     """A step was moved out of order: a bug in ampdoctor, never in the user's code."""
 
@@ -120,7 +123,7 @@ class _Step:
 
     def advance(self, to: StepPhase) -> None:
         """Move the step on to phase `to`; the only place the phase changes."""
-        if to not in _NEXT[self._phase]:
+        if to not in _NEXT_BY_ID[id(self._phase)]:
             raise StepPhaseError(f"step {self.step} cannot go from {self._phase.name} to {to.name} "
                                  f"(allowed: {', '.join(p.name for p in _NEXT[self._phase]) or 'none'})")
         self._phase = to

@@ -175,12 +175,14 @@ class StepMachine(MonitorCallbacks):
         except Exception:
             pass
 
-    def event(self, kind: str, **kw) -> CallEvent:
+    def event(self, kind: str, skip: int = 3, **kw) -> CallEvent:
+        """Record a call of `kind` at the caller's line; `skip`: the frames between caller_location and the first
+        that may be the user's (5 from a patch's guarded callback: event, the callback, _guarded, the patch)."""
         evs = self.st.events
         if kw.get("via_scaler") and evs and evs[-1].kind == "step":
             f, ln = evs[-1].file, evs[-1].line  # the optimizer step scaler.step() made: where that was called
         else:
-            f, ln = caller_location(3)
+            f, ln = caller_location(skip)
         ev = CallEvent(kind=kind, step=self.st.step, index=self._event_index, file=f, line=ln, **kw)
         self._event_index += 1
         self.st.events.append(ev)

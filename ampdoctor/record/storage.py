@@ -71,8 +71,9 @@ class StepStore(Sequence):
     # ---------------------------------------------------------------------------------------------- writing
     def _repeats(self, rec: StepRecord) -> bool:
         """The same call sequence as the step before, nothing wrong in it, no capture: its events say nothing new."""
-        seq = tuple(e.kind for e in rec.events)
-        if rec.bad or rec.capture or any(e.error or e.scaled for e in rec.events) or seq != self._last_seq:
+        evs = rec.events
+        seq = tuple([e.kind for e in evs])
+        if rec.bad or rec.capture or seq != self._last_seq or [e for e in evs if e.error or e.scaled]:
             self._last_seq = seq
             return False
         return True
