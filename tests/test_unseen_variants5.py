@@ -937,3 +937,73 @@ def test_half_model_with_grad_scaler_names_fp16_master_weights():
     f = next((f for f in rep.findings[:3] if f.rule == "fp16_master_weights"), None)
     assert f is not None and f.module in ("", "0", "2"), lines(rep)
     assert f.step == 0 and f.severity == "error", f.one_line()
+
+
+# -- 22. TF32 switches set at the top of an fp16 CPU script; an overflow at step 3 stays first ------------------------
+@pytest.mark.parametrize("how", ["allow_tf32", "matmul_precision"])
+def test_tf32_flags_in_an_fp16_cpu_run_are_env_info_behind_the_overflow(tmp_path, how):
+    """The script sets TF32 (copied from a GPU recipe), trains in fp16 autocast on the CPU, and fc1 overflows from
+    step 3: the overflow is the first finding; env_tf32 says (info, phase env) that TF32 does not apply here."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    try:
+        if how == "allow_tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        else:
+            torch.set_float32_matmul_precision("high")
+        torch.manual_seed(0)
+        m, x = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)), randn(16, 8)
+
+        def batch(i):
+            if i == 3:
+                with torch.no_grad():
+                    m[0].weight.mul_(1e5)
+            return (x,)
+        w = loop(m, batch, out_mean, run_dir=tmp_path / "r", lr=1e-6, clip=None)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old[0]
+        torch.set_float32_matmul_precision(old[1])
+    assert first_bad(w) == 3
+    for rep in both(w, tmp_path / "r"):
+        f = rep.findings[0]
+        assert (f.rule, f.module, f.step) == ("overflow", "0", 3), lines(rep)
+        env = [f for f in rep.findings if f.rule == "env_tf32"]
+        assert len(env) == 1 and (env[0].severity, env[0].phase, env[0].module) == ("info", "env", None), lines(rep)
+        no_error_at(rep, ("1", "2", ""))
+
+
+# -- 23. unnormalised input features drifting up x1.6 per step: the first Linear overflows at the step it crosses -----
+class DriftNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@EVERY
+def test_input_drift_overflows_the_first_linear_at_the_step_it_crosses(tmp_path, every):
+    """A sensor feature with no normalisation grows x1.6 per step (a counter, a timestamp): fc1's output crosses
+    65504 at a step computed here (the first whose fc1 output is not finite); the input, even cast to fp16, is
+    finite.
+    The overflow is fc1's, at that step, not a later one."""
+    torch.manual_seed(0)
+    m = DriftNet()
+    with torch.no_grad():
+        m.fc1.weight[:, 0] = 8.0  # the feature matters: fc1 multiplies it by 8, its sum crosses 65504 first
+    base = randn(16, 8)
+
+    def x_at(i):
+        x = base.clone()
+        x[:, 0] = 100.0 * 1.6 ** i
+        return x
+    with torch.no_grad(), torch.autocast(**FP16):
+        k = next(i for i in range(40) if not torch.isfinite(m.fc1(x_at(i))).all())
+    assert 8 <= k <= 20 and x_at(k).abs().max() < 65504 / 4, k  # the fp16 cast of the input itself is finite
+    w = loop(m, lambda i: (x_at(i),), out_mean, steps=k + 3, every=every, run_dir=tmp_path / "r", lr=1e-7,
+             clip=None, init_scale=1.0)  # a scale of 1: the backward stays finite, the forward is what breaks
+    assert first_bad(w) == k
+    for rep in both(w, tmp_path / "r"):
+        f = top3(rep, "overflow", "fc1")
+        assert (f.phase, f.step, f.op) == ("forward", k, "aten::addmm"), f.one_line()
+        no_error_at(rep, ("act", "fc2", ""))
