@@ -367,7 +367,8 @@ class RunMeta:
     torch_version: str = ""
     model_class: str = ""
     modules: list[list[Any]] = field(default_factory=list)   # [qualified name, class name, depth]
-    params: list[list[Any]] = field(default_factory=list)    # [name, module, dtype, numel, in_optimizer]
+    params: list[list[Any]] = field(default_factory=list)    # [name, module, dtype, numel, in_optimizer,
+    #                                                          requires_grad at watch start (absent: older runs)]
     optimizer: dict = field(default_factory=dict)             # class, param dtypes, fp16/bf16 param names
     scaler: dict = field(default_factory=dict)                # class, init_scale, growth/backoff, enabled
     env: dict = field(default_factory=dict)                   # see ampdoctor/env.py

@@ -275,7 +275,7 @@ class Watch:
         params = []
         for name, p in model.named_parameters():
             params.append([name, name.rpartition(".")[0], str(p.dtype).replace("torch.", ""), p.numel(),
-                           id(p) in opt_ids if self.optimizer is not None else None])
+                           id(p) in opt_ids if self.optimizer is not None else None, p.requires_grad])
         opt = {}
         if self.optimizer is not None:
             dts = sorted({str(p.dtype).replace("torch.", "") for g in self.optimizer.param_groups

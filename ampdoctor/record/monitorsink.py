@@ -29,6 +29,10 @@ def _guarded(fn):
     return call
 
 
+def _ran(flag: list, grads):
+    flag[0] = True
+
+
 class MonitorCallbacks:
     """Mixin of StepMachine: records each call as a CallEvent and marks step boundaries."""
 
@@ -83,6 +87,12 @@ class MonitorCallbacks:
             # the scale tensor itself: only update() changes it in place, after presync has queued its copy
             # (an update() that comes first takes a copy then, see before)
             st.scale_t = sc._scale
+        if ev.kind == "scale" and st.sampled and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            # does the backward go through the scaled loss? (`scaler.scale(loss)` as a statement, then
+            # loss.backward(): unscale_ divides gradients that were never scaled) A node pre-hook only notes it
+            ran = [False]
+            out.grad_fn.register_prehook(functools.partial(_ran, ran))
+            st.scaled_outs.append((ev, ran))
         if ev.kind == "unscale_" and opt is not None and st.sampled and self.owns(opt):  # (sampled steps only)
             grads_after_unscale(self, opt)
         if ev.kind == "step":
@@ -120,7 +130,12 @@ class MonitorCallbacks:
         ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         mine = self._model_param_ids()
         if not any(id(p) in mine for p in ps):
-            return None
+            # get_total_norm takes the gradients themselves (a norm read for the logs): are they this model's?
+            if kind != "get_total_norm" or not ps:
+                return None
+            grads = {id(p.grad) for _, p in self.params if p.grad is not None}
+            if not any(id(g) in grads for g in ps):
+                return None
         sc = self.w.scaler
         stage = None
         scaled = False

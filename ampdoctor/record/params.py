@@ -80,7 +80,7 @@ def update_check_pre(m, opt) -> None:
     copy of their first `update_sample` elements to see whether the update rounds away (w + Δw == w)."""
     st = m.st
     st.upd = []
-    if not st.sampled:
+    if not st.sampled and not lr_moved(m, opt):
         return
     names = {id(p): n for n, p in m.w.model.named_parameters()}
     k = m.cfg.update_sample
@@ -104,6 +104,27 @@ def update_check_pre(m, opt) -> None:
     for i, it in enumerate(items):
         it[5] = pre[i]
     st.upd = items
+
+
+def lr_moved(m, opt) -> bool:
+    """A routine step checks the updates too when the optimizer holds fp16/bf16 parameters and a learning rate
+    has moved by 4x or more since the last check (a step decay, a warmup's end): that is when updates start to
+    round away, and the sampled steps may be hundreds of steps off. Host numbers only, once per optimizer step."""
+    low = m.low_opts.get(id(opt))
+    if low is None:
+        low = m.low_opts[id(opt)] = any(p.dtype in (torch.float16, torch.bfloat16)
+                                        for g in opt.param_groups for p in g["params"])
+    if not low:
+        return False
+    lrs = [g.get("lr") for g in opt.param_groups]
+    if not all(isinstance(x, (int, float)) for x in lrs):
+        return False
+    last = m.lr_checked.get(id(opt))
+    moved = last is not None and (len(last) != len(lrs) or any(
+        (a > 0) != (b > 0) or (a > 0 and max(a / b, b / a) >= 4.0) for a, b in zip(last, lrs)))
+    if last is None or moved or m.st.sampled:
+        m.lr_checked[id(opt)] = lrs
+    return moved
 
 
 def update_check_post(m, opt) -> None:

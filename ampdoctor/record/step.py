@@ -65,6 +65,8 @@ class StepMachine(MonitorCallbacks):
         for n, p in self.params:
             mod = n.rpartition(".")[0]
             self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
+        self.low_opts: dict[int, bool] = {}    # id(optimizer) -> holds fp16/bf16 parameters (params.lr_moved)
+        self.lr_checked: dict[int, list] = {}  # id(optimizer) -> its learning rates at the last update check
         self.disabled = False
         self.suspended = False
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)

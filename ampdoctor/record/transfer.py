@@ -45,6 +45,10 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     st.regions = None  # the backward is done: the walked autograd nodes need not stay referenced
     if st.phase is not StepPhase.OPEN:
         return
+    for ev, ran in st.scaled_outs:  # the optimizer steps: has each scaled loss been backpropagated?
+        if not ran[0]:
+            ev.extra["backward"] = False
+    st.scaled_outs = []
     parts: list[tuple[str, torch.Tensor]] = []
     # few kernels on routine steps: no per-value conversions (torch.cat promotes to the widest dtype)
     if st.losses:
@@ -230,6 +234,14 @@ def finalize(m) -> None:
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
                                 update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded,
                                 weight_norm=u[2] if u else None, weight_norm_after=u[3] if u else None))
+    if not st.sampled and upd:  # a routine step that checked its updates (params.lr_moved): keep what it found
+        seen = {p.name for p in params}
+        for name, u in upd.items():
+            if name not in seen:
+                dt, n = dtypes.get(name, ("?", 0))
+                params.append(ParamStat(name=name, module=name.rpartition(".")[0], dtype=dt, numel=n,
+                                        update_sampled=int(u[1]), update_rounded_away=int(u[0]),
+                                        sharded=name in m.sharded, weight_norm=u[2], weight_norm_after=u[3]))
     fwd = forward_producer(calls, parents) if calls else None
     bwd = backward_producer(calls, parents, bad_param_modules) if calls else None
     losses = s["losses"]

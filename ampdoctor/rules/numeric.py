@@ -124,6 +124,40 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     return out
 
 
+@register("vanished_gradient", emits=("underflow",))
+def vanished_gradient(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """Every fp16 gradient flowing into the model's output is exactly zero while the loss is finite and nonzero,
+    and the scaled loss spread over the output's elements is below fp16's subnormal range (a loss weight of 1e-8,
+    a sum divided by a huge count): the backward flushed them all to zero and nothing trains. `underflow` proper
+    needs nonzero values to measure; here none are left. Named at the first module the backward reaches with an
+    all-zero gradient (the one that made the output)."""
+    for r in run.steps:
+        if not r.modules or r.loss is None or not math.isfinite(r.loss) or r.loss == 0 or r.forward_bad:
+            continue
+        root = next((c for c in r.modules if c.depth == 0 and c.gout is not None), None)
+        g = root.gout if root is not None else None
+        if g is None or g.ref != "float16" or not g.numel or g.zeros != g.numel:
+            continue
+        scale = r.scale if run.has_scaler and r.scale else 1.0
+        per_element = abs(r.loss) * scale / g.numel
+        if per_element >= 2.0 ** -20:  # a loss this size gives gradients fp16 can hold: zero for another reason
+            continue
+        zero = [c for c in r.modules if c.gout is not None and c.gout.ref == "float16" and c.gout.numel
+                and c.gout.zeros == c.gout.numel and c.bseq is not None]
+        c = min(zero, key=lambda c: (c.bseq, -c.depth)) if zero else root
+        return [Finding(
+            "underflow", "error", "backward", c.module, None, r.step,
+            f"Every gradient flowing into `{c.module or '(root)'}` ({c.type}) is exactly zero in fp16 although the "
+            f"loss is {r.loss:.3g}: the loss{f' × the scale ({scale:g})' if scale != 1.0 else ''} spread over "
+            f"{g.numel} output values is ~{per_element:.2g} each, below fp16's smallest subnormal (2^-24 ≈ 6e-8), "
+            "so the backward flushed every gradient to zero and nothing trains.",
+            "Keep the loss (and its weights) at a sensible magnitude — a weight like 1e-8 belongs in the learning "
+            "rate, not the loss — compute it in fp32 and let GradScaler scale it up, or train in bf16.",
+            {"loss": r.loss, "loss_scale": scale, "numel": g.numel, "per_element": per_element,
+             "zeros": c.gout.zeros if c.gout is not None else None, "rank_hint": 20})]
+    return []
+
+
 _CONVERT = re.compile(r"value cannot be converted to type (\S+) without overflow", re.I)
 _MASK_OPS = ("masked_fill", "fill_", "full", "where", "new_full", "full_like", "clamp", "add", "sub")
 

@@ -188,7 +188,8 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
 _UNSCALE_TWICE = "unscale_() has already been called"
 _STEP_TWICE = "step() has already been called since the last update()"
 _NO_INF = "No inf checks were recorded"
-_ITER_START = ("scale", "zero_grad")
+_ITER_START = ("zero_grad", "step", "optimizer.step")  # between two unscale_s: a new iteration (a `scale` alone is
+#                                                       another micro-batch of the same one: gradient accumulation)
 
 
 @register("call_order", emits=("scaler_misorder", "missing_scaler_update"))
@@ -239,8 +240,10 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     f"skipped together with a skipped step); the next `unscale_` at {_loc(e)} fails.",
                     "Call `scaler.update()` once every iteration, also when you skip the optimizer step:\n" + ORDER)
             else:
+                micro = any(p.kind == "scale" for p in since_update[[p.kind for p in since_update].index("unscale_"):])
                 add("scaler_misorder", e, f"`scaler.unscale_()` was called twice in one iteration (again at "
-                    f"{_loc(e)}); the second call is an error and would divide the gradients twice.",
+                    f"{_loc(e)}{', after another micro-batch: unscale once per optimizer step, after the last one' if micro else ''}); "
+                    "the second call is an error and would divide the gradients twice.",
                     "Call unscale_ once per iteration, right before clipping; libraries such as Trainer/"
                     "Accelerate already do it:\n" + ORDER)
         elif e.kind == "step" and (_STEP_TWICE in (e.error or "") or any(p.kind == "step" for p in since_update)):
@@ -250,6 +253,13 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
         elif e.kind == "unscale_" and any(p.kind == "step" for p in since_update):
             add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()`.",
                 "Unscale before step:\n" + ORDER)
+        elif e.kind == "scale" and e.extra.get("backward") is False and any(
+                p.kind in ("unscale_", "step") and p.step == e.step for p in events[i + 1:]):
+            add("scaler_misorder", e, f"The scaled loss `scaler.scale(loss)` at {_loc(e)} was never "
+                "backpropagated: the backward ran on the unscaled loss, and `unscale_`/`step` then divide those "
+                "gradients by the loss scale — every update is that many times too small, and fp16 gradients get "
+                "no protection from underflow.",
+                "Backpropagate the scaled loss: `scaler.scale(loss).backward()`:\n" + ORDER)
         elif e.kind == "optimizer.step" and e.scaled and not e.via_scaler:
             add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly on gradients still "
                 "multiplied by the loss scale: the update is scale× too large and inf steps are not skipped.",

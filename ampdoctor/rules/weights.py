@@ -26,9 +26,20 @@ def _common_module(names: list[str]) -> str:
     return ".".join(parts)
 
 
+def _trained(run: RunData) -> set:
+    """Names of the parameters that can be updated: requiring grad when the watch began, or with a gradient on a
+    recorded step (unfrozen later). A frozen fp16 embedding that the optimizer holds but never gets a gradient
+    is never updated: it needs no master copy and its eps never divides anything."""
+    names = {p[0] for p in run.meta.params if len(p) < 6 or p[5] is not False}
+    for r in run.steps:
+        names.update(p.name for p in r.params if p.grad_absmax is not None)
+    return names
+
+
 @register("fp16_master_weights", emits=("fp16_master_weights",))
 def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
-    low = [p for p in run.meta.params if p[2] in ("float16",) and p[4] is not False]
+    trained = _trained(run)
+    low = [p for p in run.meta.params if p[2] in ("float16",) and p[4] is not False and p[0] in trained]
     err_ev = next(((r, e) for r in run.steps for e in r.events if _FP16_GRADS in (e.error or "")), None)
     if not low and err_ev is None:
         return []
@@ -51,7 +62,9 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     sev = "error" if run.has_scaler else "warning"
     return [Finding("fp16_master_weights", sev, "optimizer", module, None, run.steps[0].step if run.steps else None,
                     f"The optimizer updates {len(names)} fp16 parameter(s) ({share:.0%} of the weights) directly: "
-                    "no fp32 master copy, so small updates round away and Adam's state loses precision.", fix, ev)]
+                    "no fp32 master copy, so small updates round away"
+                    + (f" and {run.meta.optimizer.get('class')}'s moments lose precision."
+                       if "adam" in str(run.meta.optimizer.get("class") or "").lower() else "."), fix, ev)]
 
 
 @register("update_underflow", emits=("update_underflow",))
@@ -63,7 +76,8 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue  # inf + Δw == inf and NaN updates say nothing about rounding: a consequence, not this
             share = p.update_rounded_away / p.update_sampled
             if share >= cfg.rounded_away_share and (p.name not in worst or share > worst[p.name][0]):
-                worst[p.name] = (share, r.step, p)
+                # the step is where it began (the first step past the share), the numbers the worst seen
+                worst[p.name] = (share, worst[p.name][1] if p.name in worst else r.step, p)
     if not worst:
         return []
     by_module: dict[str, list] = {}
@@ -71,7 +85,8 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
         by_module.setdefault(v[2].module, []).append(v)
     out = []
     for module, items in by_module.items():
-        share, step, p = max(items, key=lambda v: v[0])
+        share, _, p = max(items, key=lambda v: v[0])
+        step = min(v[1] for v in items)
         out.append(Finding(
             "update_underflow", "error", "optimizer", module, None, step,
             f"{share:.0%} of sampled elements of `{p.name}` ({p.dtype}) did not change although their gradient "
@@ -106,10 +121,11 @@ def _broken_at(run: RunData, names: set) -> int | None:
 def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Adam-style eps that vanishes in fp16 optimizer state: sqrt(v) + eps == sqrt(v), so v == 0 divides by 0."""
     out = []
+    trained = _trained(run)
     for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
         eps = g.get("eps")
         low = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
-               and p[1] == "float16"]
+               and p[1] == "float16" and (p[0] in trained or p[0] == "?")]
         if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
             continue
         out.append(Finding(
