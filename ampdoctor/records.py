@@ -306,6 +306,10 @@ class StepRecord:
     loss_ops: list | None = None
     """On a step whose loss went non-finite: the autograd ops between the loss and the model's outputs (the loss
     computation outside the model), by name without the trailing number (e.g. "MulBackward", "ExpBackward")."""
+    bad_input: dict | None = None
+    """On a step whose forward went non-finite: the first floating-point input of the model that already held
+    inf/NaN when the forward began (`{"arg": 0 | "name", "nan": n, "posinf": n, "neginf": n, "numel": n,
+    "dtype": ...}`): the data, not a module, brought it."""
     headroom: dict | None = None
     """Every step, every module (ampdoctor/record/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it

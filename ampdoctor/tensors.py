@@ -160,3 +160,24 @@ def tb_location(exc: BaseException) -> tuple[str | None, int | None]:
             best = (fn, tb.tb_lineno)
         tb = tb.tb_next
     return best
+
+
+def nonfinite_input(args, kwargs) -> dict | None:
+    """The first floating-point tensor among a model call's arguments that holds inf/NaN, counted:
+    `{"arg": position or keyword, "nan": n, "posinf": n, "neginf": n, "numel": n, "dtype": name}`, else None."""
+    named = [(i, a) for i, a in enumerate(args or ())] + [(k, v) for k, v in (kwargs or {}).items()]
+    for key, obj in named:
+        for t in flatten_tensors(obj, []):
+            if not t.is_floating_point() or not t.numel() or t.is_meta:
+                continue
+            try:
+                with torch.no_grad():
+                    t = t.detach()
+                    if bool(torch.isfinite(t).all()):
+                        continue
+                    nan, pinf, ninf = int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
+            except RuntimeError:  # a tensor subclass or device that cannot answer: not this check's business
+                continue
+            return {"arg": key, "nan": nan, "posinf": pinf, "neginf": ninf, "numel": t.numel(),
+                    "dtype": str(t.dtype).replace("torch.", "")}
+    return None

@@ -21,6 +21,7 @@ from .openstep import StepPhase
 from .params import checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
+from ..tensors import nonfinite_input
 from .stats import NSTAT, combine, integer_valued, vector_to_stats
 from .storage import store
 
@@ -151,6 +152,9 @@ def resolve(m) -> None:
         st.loss_ops = loss_ops(st.loss_node, st.out_seq)
     st.loss_node = None
     bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
+    if bad_fwd and st.batches:  # did the batch itself hold inf/NaN? (bad steps only)
+        b = st.batches[st.bad_batch] if st.bad_batch >= 0 else st.batches[-1]
+        st.bad_input = nonfinite_input(b[0], b[1])
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
     w_amax = host.get("w_amax", [])
     if st.w_deferred and st.pw_index and (bad_fwd or bad_bwd):
@@ -260,7 +264,7 @@ def finalize(m) -> None:
                      micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
-                     loss_ops=st.loss_ops,
+                     loss_ops=st.loss_ops, bad_input=st.bad_input,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True

@@ -19,6 +19,8 @@ import torch
 from ..capture import Capture, load_capture
 from ..errors import BadInput
 from ..findings import Report
+from ..rules.origins import bad_data_finding
+from ..tensors import nonfinite_input
 from . import explain, fixsearch, modelio, shadow as shadow_mod
 from .optrace import OpTracer
 
@@ -143,11 +145,15 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         say("replay: searching the smallest set of modules to run in fp32")
         fix = _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref)
 
+    bad_input = nonfinite_input(cap.args, cap.kwargs)
     findings = explain.build_findings(events=tracer.events, consts=tracer.constants, step_bad=step_bad,
                                       step=cap.step, device=devtype, forward_error=forward_error, fix=fix,
                                       suspects=suspects, dtype=dtype_name, error_module=tracer.exception_module,
                                       softmax_inputs=tracer.softmax_inputs, sdpa_used=tracer.sdpa_used,
                                       scaler_search=scaler_search)
+    if bad_input is not None:  # the batch itself held inf/NaN: no op of the model made it
+        findings = [bad_data_finding(bad_input, cap.step, cap.path)] + [
+            f for f in findings if f.rule not in ("overflow", "nan_origin")]
     data = {"capture": cap.path, "device": str(dev), "dtype": dtype_name, "scale": scale,
             "chain": explain.chain(tracer.events, loss_finite, grads_bad, tracer.constants,
                                    forward_error),

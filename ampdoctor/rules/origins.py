@@ -152,6 +152,8 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    "in fp32:\n" + fp32_snippet(module, dev))
         out.append(Finding(rule, sev, phase, module, None, step, msg, fix, ev))
     out.extend(outside)
+    data = _bad_data(run)
+    out.extend(data)
     if not groups and not out:
         out.extend(_bad_weights(run) or _unlocated(run))
     return out
@@ -220,10 +222,37 @@ def _applied_bad_gradients(prev: StepRecord | None, bad_modules: set[str], kind:
          "weights_bad_from": prev.step + 1, "modules": sorted(bad_modules)[:20], "rank_hint": 12})]
 
 
+def _bad_data(run: RunData) -> list[Finding]:
+    """The first step whose batch already held inf/NaN when the model received it: no module produced it."""
+    r = next((r for r in run.steps if r.bad_input), None)
+    return [bad_data_finding(r.bad_input, r.step, r.capture)] if r is not None else []
+
+
+def bad_data_finding(b: dict, step: int | None, capture: str | None) -> Finding:
+    """nan_origin (overflow for ±inf only) outside the model: input `b` (tensors.nonfinite_input) of a batch."""
+    nan = b.get("nan", 0)
+    arg = b.get("arg")
+    name = f"argument {arg}" if isinstance(arg, int) else f"`{arg}`"
+    vals = ", ".join(f"{n} {w}" for n, w in ((nan, "NaN"), (b.get("posinf", 0), "+inf"), (b.get("neginf", 0), "-inf"))
+                     if n)
+    return Finding(
+        "nan_origin" if nan else "overflow", "error", "forward", None, None, step,
+        f"The batch of step {step} already held {vals} (model input {name}, {b.get('numel')} {b.get('dtype')} "
+        "values) when the model received it: the data, not a layer, brought the non-finite values; every module "
+        "after it only passed them on.",
+        "Find the bad sample in the data pipeline (a division by a zero std in normalisation, a corrupt record, an "
+        "fp16 cast of values past 65504) and filter or repair it; a guard in the loop: "
+        "`assert torch.isfinite(x).all(), idx`.",
+        {"input": arg, "nan": nan, "posinf": b.get("posinf", 0), "neginf": b.get("neginf", 0),
+         "numel": b.get("numel"), "dtype": b.get("dtype"), "capture": capture, "rank_hint": 9})
+
+
 def _unlocated(run: RunData) -> list[Finding]:
     """A step whose loss (or, without a scaler, whose gradients) went non-finite on a step without per-layer
     statistics: say so, so that the step's capture is replayed to locate the op."""
     for r in run.steps:
+        if r.bad_input:
+            continue  # the data brought it (_bad_data)
         if r.loss_finite is False or r.output_finite is False or (not run.has_scaler and r.grad_finite is False):
             inf = r.loss is not None and math.isinf(r.loss)
             where = ("loss" if r.loss_finite is False else "model's output" if r.output_finite is False
