@@ -104,3 +104,25 @@ def test_nan_inputs_a_model_handles_are_no_finding(every):
     rep = w.report()
     bad = [f.one_line() for f in rep.findings if f.severity in ("warning", "error")]
     assert not bad, bad
+
+
+@EVERY
+def test_nan_in_a_target_used_only_by_the_loss_is_the_loss_operand(every):
+    """The target never enters the model: F.mse_loss(out.float(), y) with one NaN in y at step 3. The model's
+    outputs are finite (checked every step), and MSE makes neither NaN nor inf from finite values: nan_origin
+    outside the model (module null), naming the target — not an overflow, and not 'a step without statistics'."""
+    x, y = randn(32, 8), randn(32, 1, seed=2)
+    calls = []
+
+    def loss(out, *args):
+        t = y.clone()
+        if len(calls) == 3:
+            t[4, 0] = float("nan")
+        calls.append(1)
+        return torch.nn.functional.mse_loss(out.float(), t)
+    w = amp_loop(mlp(), lambda i: (x,), loss, every=every)
+    rep = w.report()
+    f = next((f for f in rep.findings[:3] if f.rule in ("nan_origin", "overflow") and f.module is None), None)
+    assert f is not None, lines(rep)
+    assert (f.rule, f.step, f.phase) == ("nan_origin", 3, "forward") and "target" in f.message, f.one_line()
+    assert "without per-layer statistics" not in f.message, f.one_line()

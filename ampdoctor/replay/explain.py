@@ -88,13 +88,17 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
                    "clamps such outputs (`x = torch.clamp(x, -65504 + 1000, 65504 - 1000)`):\n" + snip)
         return msg, fix
     if ev.kind == "overflow" and short == "pow":
-        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; in fp16 x**2 is inf "
-               "for |x| > 255.9) — a variance or norm computed in fp16")
+        sq = "in bf16 x**2 is inf for |x| > 1.8e19" if str(ev.out_dtype) == "bfloat16" else \
+            "in fp16 x**2 is inf for |x| > 255.9"
+        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; {sq}) — a variance or "
+               "norm computed in low precision")
         fix = ("compute the statistic in fp32, as HF's RMSNorm does: `var = x.float().pow(2).mean(-1, keepdim=True)`,"
                " or run the module in fp32:\n" + snip)
         return msg, fix
     if ev.kind == "overflow" and short in ("exp", "exp2", "expm1", "sinh", "cosh"):
-        msg = f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; fp16 exp(x) is inf for x > 11.09)"
+        lim = {"bfloat16": ("bf16", 88.7), "float32": ("fp32", 88.7)}.get(str(ev.out_dtype), ("fp16", 11.09))
+        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; {lim[0]} exp(x) is inf "
+               f"for x > {lim[1]})")
         fix = ("compute it stably: torch.logsumexp(x, dim) instead of log(sum(exp(x))), F.log_softmax / "
                "F.cross_entropy for losses, or subtract the max before exp; or run it in fp32: "
                "`torch.exp(x.float())`")

@@ -294,11 +294,26 @@ _NO_NAN_FROM_FINITE = frozenset(
         "Diagonal", "Trace", "Flip", "Roll", "Repeat", "Softplus"))
 
 
+# ... and of those, the ones that can make an inf from finite values (a product, an exp, a sum of many)
+_INF_FROM_FINITE = frozenset(
+    f"{n}Backward" for n in ("Add", "Sub", "Rsub", "Mul", "Exp", "Exp2", "Expm1", "Sum", "Cumsum", "Mm", "Bmm",
+                             "Addmm", "Dot"))
+
+
 def _nan_made_by_inf(r: StepRecord) -> bool:
     """A NaN loss computed outside the model, from finite outputs, by ops none of which makes NaN from finite
-    values (StepRecord.loss_ops): an inf came first — the loss computation overflowed."""
+    values (StepRecord.loss_ops), one of which can make inf: an inf came first — the loss computation overflowed."""
     return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops)
-            and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops))
+            and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops)
+            and any(op in _INF_FROM_FINITE for op in r.loss_ops))
+
+
+def _nan_from_operand(r: StepRecord) -> bool:
+    """A NaN loss from finite outputs through ops that can neither make NaN nor inf from finite values (a cast,
+    F.mse_loss, F.l1_loss): an operand from outside the model (a target, a weight) held NaN/inf."""
+    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops)
+            and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops)
+            and not any(op in _INF_FROM_FINITE for op in r.loss_ops))
 
 
 def _outside_model(run: RunData) -> list[Finding]:
@@ -310,8 +325,11 @@ def _outside_model(run: RunData) -> list[Finding]:
     benign = bool(out_bwd) and all(r.step in benign_backoff(run.steps, run.has_scaler) for r in out_bwd)
     for r in run.steps:
         p = r.forward_producer
-        if r.loss_finite is False and r.sampled and r.modules and (p is None or p.detail.get("mask_like")) \
-                and not any(c.out is not None and not c.out.finite and not _only_neginf(c.out) for c in r.modules):
+        # every module's output finite (sampled), or, on a routine step, the model's own outputs (checked every step)
+        outputs_finite = (not any(c.out is not None and not c.out.finite and not _only_neginf(c.out)
+                                  for c in r.modules) if r.sampled and r.modules else
+                          not r.modules and r.output_finite is True and not r.bad_input)
+        if r.loss_finite is False and outputs_finite and (p is None or p.detail.get("mask_like")):
             inf = r.loss is not None and math.isinf(r.loss)
             via_inf = _nan_made_by_inf(r)
             step = onset_step(run.steps, r.step, "forward")  # the first bad step, when only the trip-wire saw it
@@ -322,9 +340,12 @@ def _outside_model(run: RunData) -> list[Finding]:
                 ev["observed_step"] = r.step
             return [Finding("overflow" if inf or via_inf else "nan_origin", "error", "forward", None, None, step,
                             f"The loss became {'inf' if inf else 'NaN'} outside the watched model (in the loss "
-                            "computation) while every module's output was finite" + (
+                            "computation) while the model's outputs were finite" + (
                                 "; none of its ops makes NaN from finite values, so one of them overflowed to inf "
-                                "first (then inf - inf or 0 * inf made the NaN)." if via_inf else "."),
+                                "first (then inf - inf or 0 * inf made the NaN)." if via_inf else
+                                f" ({', '.join(r.loss_ops[:3])}); these ops make neither NaN nor inf from finite "
+                                "values, so an operand from outside the model — the target or a loss weight — held "
+                                "NaN/inf." if _nan_from_operand(r) else "."),
                             "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
                             "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.", ev)]
         if _output_grad_nonfinite(r) and not benign:
