@@ -85,6 +85,12 @@ def _check_outputs(args, src: str) -> None:
     from .fsutil import check_out_dir, check_out_file
     if getattr(args, "json", None):
         check_out_file(args.json, "--json")
+        j, root = os.path.realpath(args.json), os.path.realpath(src)
+        if os.path.lexists(args.json) and (j == root or j.startswith(root.rstrip(os.sep) + os.sep)):
+            raise BadInput(f"--json {args.json}: is a file of {src} itself; write the report elsewhere")
+    if getattr(args, "loss", None):  # a bad spec is bad input even where --loss would go unused
+        from .replay.modelio import resolve
+        resolve(args.loss, "--loss")
     if hasattr(args, "no_html") and not args.no_html:
         check_out_dir(args.out or _default_out(src), "--out", force=args.force)
     if getattr(args, "tensorboard", None):
@@ -126,6 +132,15 @@ def _rules(spec: str | None):
     return RuleConfig(only=ids)
 
 
+def _own_capture(run: str, cap: str | None) -> str | None:
+    """A record's capture as this run dir holds it: `run/captures/<name>` (a run dir that was moved keeps its
+    captures; a record naming a path elsewhere is never followed), None when the run dir has no such capture."""
+    if not cap:
+        return None
+    own = os.path.join(run, "captures", os.path.basename(os.path.normpath(str(cap))))
+    return own if os.path.isdir(own) and not os.path.islink(own) else None
+
+
 def _cmd_report(args) -> int:
     cfg = _rules(args.rules)
     from .rundir import find_rank_dirs
@@ -143,7 +158,13 @@ def _cmd_report(args) -> int:
         from .replay.modelio import build_model, resolve
         model = build_model(None, args.model)
         loss = resolve(args.loss, "--loss") if args.loss else None
-        steps = [s for _, path in ranks for s in read_run(path)[1]]
+        steps = []
+        for _, path in ranks:
+            for st in read_run(path)[1]:
+                st.capture = _own_capture(path, st.capture)
+                steps.append(st)
+        own = {_own_capture(path, c) for _, path in ranks for c in report.summary.get("captures") or []}
+        report.summary["captures"] = sorted(c for c in own if c)
         report = merge_capture_replay(report, steps, model, loss, strict=True)
     if args.tensorboard:
         from .report.tensorboard import write_tensorboard
@@ -167,7 +188,9 @@ def _cmd_replay(args) -> int:
     model = modelio.build_model(None, args.model) if args.model else None
     loss = modelio.resolve(args.loss, "--loss") if args.loss else None
     kw = dict(shadow=False, whatif=False, fix_search=False) if args.quick else {}
-    report = replay(args.capture, model=model, loss_fn=loss, progress=lambda s: print(s, file=sys.stderr), **kw)
+    # progress lines on an interactive terminal only: piped, stderr carries nothing but a failure's one line
+    say = (lambda s: print(s, file=sys.stderr)) if sys.stderr.isatty() else None
+    report = replay(args.capture, model=model, loss_fn=loss, progress=say, **kw)
     _write(report, args, args.capture)
     return report.exit_code
 

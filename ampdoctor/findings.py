@@ -108,6 +108,8 @@ class Report:
 
     def save_html(self, path: str | os.PathLike) -> str:
         """Write a self-contained HTML report. `path` is a file (…/x.html) or a directory (→ index.html)."""
+        if not os.fspath(path):
+            raise ValueError("save_html: empty path; give a file (…/report.html) or a directory")
         from .report.html import write_html
         return write_html(self, path)
 

@@ -207,7 +207,9 @@ def check_out_dir(p: str, flag: str = "--out", force: bool = False) -> None:
             names = os.listdir(p)
         except OSError as e:
             raise BadInput(f"{flag} {p}: cannot list the directory ({e.strerror or e})") from None
-        if names and OUT_MARKER not in names and not force:
+        mine = OUT_MARKER in names and os.path.isfile(os.path.join(p, OUT_MARKER)) and not os.path.islink(
+            os.path.join(p, OUT_MARKER))  # a link named like the marker is not ampdoctor's
+        if names and not mine and not force:
             raise BadInput(f"{flag} {p}: directory is not empty and was not written by ampdoctor; choose a new "
                            "directory or pass --force to write into it anyway")
         return
@@ -228,5 +230,8 @@ def check_out_file(p: str, flag: str) -> None:
 def mark_out_dir(p: str) -> None:
     """Leave OUT_MARKER in an output directory so a later report may replace what ampdoctor wrote there."""
     os.makedirs(p, exist_ok=True)
-    with open(os.path.join(p, OUT_MARKER), "w", encoding="utf-8") as f:
+    marker = os.path.join(p, OUT_MARKER)
+    if os.path.islink(marker):  # never write through a link (to whatever file it names)
+        os.unlink(marker)
+    with open(marker, "w", encoding="utf-8") as f:
         f.write("written by ampdoctor; a later `ampdoctor ... --out` may overwrite this directory's report\n")

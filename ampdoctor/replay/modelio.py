@@ -47,11 +47,14 @@ def build_model(capture, model: Any = None) -> torch.nn.Module:
     rebuilt from the capture's config through transformers' own registry (replay/hfbuild.py). Nothing the
     capture names is ever imported or called: a capture is data, possibly from a stranger."""
     if isinstance(model, str):
-        factory = resolve(model, "--model")
+        spec = model
+        factory = resolve(spec, "--model")
         try:
             model = factory if isinstance(factory, torch.nn.Module) else factory()
         except (Exception, SystemExit) as e:
-            raise BadInput(f"model factory {model!r} raised {type(e).__name__}: {e}".splitlines()[0])
+            raise BadInput(f"model factory {spec!r} raised {type(e).__name__}: {e}".splitlines()[0])
+        if not isinstance(model, torch.nn.Module):
+            raise BadInput(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Module")
     if model is not None:
         if not isinstance(model, torch.nn.Module):
             raise BadInput(f"model must be an nn.Module or a 'pkg.mod:factory' string, got {type(model).__name__}")
@@ -82,6 +85,14 @@ def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
         parts = [f"{label} {', '.join(x[:3])}{' …' if len(x) > 3 else ''}"
                  for label, x in (("missing", missing), ("unexpected", unexpected), ("shape", shape)) if x]
         raise BadInput("model does not match capture: " + "; ".join(parts))
+    # one tensor of the model under several names (tied weights): the capture must hold one value for it too,
+    # or the capture came from a model where they were separate (the last one loaded would silently win)
+    first: dict = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        j = first.setdefault(id(v), k)
+        if j != k and not torch.equal(state_dict[j], state_dict[k]):
+            raise BadInput(f"model does not match capture: {j} and {k} are one tied tensor in the model but differ in "
+                           "the capture (taken from a model where they were separate)")
     with torch.no_grad():
         model.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v
                                for k, v in state_dict.items()}, strict=True)
@@ -147,7 +158,12 @@ def to_device(tree, device, float_dtype: torch.dtype | None = None):
 def get_loss(output, args, kwargs, loss_fn) -> torch.Tensor | None:
     """The scalar loss of one step: loss_fn(output, *args, **kwargs), a scalar output, `.loss` or ["loss"]."""
     if loss_fn is not None:
-        return loss_fn(output, *args, **kwargs)
+        loss = loss_fn(output, *args, **kwargs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise BadInput(f"the loss function {getattr(loss_fn, '__name__', 'loss_fn')} returned {what}, not a "
+                           "scalar: reduce it (e.g. .mean()) the way training does")
+        return loss
     if isinstance(output, torch.Tensor):
         return output if output.numel() == 1 else None
     loss = getattr(output, "loss", None)

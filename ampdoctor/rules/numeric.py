@@ -225,12 +225,18 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
             i, o = c.inp, c.out
             if i is None or o is None or o.ref != "float16" or not o.finite or o.numel < 8 or c.depth == 0:
                 continue
-            if i.absmax < 256.0 and "Norm" in c.type and o.absmax:
+            if i.absmax < 256.0 and ("Norm" in c.type or c.par is None) and o.absmax:
                 before.setdefault(c.module, (o.absmax, o.zeros / o.numel))
             if any(k in c.type for k in _ZERO_OK) or i.absmax < 256.0 or i.zeros < 0:
                 continue
-            if "Norm" not in c.type and (c.par is None or _ACTIVATION.search(c.type)):
-                continue  # a parameter-free module or an activation (SiLU/GELU of large negatives is 0)
+            if _ACTIVATION.search(c.type) and "Norm" not in c.type:
+                continue  # an activation (SiLU/GELU of large negatives is 0)
+            # a parameter-free module of the user's own (`h / h.norm()`, a hand-written standardisation): only
+            # against its own earlier steps, whose smaller inputs gave few zeros (a ReLU-like or masking module
+            # has its zeros whatever the magnitude)
+            free = "Norm" not in c.type and c.par is None
+            if free and (c.module not in before or o.zeros / o.numel < max(0.5, 4 * before[c.module][1] + 0.1)):
+                continue
             if i.zeros / max(i.numel, 1) <= 0.02 and _flushed(c, before.get(c.module)):
                 hits.append(c)
         if hits:
