@@ -33,6 +33,7 @@ class CapturePolicy:
         self.skip_streak = 0        # consecutive skipped steps with a finite forward
         self.stepped = False        # an update has been applied (GradScaler's initial search is over)
         self.prev_scale = None      # the loss scale of the step before
+        self.prev_loss = None       # the finite loss of the step before (loss_jump)
 
     def sampled(self, step: int) -> bool:
         """Whether step `step` takes full statistics: every `every`-th, and the follow-ups of a bad step. Once per
@@ -70,6 +71,18 @@ class CapturePolicy:
             return None
         self.kinds.add(k)
         return k
+
+    def loss_jump(self, losses: list, *, sampled: bool) -> None:
+        """One resolved step's losses: a finite loss that moved by 1000x or more from the step before (a loss weight
+        gone wrong, a divergence starting) has the next step sampled, so that per-layer statistics see the new
+        regime at once instead of at the next sampled step. Host numbers only."""
+        loss = next((v for v in reversed(losses) if v == v and abs(v) != float("inf")), None)
+        prev, self.prev_loss = self.prev_loss, loss
+        if sampled or loss is None or not prev or not loss:
+            return
+        r = abs(loss / prev)
+        if r >= 1e3 or r <= 1e-3:
+            self.followup = max(self.followup, 1)
 
     def spend(self) -> bool:
         """Take one capture from the budget (`max_captures`); False when it is spent."""

@@ -171,6 +171,7 @@ def resolve(m) -> None:
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite,
                  "probes": host.get("intp", [])}
+    m.policy.loss_jump(losses, sampled=st.sampled)
     if m.policy.observe(bad_fwd, bad_bwd, scale, sampled=st.sampled, scaler=m.w.scaler is not None):
         maybe_capture(m, st)
 

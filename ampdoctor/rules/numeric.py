@@ -145,16 +145,30 @@ def vanished_gradient(run: RunData, cfg: RuleConfig) -> list[Finding]:
         zero = [c for c in r.modules if c.gout is not None and c.gout.ref == "float16" and c.gout.numel
                 and c.gout.zeros == c.gout.numel and c.bseq is not None]
         c = min(zero, key=lambda c: (c.bseq, -c.depth)) if zero else root
+        # a step sampled because the loss jumped 1000x (autocapture.loss_jump): the new regime began at the jump
+        step = r.step
+        for q in reversed([q for q in run.steps if q.step < r.step]):
+            if q.modules or q.loss is None or not math.isfinite(q.loss) or not q.loss:
+                break  # a sampled step saw its gradients (or nothing is known): no earlier onset
+            if not 1e-3 < abs(q.loss / r.loss) < 1e3:
+                break  # q is before the jump: the regime began after it
+            step = q.step
+        else:
+            step = r.step  # no jump found: the onset is not known to be earlier
+        if step != r.step and not any(q.step == step - 1 and q.loss and not 1e-3 < abs(q.loss / r.loss) < 1e3
+                                      for q in run.steps):
+            step = r.step
         return [Finding(
-            "underflow", "error", "backward", c.module, None, r.step,
+            "underflow", "error", "backward", c.module, None, step,
             f"Every gradient flowing into `{c.module or '(root)'}` ({c.type}) is exactly zero in fp16 although the "
             f"loss is {r.loss:.3g}: the loss{f' × the scale ({scale:g})' if scale != 1.0 else ''} spread over "
             f"{g.numel} output values is ~{per_element:.2g} each, below fp16's smallest subnormal (2^-24 ≈ 6e-8), "
             "so the backward flushed every gradient to zero and nothing trains.",
             "Keep the loss (and its weights) at a sensible magnitude — a weight like 1e-8 belongs in the learning "
             "rate, not the loss — compute it in fp32 and let GradScaler scale it up, or train in bf16.",
-            {"loss": r.loss, "loss_scale": scale, "numel": g.numel, "per_element": per_element,
-             "zeros": c.gout.zeros if c.gout is not None else None, "rank_hint": 20})]
+            dict({"loss": r.loss, "loss_scale": scale, "numel": g.numel, "per_element": per_element,
+                  "zeros": c.gout.zeros if c.gout is not None else None, "rank_hint": 20},
+                 **({"observed_step": r.step} if step != r.step else {})))]
     return []
 
 
