@@ -7,9 +7,8 @@ already large but stable; failures late in long runs (an overflow that starts be
 that underflow as the loss shrinks, a loss scale that collapses from step 500); two watches in sequence on one model,
 and training on after close(). fp16 autocast on the CPU with GradScaler("cpu"); every healthy run is asserted healthy
 (finite, loss falling, few backoffs) and every failing run is asserted to really fail, before ampdoctor is judged.
-Strict xfails: gradient underflow that begins between sampled steps is dated at the next sampled step (400, not
-226); a loss scale collapsing from step 500 is pushed out of the first three by a consequence (underflow at the
-root from the collapsed scale), beside a nan_origin duplicate dated 516."""
+Strict xfail: gradient underflow that begins between sampled steps is dated at the next sampled step (400, not
+226)."""
 import copy
 import math
 import sys
@@ -513,12 +512,8 @@ def test_collapse_from_step_500_names_the_producer_at_500(collapse_run):
             [f.one_line() for f in rep.findings]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "first three: overflow@l2@500, nan_origin@l2@516, underflow@(root)@534 ('every gradient flowing into (root) is "
-    "exactly zero ... the loss x the scale (9.5e-07) ... flushed'); loss_scale_collapse@l2@500 comes 4th. The "
-    "underflow is a consequence of the collapsed scale (a root cause's consequence ranked above the collapse, "
-    "and as an error of its own), and nan_origin@l2 is dated 516 although l2 made NaN from step 500 (the "
-    "overflow finding's evidence: nan_out=128 at step 501) — a duplicate of the overflow at l2."))
+# (was a strict xfail: underflow@(root)@534, a consequence of the collapsed scale, and a duplicate nan_origin@l2@516
+# pushed loss_scale_collapse out of the first three)
 def test_collapse_from_step_500_is_loss_scale_collapse_at_500_in_the_first_three(collapse_run):
     for rep in collapse_run:
         assert ("loss_scale_collapse", "l2", 500) in first3(rep), [f.one_line() for f in rep.findings]

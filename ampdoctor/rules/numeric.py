@@ -134,6 +134,8 @@ def vanished_gradient(run: RunData, cfg: RuleConfig) -> list[Finding]:
     for r in run.steps:
         if not r.modules or r.loss is None or not math.isfinite(r.loss) or r.loss == 0 or r.forward_bad:
             continue
+        if run.has_scaler and r.scale is not None and r.scale < 1.0:
+            continue  # a collapsed loss scale flushes the gradients: its consequence (loss_scale_collapse)
         root = next((c for c in r.modules if c.depth == 0 and c.gout is not None), None)
         g = root.gout if root is not None else None
         if g is None or g.ref != "float16" or not g.numel or g.zeros != g.numel:

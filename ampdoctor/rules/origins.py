@@ -85,6 +85,12 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                                                         or _output_grad_nonfinite(r))):
                 continue  # the backward of a non-finite loss/output/output gradient: a consequence
             groups.setdefault((p.phase, p.module, _kind(r, p)), []).append(r)
+    # NaN in the backward from a module whose backward made inf at or before that step: inf - inf / 0 * inf of
+    # its own overflow, the same cause (one finding, not an overflow and a later nan_origin)
+    for (phase, module, kind) in [k for k in groups if k[2] == "nan" and k[0] == "backward"]:
+        inf = groups.get((phase, module, "inf"))
+        if inf and inf[0].step <= groups[(phase, module, kind)][0].step:
+            del groups[(phase, module, kind)]
     out = []
     outside = _outside_model(run)
     benign = benign_backoff(run.steps, run.has_scaler)
