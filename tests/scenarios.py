@@ -200,3 +200,98 @@ def hf_loss(out, *args):
 
 def mse_to_zero(out, *args):
     return out.float().pow(2).mean()
+
+
+# -- shared by the failure-probe files (tests/test_unseen_*.py) --------------------------------------------------
+FP16 = dict(device_type="cpu", dtype=torch.float16)   # torch.autocast(**FP16)
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def short_loop(model, batch, loss_fn, **kw):
+    """amp_loop for 8 steps from a loss scale of 1024 (a probe's failure starts at a known step; a low start
+    keeps GradScaler's initial backoffs out of it)."""
+    kw.setdefault("steps", 8)
+    kw.setdefault("init_scale", 1024.0)
+    return amp_loop(model, batch, loss_fn, **kw)
+
+
+def out_mean(out, *args):
+    return out.float().mean()
+
+
+def mean_sq(out, *args):
+    return out.float().pow(2).mean()
+
+
+def first_bad(w):
+    """The first step the scaler skipped, or None."""
+    return next((r.step for r in w.steps if r.skipped), None)
+
+
+def nonfinite_loss_steps(w):
+    return [r.step for r in w.steps if r.loss_finite is False]
+
+
+def in_top3(rep, rules, module, error_run=False):
+    """One of `rules` at `module` among the first three findings (asserted); returns it. `error_run`: the report's
+    exit code must be 1 too."""
+    got = [(f.rule, f.module) for f in rep.findings[:3]]
+    assert any((r, module) in got for r in rules), lines(rep)
+    if error_run:
+        assert rep.exit_code == 1, lines(rep)
+    return next(f for f in rep.findings[:3] if f.module == module and f.rule in rules)
+
+
+def healthy_run(model, batch, loss_fn, tmp_path, *, steps=40, every=None, headroom=None, opt=None, lr=1e-3, sched=None,
+                clip=1.0, dtype=torch.float16, before=None, after=None, max_backoffs=3, must_fall=0.9, window=8, init_scale=65536.0,
+        state=None):
+    """before(i) -> zero_grad -> forward under autocast(dtype) -> scale(loss).backward -> unscale_ -> clip (the
+    parameters that require grad now) -> step -> update -> sched.step -> after(i) under no_grad, under a watch
+    with a run_dir (bf16: no scaler); `state["scaler"]` is the GradScaler, for a loss that needs it, and
+    `state["losses"]`, `state["scales"]` the per-step series afterwards. Asserts the run was healthy; returns
+    (w.report(), diagnose(run_dir)). `opt`: an optimizer or a factory of one (default AdamW at `lr`)."""
+    torch.manual_seed(0)
+    opt = opt(model) if callable(opt) else (opt or torch.optim.AdamW(model.parameters(), lr=lr))
+    sched = sched(opt) if sched else None
+    sc = torch.amp.GradScaler("cpu", init_scale=init_scale) if dtype == torch.float16 else None
+    if state is not None:
+        state["scaler"] = sc
+    rd = tmp_path / "run"
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=rd, headroom=headroom,
+                        **({} if every is None else {"every": every}))
+    losses, scales = [], []
+    for i in range(steps):
+        if before:
+            before(i)
+        opt.zero_grad(set_to_none=True)
+        args = batch(i)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = loss_fn(model, *args)
+        (sc.scale(loss) if sc else loss).backward()
+        if sc:
+            sc.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        if sc:
+            sc.step(opt)
+            sc.update()
+        else:
+            opt.step()
+        if sched:
+            sched.step()
+        if after:
+            with torch.no_grad():
+                after(i)
+        losses.append(loss.item())
+        scales.append(sc.get_scale() if sc else 1.0)
+    w.close()
+    if state is not None:
+        state.update(losses=losses, scales=scales)
+    assert_healthy(losses, scales, steps, window, must_fall, max_backoffs)
+    return w.report(), ampdoctor.diagnose(rd)
+
+
+def quiet(reps):
+    """Every report (w.report(), diagnose(run_dir), ...) has no warning or error and exit code 0."""
+    for rep in reps:
+        assert alarms(rep.findings) == [] and rep.exit_code == 0, [f.one_line() for f in rep.findings]

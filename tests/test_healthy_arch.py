@@ -17,6 +17,7 @@ Mamba scan and Hyena as well), at ampdoctor's default sampling and at every=1, `
 asserted healthy (finite, loss falling, few backoffs) and judged through w.report() and ampdoctor.diagnose(run_dir).
 Every op here runs under CPU fp16 autocast, but an fp16 conv's backward on the CPU is ~50x slower than bf16's, so
 the conv models are small (8x8 or 16x16 inputs with a strided stem, 8-16 channels, batches of 8)."""
+import functools
 import math
 import sys
 from pathlib import Path
@@ -26,10 +27,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import EVERY, alarms, assert_healthy, gen, one_thread, randn  # noqa: E402
+from scenarios import EVERY, gen, healthy_run, one_thread, quiet, randn  # noqa: E402
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -39,43 +39,7 @@ SAMPLING = pytest.mark.parametrize("every,headroom", [(None, None), (1, None), (
                                    ids=["default", "every1", "headroom"])
 
 
-def run(model, batch, loss_fn, tmp_path, *, steps=30, every=None, headroom=None, lr=3e-3, clip=1.0,
-        dtype=torch.float16, max_backoffs=3, must_fall=0.9, window=8):
-    """zero_grad -> forward + loss under autocast(dtype) -> scale(loss).backward -> unscale_ -> clip -> step ->
-    update, AdamW, under a watch with a run_dir (bf16: no scaler). Asserts the run was healthy (assert_healthy);
-    returns (w.report(), diagnose(run_dir))."""
-    torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
-    rd = tmp_path / "run"
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=rd, headroom=headroom,
-                        **({} if every is None else {"every": every}))
-    losses, scales = [], []
-    for i in range(steps):
-        opt.zero_grad(set_to_none=True)
-        args = batch(i)
-        with torch.autocast("cpu", dtype=dtype):
-            loss = loss_fn(model, *args)
-        (sc.scale(loss) if sc else loss).backward()
-        if sc:
-            sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if sc:
-            sc.step(opt)
-            sc.update()
-        else:
-            opt.step()
-        losses.append(loss.item())
-        scales.append(sc.get_scale() if sc else 1.0)
-    w.close()
-    assert_healthy(losses, scales, steps, window, must_fall, max_backoffs)
-    return w.report(), ampdoctor.diagnose(rd)
-
-
-def quiet(reps):
-    for rep in reps:
-        assert alarms(rep.findings) == [] and rep.exit_code == 0, [f.one_line() for f in rep.findings]
+run = functools.partial(healthy_run, steps=30, lr=3e-3)  # (AdamW; the scaler from 65536, as GradScaler's default)
 
 
 def ce(m, x, y):

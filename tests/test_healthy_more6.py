@@ -30,10 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import EVERY, alarms, assert_healthy, gen, one_thread  # noqa: E402
+from scenarios import EVERY, gen, healthy_run, one_thread, quiet  # noqa: E402
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -43,58 +42,7 @@ SAMPLING = pytest.mark.parametrize("every,headroom", [(None, None), (1, None), (
                                    ids=["default", "every1", "headroom"])
 
 
-def run(model, batch, loss_fn, tmp_path, *, steps=40, every=None, headroom=None, opt=None, sched=None, clip=1.0,
-        dtype=torch.float16, before=None, after=None, max_backoffs=3, must_fall=0.9, window=8, init_scale=65536.0,
-        state=None):
-    """before(i) -> zero_grad -> forward under autocast(dtype) -> scale(loss).backward -> unscale_ -> clip (the
-    parameters that require grad now) -> step -> update -> sched.step -> after(i) under no_grad, under a watch
-    with a run_dir (bf16: no scaler); `state["scaler"]` is the GradScaler, for a loss that needs it, and
-    `state["losses"]`, `state["scales"]` the per-step series afterwards. Asserts the run was healthy; returns
-    (w.report(), diagnose(run_dir))."""
-    torch.manual_seed(0)
-    opt = opt(model) if callable(opt) else (opt or torch.optim.AdamW(model.parameters(), lr=1e-3))
-    sched = sched(opt) if sched else None
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale) if dtype == torch.float16 else None
-    if state is not None:
-        state["scaler"] = sc
-    rd = tmp_path / "run"
-    w = ampdoctor.watch(model, optimizer=opt, scaler=sc, run_dir=rd, headroom=headroom,
-                        **({} if every is None else {"every": every}))
-    losses, scales = [], []
-    for i in range(steps):
-        if before:
-            before(i)
-        opt.zero_grad(set_to_none=True)
-        args = batch(i)
-        with torch.autocast("cpu", dtype=dtype):
-            loss = loss_fn(model, *args)
-        (sc.scale(loss) if sc else loss).backward()
-        if sc:
-            sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
-        if sc:
-            sc.step(opt)
-            sc.update()
-        else:
-            opt.step()
-        if sched:
-            sched.step()
-        if after:
-            with torch.no_grad():
-                after(i)
-        losses.append(loss.item())
-        scales.append(sc.get_scale() if sc else 1.0)
-    w.close()
-    if state is not None:
-        state.update(losses=losses, scales=scales)
-    assert_healthy(losses, scales, steps, window, must_fall, max_backoffs)
-    return w.report(), ampdoctor.diagnose(rd)
-
-
-def quiet(reps):
-    for rep in reps:
-        assert alarms(rep.findings) == [] and rep.exit_code == 0, [f.one_line() for f in rep.findings]
+run = healthy_run
 
 
 def adamw(lr, **kw):

@@ -13,45 +13,17 @@ instance called three times per forward whose third call overflows. Each model g
 failure is asserted to be real; the right rule at the producing module among the first three findings, at that
 step, and no error at the modules that only passed the value on. Where ampdoctor is wrong the test is a strict
 xfail whose reason says what it reported instead."""
-import functools
-import math
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scenarios import EVERY, amp_loop, both, lines, no_error_at, one_thread, randn, top3
+from scenarios import (both, EVERY, first_bad, FP16, in_top3, mean_sq, no_error_at, nonfinite_loss_steps, one_thread,
+                       randn, short_loop as loop, top3)
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-loop = functools.partial(amp_loop, steps=8, init_scale=1024.0)
-FP16 = dict(device_type="cpu", dtype=torch.float16)
-
-
-def out_mean(out, *args):
-    return out.float().mean()
-
-
-def mean_sq(out, *args):
-    return out.float().pow(2).mean()
-
-
-def first_bad(w):
-    return next((r.step for r in w.steps if r.skipped), None)
-
-
-def nonfinite_loss_steps(w):
-    return [r.step for r in w.steps if r.loss_finite is False]
-
-
-def in_top3(rep, rules, module):
-    """One of `rules` at `module` among the first three findings; returns it."""
-    got = [(f.rule, f.module) for f in rep.findings[:3]]
-    assert any((r, module) in got for r in rules), lines(rep)
-    assert rep.exit_code == 1, lines(rep)
-    return next(f for f in rep.findings[:3] if f.module == module and f.rule in rules)
 
 
 # ======================================================================================================================
@@ -226,7 +198,7 @@ def test_mamba_parallel_scan_in_fp16_breaks_in_the_mixer(tmp_path, every, kind):
     assert first_bad(w) == 3
     rules = ("overflow", "underflow") if kind == "cumprod" else ("overflow",)
     for rep in both(w, tmp_path / "r"):
-        f = in_top3(rep, rules, "layers.1.mixer")
+        f = in_top3(rep, rules, "layers.1.mixer", error_run=True)
         assert (f.phase, f.step) == ("forward", 3), f.one_line()
         if kind == "exp":
             assert f.op == "aten::exp", f.one_line()
@@ -643,7 +615,7 @@ def test_gnn_degree_normalisation_at_an_isolated_node(tmp_path, every, kind):
     assert first_bad(w) == 3 and nonfinite_loss_steps(w) == [3]  # real: NaN at step 3 only
     rules = ("nan_origin",) if kind == "mean" else ("nan_origin", "overflow")
     for rep in both(w, tmp_path / "r"):
-        f = in_top3(rep, rules, "convs.0")
+        f = in_top3(rep, rules, "convs.0", error_run=True)
         assert (f.phase, f.step) == ("forward", 3), f.one_line()
         if kind == "mean":
             assert f.op == "aten::div", f.one_line()

@@ -9,7 +9,6 @@ weights renormalised in place inside forward, and a model scaling its input batc
 a known step; the right rule at the producing module (not one that only passed the inf/NaN on) among the first
 three findings, at that step and phase, and (forward) the op the replay names. Where ampdoctor is wrong the test is
 a strict xfail whose reason says what and where."""
-import functools
 
 import pytest
 import torch
@@ -17,13 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import EVERY, amp_loop, both, lines, no_error_at, one_thread, randn, top3
+from scenarios import (both, EVERY, first_bad, FP16, lines, no_error_at, one_thread, out_mean, randn,
+                       short_loop as loop, top3)
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-loop = functools.partial(amp_loop, steps=8, init_scale=1024.0)
-FP16 = dict(device_type="cpu", dtype=torch.float16)
 
 
 def not_a_mask(rep):
@@ -32,14 +29,6 @@ def not_a_mask(rep):
     the mask" is no fix for it."""
     bad = [f.one_line() for f in rep.findings if f.rule == "mask_value_overflow"]
     assert not bad, bad
-
-
-def out_mean(out, *args):
-    return out.float().mean()
-
-
-def first_bad(w):
-    return next((r.step for r in w.steps if r.skipped), None)
 
 
 # -- 1. torchvision BasicBlock style: the residual added in place overflows ----------------------------------------

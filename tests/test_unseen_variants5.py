@@ -14,7 +14,6 @@ GradScaler). Each model goes bad at a known step; the right rule at the producin
 the inf/NaN on) among the first three findings, at that step. Where ampdoctor is wrong the test is a strict xfail
 whose reason says what it reported instead."""
 import copy
-import functools
 import math
 
 import pytest
@@ -23,32 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import EVERY, amp_loop, both, lines, no_error_at, one_thread, randn, top3
+from scenarios import (both, EVERY, first_bad, FP16, in_top3, lines, mean_sq, no_error_at, one_thread, out_mean, randn,
+                       short_loop as loop, top3)
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-loop = functools.partial(amp_loop, steps=8, init_scale=1024.0)
-FP16 = dict(device_type="cpu", dtype=torch.float16)
-
-
-def out_mean(out, *args):
-    return out.float().mean()
-
-
-def mean_sq(out, *args):
-    return out.float().pow(2).mean()
-
-
-def first_bad(w):
-    return next((r.step for r in w.steps if r.skipped), None)
-
-
-def in_top3(rep, rules, module):
-    """One of `rules` at `module` among the first three findings; returns it."""
-    got = [(f.rule, f.module) for f in rep.findings[:3]]
-    assert any((r, module) in got for r in rules), lines(rep)
-    return next(f for f in rep.findings[:3] if f.module == module and f.rule in rules)
 
 
 # -- 1. T5 LayerNorm (RMS, no mean) squaring in fp16, deep in an encoder: x finite, x.pow(2) inf -> silent zeros ----

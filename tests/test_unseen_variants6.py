@@ -14,7 +14,6 @@ fully masked set, F.normalize's eps=1e-12, a matmul of moderate matrices whose d
 goes bad at a known step and the failure is asserted to be real; the right rule at the producing module (or module
 null where no module made the value) among the first three findings, at that step, and no error at the modules that
 only passed it on. Where ampdoctor is wrong the test is a strict xfail whose reason says what it reported instead."""
-import functools
 import math
 
 import pytest
@@ -23,37 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import EVERY, amp_loop, both, lines, no_error_at, one_thread, randn, top3
+from scenarios import (BF16, both, EVERY, first_bad, FP16, in_top3, lines, mean_sq, no_error_at, nonfinite_loss_steps,
+                       one_thread, out_mean, randn, short_loop as loop, top3)
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-loop = functools.partial(amp_loop, steps=8, init_scale=1024.0)
-FP16 = dict(device_type="cpu", dtype=torch.float16)
-BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
-
-
-def out_mean(out, *args):
-    return out.float().mean()
-
-
-def mean_sq(out, *args):
-    return out.float().pow(2).mean()
-
-
-def first_bad(w):
-    return next((r.step for r in w.steps if r.skipped), None)
-
-
-def nonfinite_loss_steps(w):
-    return [r.step for r in w.steps if r.loss_finite is False]
-
-
-def in_top3(rep, rules, module):
-    """One of `rules` at `module` among the first three findings; returns it."""
-    got = [(f.rule, f.module) for f in rep.findings[:3]]
-    assert any((r, module) in got for r in rules), lines(rep)
-    return next(f for f in rep.findings[:3] if f.module == module and f.rule in rules)
 
 
 def no_module_error(rep, rules=("overflow", "nan_origin")):
