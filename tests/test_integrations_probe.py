@@ -349,12 +349,7 @@ class _BoostGrad(torch.autograd.Function):
         return g * 1e9  # an fp16 gradient: +-inf
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a custom autograd Function applied in c_fc's own forward hook (part of `c_fc(...)`'s call) overflows in "
-    "the backward from step 6: ampdoctor reports overflow@transformer.h.1.mlp.act@6 ('the backward of "
-    "_BoostGradBackward in `transformer.h.1.mlp.act` (aten::mul) produced +-inf ... not finite at the values the "
-    "forward produced'), skipped_steps@None@6; it should be overflow@transformer.h.1.mlp.c_fc@6: the node was "
-    "made inside c_fc's call, and act's own backward (GELU) got and gave finite gradients"))
+# (was a strict xfail: the Function applied by c_fc's own forward hook was attributed to the next module, act)
 def test_hf_gpt2_fp16_backward_overflow_in_a_layer_at_step_k(tmp_path, fp16_on_cpu):
     """From optimizer step K, transformer.h.1.mlp.c_fc's backward multiplies its fp16 output gradient by 1e9
     (a forward hook wraps its output in a custom Function): the gradient leaving c_fc becomes inf while the one

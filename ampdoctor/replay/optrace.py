@@ -217,8 +217,14 @@ class OpTracer:
         self.stack.append(self.names.get(mod, ""))
 
     def _post(self, mod, args, out):
-        if self.stack:
-            self.stack.pop()
+        name = self.stack.pop() if self.stack else None
+        if name is not None and torch.is_grad_enabled():
+            # a node no op of ours saw made (an autograd Function applied by a forward hook of the user's own that
+            # ran before this one): it belongs to the module whose output it made, not to the next consumer
+            for t in flatten_tensors(out, []):
+                fn = t.grad_fn
+                if fn is not None and fn not in self.nodes:
+                    self.nodes[fn] = (name, None, "forward hook")
 
     def __enter__(self) -> "OpTracer":
         for m in set(self.names):
