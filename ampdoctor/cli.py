@@ -103,7 +103,10 @@ def _write(report, args, src: str) -> None:
     _say(render_text(report))
     try:
         if args.json:
-            report.save_json(args.json)
+            try:
+                report.save_json(args.json)
+            except OSError as e:  # (the message names the path given, not the temporary file beside it)
+                raise BadInput(f"--json {args.json}: cannot write ({e.strerror or e})") from None
             _say(f"json: {args.json}")
         if not args.no_html:
             out = args.out or _default_out(src)
