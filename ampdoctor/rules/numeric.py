@@ -147,19 +147,18 @@ def vanished_gradient(run: RunData, cfg: RuleConfig) -> list[Finding]:
         zero = [c for c in r.modules if c.gout is not None and c.gout.ref == "float16" and c.gout.numel
                 and c.gout.zeros == c.gout.numel and c.bseq is not None]
         c = min(zero, key=lambda c: (c.bseq, -c.depth)) if zero else root
-        # a step sampled because the loss jumped 1000x (autocapture.loss_jump): the new regime began at the jump
+        # a step sampled because the loss jumped 1000x (autocapture.loss_jump): the new regime began after the
+        # jump, when every step between it and this one was a routine step with a loss of the same size
         step = r.step
         for q in reversed([q for q in run.steps if q.step < r.step]):
+            if q.loss and not 1e-3 < abs(q.loss / r.loss) < 1e3:
+                break  # q is the jump (or a non-finite loss): the regime began after it
             if q.modules or q.loss is None or not math.isfinite(q.loss) or not q.loss:
-                break  # a sampled step saw its gradients (or nothing is known): no earlier onset
-            if not 1e-3 < abs(q.loss / r.loss) < 1e3:
-                break  # q is before the jump: the regime began after it
+                step = r.step  # a sampled step saw its gradients, or nothing is known: no earlier onset
+                break
             step = q.step
         else:
-            step = r.step  # no jump found: the onset is not known to be earlier
-        if step != r.step and not any(q.step == step - 1 and q.loss and not 1e-3 < abs(q.loss / r.loss) < 1e3
-                                      for q in run.steps):
-            step = r.step
+            step = r.step  # no jump: the onset is not known to be earlier
         return [Finding(
             "underflow", "error", "backward", c.module, None, step,
             f"Every gradient flowing into `{c.module or '(root)'}` ({c.type}) is exactly zero in fp16 although the "
