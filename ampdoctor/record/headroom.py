@@ -42,12 +42,23 @@ class Headroom:
     """The pending tensors and reduced abs-maxes of the open step (owned by the StepMachine)."""
 
     __slots__ = ("on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
-                 "last_slot", "staged", "tables")
+                 "last_slot", "staged", "tables", "reads", "observing", "called", "read", "last_pass", "pass_used",
+                 "static_alias", "seen_alias")
 
     def __init__(self, n_slots: int):
         self.on = False            # recording (routine steps); off on sampled steps, when disabled or suspended
         self.n = n_slots
         self.tables: dict = {}     # device -> fused.AbsMaxTable (CUDA, Triton): kept across steps, reset per step
+        self.reads = 0             # values handed over so far (never reset: `forward` compares before and after)
+        # which hooks earn their cost (see `plan`): on an observed step, the slots called, the slots that read a
+        # value, the pass-on slots whose output a container returned
+        self.observing = False
+        self.called: set[int] = set()
+        self.read: set[int] = set()
+        self.pass_used: set[int] = set()
+        self.last_pass = -1
+        self.static_alias: list[tuple[int, int]] = []  # (slot, slot) of pruned containers, applied every step
+        self.seen_alias: list[tuple[int, int]] = []    # the observed step's aliases (`alias` is reset per transfer)
         self.reset()
 
     def reset(self) -> None:
@@ -61,38 +72,92 @@ class Headroom:
         self.alias: list[tuple[int, int]] = []                   # (slot, slot whose tensor it returned)
         self.last = None
         self.last_slot = -1
+        self.last_pass = -1
         self.staged: list | None = None  # the step's parts, stacked (see stage)
 
     # -- hot path (called by the hooks): keep a reference, nothing else ----------------------------------
     def forward(self, slot: int, out, tap) -> None:
+        if self.observing:
+            self.called.add(slot)
+            n0 = self.reads
+            self._forward(slot, out, tap)
+            if self.reads != n0:
+                self.read.add(slot)
+            return
+        self._forward(slot, out, tap)
+
+    def _forward(self, slot: int, out, tap) -> None:
         tensors = (out,) if isinstance(out, _Tensor) else flatten_tensors(out, [])
         last = self.last
         for t in tensors:
             if t is last:  # a container returning its child's output (or holding it: HF's logits): measured once
                 self.alias.append((slot, self.last_slot))
+                if self.observing:
+                    self.seen_alias.append((slot, self.last_slot))
+                    if self.last_pass >= 0:
+                        self.pass_used.add(self.last_pass)
                 continue
             if t.dtype not in _LOW or t.layout != _STRIDED:
                 continue  # fp32 values have no fp16/bf16 range to lose; a cast into a low-precision op shows there
             self.ft.append(t)  # not detached (no allocation): the reduction runs under no_grad
             self.fs.append(slot)
             self.fbytes += t.nbytes
+            self.reads += 1
             fn = t.grad_fn
             if fn is not None:  # the gradient into this output, when the backward reaches its node
                 nr = t.output_nr
                 fn.register_prehook(tap if nr == 0 else tap.at(nr))
             last = t
         if last is not self.last:
-            self.last, self.last_slot = last, slot
+            self.last, self.last_slot, self.last_pass = last, slot, -1
         elif self.alias and self.alias[-1][1] == self.last_slot:
             self.last_slot = slot
         if len(self.ft) >= FLUSH_TENSORS or self.fbytes >= FLUSH_BYTES_FORWARD:
             self.flush_forward()
 
-    def passed(self, args, output) -> None:
+    def passed(self, slot: int, args, output) -> None:
         """A module that passes its input's range on (`passes_on`) returned `output`: if its input was the last
         value read, its output stands for that value (a container returning it is an alias, not a new read)."""
+        if self.observing:
+            self.called.add(slot)
         if args and args[0] is self.last and isinstance(output, _Tensor):
             self.last = output
+            self.last_pass = slot
+
+    def plan(self, fixed: int = 0) -> tuple[set[int], list[tuple[int, int]]]:
+        """After an observed step: the slots whose hooks cost without reading anything, and the containers among
+        them that always returned one child's value (their series is that child's, filled in by `host_series`).
+
+        A module whose every call returned only fp32 values (an fp32 residual stream, LayerNorm under CUDA
+        autocast, fp32 embeddings), or one value it received from a child (nanoGPT's `mlp`, `attn`), reads
+        nothing on later steps either; a pass-on module (see hooks.passes_on) is needed only while a container
+        returns its output. A slot not called on the observed step keeps its hook (a branch taken later);
+        `fixed` (the root's slot, read by the step machine's own hook) is never pruned."""
+        src: dict[int, int] = {}
+        for slot, s in self.seen_alias:
+            src[slot] = s if src.get(slot, s) == s else -1
+        idle = set()
+        static = []
+        for slot in sorted(self.called - self.read - {fixed}):
+            s = src.get(slot)
+            if s == -1:
+                continue  # aliased different children: keep reading it
+            if s is not None:
+                static.append((slot, s))
+            idle.add(slot)
+        idle -= self.pass_used
+        order = {slot: i for i, (slot, _) in enumerate(self.seen_alias)}
+        static.sort(key=lambda a: order.get(a[0], 0))  # inner containers first, as the calls came
+        self.static_alias = [(slot, s) for slot, s in static if slot in idle]
+        self.observing = False
+        self.called, self.read, self.pass_used, self.seen_alias = set(), set(), set(), []
+        return idle, self.static_alias
+
+    def observe(self) -> None:
+        """Record which hooks read something on the next step (see `plan`); the pruned state starts over."""
+        self.observing = True
+        self.static_alias = []
+        self.called, self.read, self.pass_used, self.seen_alias = set(), set(), set(), []
 
     def grad(self, slot: int, g) -> None:
         self.bt.append(g)
@@ -229,7 +294,7 @@ class Headroom:
                 dst[s] = _merge(dst[s], v)
                 if dtypes[s] == "-":
                     dtypes[s] = code
-        for slot, src in self.alias:
+        for slot, src in self.alias + self.static_alias:
             fwd[slot] = _merge(fwd[slot], fwd[src])
             bwd[slot] = _merge(bwd[slot], bwd[src])
             if dtypes[slot] == "-":

@@ -160,17 +160,17 @@ class GradTap:
 class PassHook(CopiesInert):
     """The forward post-hook on a module that `passes_on` its input's range: nothing is read (see
     Headroom.passed). Compile-safe and copy-safe like HeadroomHook."""
-    __slots__ = ("hr",)
+    __slots__ = ("hr", "slot")
 
-    def __init__(self, hr: "Headroom"):
-        self.hr = hr
+    def __init__(self, hr: "Headroom", slot: int):
+        self.hr, self.slot = hr, slot
 
     def register(self, module: torch.nn.Module):
         return module.register_forward_hook(self)
 
     def __call__(self, module, args, output):
         if not torch.compiler.is_compiling() and self.hr.on:
-            self.hr.passed(args, output)
+            self.hr.passed(self.slot, args, output)
         return None
 
 

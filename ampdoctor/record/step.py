@@ -55,7 +55,9 @@ class StepMachine(MonitorCallbacks):
         self.hr = Headroom(len(mods))
         self.hr_skip = frozenset(i for i, m in enumerate(mods) if passes_on(m))  # not read (see passes_on)
         self._root_tap = GradTap(self.hr, 0)
-        self._hr_handles: list = []
+        self._hr_observe = True  # the next routine step observes which headroom hooks read anything
+        self._hr_handles: dict[int, object] = {}  # slot -> the handle of its headroom hook
+        self._hr_wanted = False  # headroom hooks are installed (some may be pruned for now)
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
@@ -86,9 +88,19 @@ class StepMachine(MonitorCallbacks):
     # -- step lifecycle -----------------------------------------------------------------------------
     def _new_step(self, step: int) -> _Step:
         sampled = self.policy.sampled(step)
-        self.hr.reset()
+        hr = self.hr
+        if hr.observing:
+            self._prune_headroom_hooks()
+        hr.reset()
         # sampled steps: the full statistics give the series; routine steps only with WatchConfig.headroom
-        self.hr.on = self.cfg.headroom and not sampled and not self.disabled
+        hr.on = self.cfg.headroom and not sampled and not self.disabled
+        if sampled:
+            self._hr_observe = True
+        elif hr.on and self._hr_observe and self._hr_wanted:
+            # the first routine step after a sampled one runs with every hook and notes which ones read anything
+            self._hr_observe = False
+            self.install_headroom_hooks()
+            hr.observe()
         return _Step(step=step, sampled=sampled)
 
     def begin(self) -> None:
@@ -119,20 +131,37 @@ class StepMachine(MonitorCallbacks):
 
     def install_headroom_hooks(self) -> None:
         """The always-on headroom hooks: one forward post-hook per module below the root, for the watch's life
-        (none on a compiled model: the root's eager hooks record the root's headroom)."""
-        if self.compiled or self.disabled or self._hr_handles:
+        (none on a compiled model: the root's eager hooks record the root's headroom). Those that read nothing
+        on an observed step come off again (`_prune_headroom_hooks`)."""
+        if self.compiled or self.disabled:
             return
+        hr = self.hr
+        self._hr_wanted = True
         for mod in self.w.model.modules():
             if mod is self.root or mod is self.w.model or not hookable(mod):
                 continue
             slot = self.slot_of[id(mod)]
-            hook = PassHook(self.hr) if slot in self.hr_skip else HeadroomHook(self.hr, slot, self.fail)
-            self._hr_handles.append(hook.register(mod))
+            if slot in self._hr_handles:
+                continue
+            hook = PassHook(hr, slot) if slot in self.hr_skip else HeadroomHook(hr, slot, self.fail)
+            self._hr_handles[slot] = hook.register(mod)
+
+    def _prune_headroom_hooks(self) -> None:
+        """After an observed step: the hooks of modules that read nothing come off until the next sampled step
+        (~2/3 of a transformer's: fp32 LayerNorms and residual streams under autocast, containers returning a
+        child's output, pass-on modules no container returns). The series stays the same: a pruned container's
+        value is its child's (Headroom.plan)."""
+        idle, _ = self.hr.plan(fixed=self.slot_of[id(self.root)])
+        for slot in idle:
+            h = self._hr_handles.pop(slot, None)
+            if h is not None:
+                h.remove()
 
     def remove_headroom_hooks(self) -> None:
-        for h in self._hr_handles:
+        self._hr_wanted = False
+        for h in self._hr_handles.values():
             h.remove()
-        self._hr_handles = []
+        self._hr_handles = {}
 
     def finish_open_step(self) -> None:
         st = self.st

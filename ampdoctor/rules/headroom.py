@@ -86,7 +86,10 @@ def trend(pts: list[tuple[int, float, str]], k: int, window: int = WINDOW) -> tu
 def _first_warning(pts, cfg: RuleConfig, fitting=None):
     """The first point where the series is close, falling steadily and forecast to reach zero in time
     (`fitting(window)`: the window's values are the model's output growing towards what the loss asks for)."""
+    low = math.inf  # the lowest headroom before the current window (its history)
     for k in range(len(pts)):
+        if k >= WINDOW:
+            low = min(low, pts[k - WINDOW][1])
         bits = pts[k][1]
         if bits > cfg.headroom_max_bits:
             continue
@@ -100,7 +103,11 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
         # slope): one batch of outliers — heavy-tailed inputs — dips a single point, not the line
         step = pts[k][0]
         level = _median([b + slope * (step - s) for s, b, _ in pts[k + 1 - WINDOW:k + 1]])
-        if level > cfg.headroom_max_bits:
+        if level > cfg.headroom_max_bits or low < math.inf and level >= low - _noise(pts, k + 1 - WINDOW):
+            # ... and below anything the layer showed before the window, by more than its step-to-step noise: a
+            # layer that has sat near the max for a long time (a stable hot unit, a level it reached early)
+            # shows chance runs of rising values, and now and then a new low by a hair; a layer running out of
+            # range goes where it has never been
             continue
         bits = max(bits, level)
         left = max(bits, 0.0) / -slope
@@ -108,6 +115,14 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
             return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
                     "dtype": pts[k][2]}
     return None
+
+
+def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:
+    """The step-to-step noise of the series before index `end`: the median absolute change between consecutive
+    points over the last `n` of them (for independent noise of deviation s, ~0.95 s; for a steady trend, its
+    rate)."""
+    h = [p[1] for p in pts[max(0, end - n):end]]
+    return _median([abs(b - a) for a, b in zip(h, h[1:])]) if len(h) > 2 else 0.0
 
 
 def _rate_at(pts, step: int) -> float | None:
