@@ -199,3 +199,34 @@ def test_a_container_ending_in_an_activation_is_its_layers_value():
         h = r.headroom
         assert h["fwd"][names.index("blk")] == h["fwd"][names.index("blk.0")], h
         assert h["fwd"][names.index("blk.1")] is None
+
+
+def test_a_value_over_read_bytes_is_read_in_its_leading_rows(monkeypatch):
+    """A value larger than READ_BYTES (a language model's logits) is read in its leading whole rows on routine
+    steps; the sampled step (full statistics) reads all of it. Rows 0..1 of the batch hold ~0.5, the last
+    row ~50: the routine series shows the leading rows' range, the sampled one the whole."""
+    from ampdoctor.record import headroom
+    monkeypatch.setattr(headroom, "READ_BYTES", 2 * 4 * 2)  # two rows of four fp16 values
+
+    class Out(nn.Module):
+        def forward(self, x):
+            return x * 1.0
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+            self.out = Out()
+
+        def forward(self, x):
+            h = self.a(x)
+            base = torch.full_like(h, 0.5)
+            base[3] = 50.0
+            return self.out(h * 0.001 + base)
+
+    w = _train(M(), 4, every=200)
+    i = [m[0] for m in w.meta.modules].index("out")
+    steps = list(w.steps)
+    assert math.isclose(steps[0].headroom["fwd"][i], 50.0, rel_tol=1e-2)       # sampled: every row
+    for r in steps[1:]:
+        assert not r.sampled and r.headroom["fwd"][i] < 10.0, r.headroom     # routine: the first two rows

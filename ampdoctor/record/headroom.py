@@ -29,6 +29,7 @@ __all__ = ["Headroom", "DTYPE_CODES", "from_calls", "encode"]
 FLUSH_TENSORS = 128                 # pending tensors that trigger one batched reduction
 FLUSH_BYTES_FORWARD = 256 << 20     # ... or pending bytes of forward outputs (most are saved for the backward anyway)
 FLUSH_BYTES_BACKWARD = 128 << 20    # ... or of gradients, which only these references keep alive
+READ_BYTES = 64 << 20               # of a larger value, its leading whole rows up to this size are read (see _lead)
 DTYPE_CODES = {torch.float16: "h", torch.bfloat16: "b", torch.float32: "f", torch.float64: "d"}
 _CODE_OF_NAME = {"float16": "h", "bfloat16": "b", "float32": "f", "float64": "d"}
 _Tensor = torch.Tensor
@@ -42,7 +43,7 @@ class Headroom:
     """The pending tensors and reduced abs-maxes of the open step (owned by the StepMachine)."""
 
     __slots__ = ("on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
-                 "last_slot", "staged", "tables", "reads", "observing", "called", "read", "last_pass", "pass_used",
+                 "last_slot", "staged", "tables", "reads", "observing", "called", "read", "last_pass",
                  "static_alias", "seen_alias")
 
     def __init__(self, n_slots: int):
@@ -50,15 +51,14 @@ class Headroom:
         self.n = n_slots
         self.tables: dict = {}     # device -> fused.AbsMaxTable (CUDA, Triton): kept across steps, reset per step
         self.reads = 0             # values handed over so far (never reset: `forward` compares before and after)
-        # which hooks earn their cost (see `plan`): on an observed step, the slots called, the slots that read a
-        # value, the pass-on slots whose output a container returned
+        # which hooks earn their cost (see `plan`): on an observed step, the slots called and those that read a
+        # value
         self.observing = False
         self.called: set[int] = set()
         self.read: set[int] = set()
-        self.pass_used: set[int] = set()
         self.last_pass = -1
         self.static_alias: list[tuple[int, int]] = []  # (slot, slot) of pruned containers, applied every step
-        self.seen_alias: list[tuple[int, int]] = []    # the observed step's aliases (`alias` is reset per transfer)
+        self.seen_alias: list[tuple[int, int, int]] = []  # the observed step's (slot, source, pass-on slot or -1)
         self.reset()
 
     def reset(self) -> None:
@@ -93,15 +93,14 @@ class Headroom:
             if t is last:  # a container returning its child's output (or holding it: HF's logits): measured once
                 self.alias.append((slot, self.last_slot))
                 if self.observing:
-                    self.seen_alias.append((slot, self.last_slot))
-                    if self.last_pass >= 0:
-                        self.pass_used.add(self.last_pass)
+                    self.seen_alias.append((slot, self.last_slot, self.last_pass))
                 continue
             if t.dtype not in _LOW or t.layout != _STRIDED:
                 continue  # fp32 values have no fp16/bf16 range to lose; a cast into a low-precision op shows there
-            self.ft.append(t)  # not detached (no allocation): the reduction runs under no_grad
+            nb = t.nbytes
+            self.ft.append(t if nb <= READ_BYTES else _lead(t))  # not detached: the reduction runs under no_grad
             self.fs.append(slot)
-            self.fbytes += t.nbytes
+            self.fbytes += nb
             self.reads += 1
             fn = t.grad_fn
             if fn is not None:  # the gradient into this output, when the backward reaches its node
@@ -134,7 +133,7 @@ class Headroom:
         returns its output. A slot not called on the observed step keeps its hook (a branch taken later);
         `fixed` (the root's slot, read by the step machine's own hook) is never pruned."""
         src: dict[int, int] = {}
-        for slot, s in self.seen_alias:
+        for slot, s, _ in self.seen_alias:
             src[slot] = s if src.get(slot, s) == s else -1
         idle = set()
         static = []
@@ -145,24 +144,26 @@ class Headroom:
             if s is not None:
                 static.append((slot, s))
             idle.add(slot)
-        idle -= self.pass_used
-        order = {slot: i for i, (slot, _) in enumerate(self.seen_alias)}
+        # a pass-on module stays only where a container that keeps its hook returned its output
+        idle -= {p for slot, _, p in self.seen_alias if p >= 0 and slot not in idle}
+        order = {slot: i for i, (slot, _, _) in enumerate(self.seen_alias)}
         static.sort(key=lambda a: order.get(a[0], 0))  # inner containers first, as the calls came
         self.static_alias = [(slot, s) for slot, s in static if slot in idle]
         self.observing = False
-        self.called, self.read, self.pass_used, self.seen_alias = set(), set(), set(), []
+        self.called, self.read, self.seen_alias = set(), set(), []
         return idle, self.static_alias
 
     def observe(self) -> None:
         """Record which hooks read something on the next step (see `plan`); the pruned state starts over."""
         self.observing = True
         self.static_alias = []
-        self.called, self.read, self.pass_used, self.seen_alias = set(), set(), set(), []
+        self.called, self.read, self.seen_alias = set(), set(), []
 
     def grad(self, slot: int, g) -> None:
-        self.bt.append(g)
+        nb = g.nbytes
+        self.bt.append(g if nb <= READ_BYTES else _lead(g))
         self.bs.append(slot)
-        self.bbytes += g.nbytes
+        self.bbytes += nb
         # a gradient is kept alive only by this reference: flushed early, so the backward's peak does not grow
         if len(self.bt) >= FLUSH_TENSORS or self.bbytes >= FLUSH_BYTES_BACKWARD:
             self.flush_backward()
@@ -302,6 +303,19 @@ class Headroom:
         out = encode(fwd, bwd, "".join(dtypes))
         self.reset()
         return out
+
+
+def _lead(t: torch.Tensor) -> torch.Tensor:
+    """The leading whole rows (last dimension) of a contiguous value larger than READ_BYTES, up to that size: the
+    first samples of the batch. A language model's logits (nanoGPT at B=64, T=256: 1.6 GB, and as much again for
+    their gradient) otherwise cost more GPU time to read every step than the rest of the model together; a
+    trend in the range of the first few hundred rows is the trend of all of them. Sampled steps read everything
+    (the full statistics), and inf/NaN anywhere is still caught by the step's own checks."""
+    if not t.is_contiguous() or t.dim() < 2:
+        return t
+    row = t.shape[-1]
+    n = max(row, READ_BYTES // t.element_size() // row * row)
+    return t.view(-1)[:n]
 
 
 def _cpu_absmax(ts: list) -> torch.Tensor:
