@@ -50,6 +50,10 @@ class MonitorCallbacks:
         ev = self.event(kind, 5, stage=stage)
         if opt is not None:  # several optimizers may share one scaler (one step each, one update)
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
+            if kind == "unscale_":
+                if st.unscaled_opts is None:
+                    st.unscaled_opts = []
+                st.unscaled_opts.append(opt)
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
             out = args[0] if args else kwargs.get("outputs")
@@ -142,7 +146,18 @@ class MonitorCallbacks:
         if sc is not None and self.w.optimizer is not None and getattr(sc, "_enabled", True):
             stage = scaler_stage(sc, self.w.optimizer)
             scaled = self.st.scaled_since_update and stage in (None, "READY")
+            if not scaled and stage == "UNSCALED" and self.st.scaled_since_update:
+                scaled = self._clips_scaled(ps, mine)
         return self.event(kind, 5, stage=stage, scaled=scaled)
+
+    def _clips_scaled(self, ps: list, mine: set) -> bool:
+        """The watched optimizer is unscaled, but do the clipped gradients include this model's parameters that
+        no optimizer unscaled yet (a second optimizer sharing the scaler, unscaled after the clip or never)?"""
+        done: set = set()
+        for o in self.st.unscaled_opts or ():
+            for g in o.param_groups:
+                done.update(id(p) for p in g["params"])
+        return any(id(p) not in done and id(p) in mine and p.grad is not None for p in ps)
 
     @_guarded
     def clip_after(self, ev, out) -> None:
