@@ -39,7 +39,8 @@ __all__ = ["headroom_trend", "trend", "series"]
 WINDOW = 12          # points in the trend window
 MIN_RATE = 0.03      # bits/step: slower declines are drift, not a trend
 MAX_BITS = 8.0       # warn only this close to the max (fp16: abs-max >= 256)
-HORIZON = 300        # ... and when the forecast overflow is this many steps away at most
+HORIZON = 100        # ... and when the forecast overflow is this many steps away at most (a forecast further out
+#                      is rarely actionable, and slow drifts that a user renormalises or a fit settles read like one)
 STEADY = 0.75        # share of the window's slopes that must be negative
 _MAX = {"h": DTYPE_LIMITS["float16"][0], "b": DTYPE_LIMITS["bfloat16"][0]}
 _NAME = {"h": "float16", "b": "bfloat16"}
@@ -97,7 +98,7 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
         if t is None or fitting is not None and fitting(pts[k + 1 - WINDOW:k + 1]):
             continue
         slope, steady = t
-        if slope > -cfg.headroom_min_rate or steady < STEADY:
+        if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope):
             continue
         # the level the window's trend line gives at this step (the median of its points carried along the
         # slope): one batch of outliers — heavy-tailed inputs — dips a single point, not the line
@@ -115,6 +116,22 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
             return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
                     "dtype": pts[k][2]}
     return None
+
+
+SIGNIFICANT = 3.0
+"""A window's slope must be this many standard errors from zero (see _significant)."""
+
+
+def _significant(pts, k: int, slope: float) -> bool:
+    """Whether the window's slope stands out of its own noise: a drift of 0.02 bits/step under batch-to-batch noise
+    of ~0.3 bits reads 0.04 bits/step over some 12-point windows. The noise is estimated from consecutive changes
+    within the window (median |change| / 0.954 for normal noise; a steady trend adds only its rate to each change),
+    the slope's standard error as for a least-squares line through the window's steps."""
+    w = pts[k + 1 - WINDOW:k + 1]
+    sigma = _median([abs(b[1] - a[1]) for a, b in zip(w, w[1:])]) / 0.954
+    mean = sum(p[0] for p in w) / len(w)
+    spread = sum((p[0] - mean) ** 2 for p in w)
+    return spread > 0 and -slope >= SIGNIFICANT * sigma / math.sqrt(spread)
 
 
 def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:

@@ -53,7 +53,7 @@ class RuleConfig:
     """headroom_trend: warn only when a layer has at most this many bits left (fp16: abs-max >= 256)."""
     headroom_min_rate: float = 0.03
     """headroom_trend: ... and its headroom falls at least this many bits per step (a steady trend)."""
-    headroom_horizon: int = 300
+    headroom_horizon: int = 100
     """headroom_trend: ... and the forecast overflow is at most this many steps away."""
     only: tuple[str, ...] | None = None
     """Run only these rule ids."""
