@@ -14,11 +14,16 @@ class WatchConfig:
     """Full per-layer statistics on every N-th step (step 0 always). 1 = every step. Steps in between are
     still checked for inf/NaN in the loss and gradients and for skipped steps."""
 
-    headroom: bool = False
-    """Always-on headroom: every module's forward and backward abs-max on every step (not only sampled ones),
-    the series the `headroom_trend` early warning reads. Off by default: measured on an H200 it costs 1.07x on a
-    GPT-2 small step and 1.35x on a 15 ms nanoGPT step (benchmarks/RESULTS.md). Turn it on (`watch(...,
-    headroom=True)`) for the run you want warned before it overflows; `every=1` also gives the series."""
+    headroom: bool | str = "auto"
+    """The per-step headroom series (every module's forward and backward abs-max, the `headroom_trend` early
+    warning's input) on routine steps, not only sampled ones. "auto" (the default): on as many routine steps as
+    fit in `headroom_budget` of the step time, measured on the run itself (every step where it costs little, e.g.
+    a large model or nothing in fp16/bf16 to read; every few steps on a short step whose host work shows it).
+    True: every routine step, whatever it costs (measured on an H200: 1.07-1.10x on a GPT-2 small step, ~1.3x on a
+    15 ms nanoGPT step). False: sampled steps only."""
+
+    headroom_budget: float = 0.02
+    """With headroom="auto": the share of the step time the series may cost on average."""
 
     bad_step_followup: int = 3
     """After a bad step, record full statistics on this many following steps (or until a producer is seen)."""
@@ -47,5 +52,9 @@ class WatchConfig:
             raise ValueError(f"every must be a positive int (1 = every step), got {self.every!r}")
         if self.bad_step_followup < 0 or self.max_captures < 0 or self.update_sample < 0:
             raise ValueError("bad_step_followup, max_captures and update_sample must be >= 0")
+        if self.headroom not in (True, False, "auto"):
+            raise ValueError(f"headroom must be True, False or 'auto', got {self.headroom!r}")
+        if not 0 < self.headroom_budget <= 1:
+            raise ValueError(f"headroom_budget must be in (0, 1], got {self.headroom_budget!r}")
         if self.max_module_calls < 1:
             raise ValueError("max_module_calls must be >= 1")

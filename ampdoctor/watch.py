@@ -81,8 +81,8 @@ class Watch:
         if config is not None and every is not None:
             raise WatchError("pass either every= or config=, not both")
         self.config = config or (WatchConfig(every=every) if every is not None else WatchConfig())
-        if headroom is not None:  # always-on headroom (WatchConfig.headroom)
-            self.config = dataclasses.replace(self.config, headroom=bool(headroom))
+        if headroom is not None:  # the per-step headroom series (WatchConfig.headroom)
+            self.config = dataclasses.replace(self.config, headroom=headroom if headroom == "auto" else bool(headroom))
         self.model = model
         self.run_dir = None if run_dir is None else str(run_dir)
         params = {id(p) for p in model.parameters()}

@@ -285,12 +285,14 @@ def nan_run(run_dir, steps: int = 12):
     return str(run_dir)
 
 
-def short_healthy_run(run_dir, steps: int = 12):
+def short_healthy_run(run_dir, steps: int = 12, headroom=False):
+    """A short healthy fp16 run at the default sampling, by default without the per-step headroom series."""
     import torch
     from scenarios import TwoLayerNet, mse_to_zero, train
     torch.manual_seed(0)
     x = torch.randn(16, 8)
-    train(TwoLayerNet(), lambda i: (x,), mse_to_zero, steps=steps, every=200, run_dir=str(run_dir))
+    train(TwoLayerNet(), lambda i: (x,), mse_to_zero, steps=steps, every=200, run_dir=str(run_dir),
+          headroom=headroom)
     return str(run_dir)
 
 

@@ -158,11 +158,11 @@ class ConvNet(nn.Module):
 
 
 def train(model, batch, loss_fn, *, steps=8, scaler=True, dtype=torch.float16, opt="adamw", lr=1e-3,
-          accum=1, clip=None, correct_order=True, every=1, run_dir=None, autocast=True, eval_every=0):
+          accum=1, clip=None, correct_order=True, every=1, run_dir=None, autocast=True, eval_every=0, headroom=None):
     """The loop people write (shared/seed): backward -> unscale_ -> clip -> step -> update."""
     o = torch.optim.AdamW(model.parameters(), lr=lr) if opt == "adamw" else torch.optim.SGD(model.parameters(), lr=lr)
     sc = torch.amp.GradScaler("cpu") if scaler else None
-    w = ampdoctor.watch(model, optimizer=o, scaler=sc, run_dir=run_dir, every=every)
+    w = ampdoctor.watch(model, optimizer=o, scaler=sc, run_dir=run_dir, every=every, headroom=headroom)
     for i in range(steps):
         o.zero_grad()
         for _ in range(accum):

@@ -142,12 +142,17 @@ def test_tensorboard_headroom_bits_every_step():
     assert 5 < v < 20
 
 
-def test_always_on_headroom_is_opt_in():
-    """The default watch keeps its cost: no headroom hooks below the root, and routine steps carry no series."""
+def test_headroom_false_keeps_routine_steps_bare_and_auto_alternates_while_it_measures():
+    """headroom=False: no headroom hooks below the root, routine steps carry no series. The default ("auto"):
+    the first routine step carries it (observed: every hook on), then steps with and without it alternate
+    until both have been timed a few times (ampdoctor/record/budget.py)."""
     model = Net()
-    w = _train(model, 4, None, headroom=None)
+    w = _train(model, 4, None, headroom=False)
     assert not any(hasattr(h, "hr") for m in model.modules() for h in m._forward_hooks.values())
     assert [r.headroom is not None for r in w.steps] == [True, False, False, False]  # step 0 is sampled
+    w = _train(Net(), 8, None, headroom=None)
+    assert w.config.headroom == "auto"
+    assert [r.headroom is not None for r in w.steps] == [True, True, False, True, False, True, False, True]
 
 
 def test_nothing_forward_is_held_into_the_backward():

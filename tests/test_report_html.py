@@ -332,7 +332,8 @@ def test_report_cli_stderr_is_quiet(real, tmp_path):
 
 
 def test_headroom_timeline_section(tmp_path):
-    """A watched run with headroom=True shows the headroom timeline image; a short default run the sentence."""
+    """A watched run with headroom=True shows the headroom timeline image; a short run with headroom=False the
+    sentence, and a short default run (headroom="auto") a timeline again."""
     import ampdoctor
     from test_report_plots import _growing_run
     html = render_html(_growing_run())
@@ -343,3 +344,7 @@ def test_headroom_timeline_section(tmp_path):
     sec = html[html.index('id="headroom-timeline"'):]
     sec = sec[:sec.index("</section>")]
     assert 'class="empty"' in sec and "headroom=True" in sec and "<img" not in sec
+    html = render_html(ampdoctor.diagnose(rs.short_healthy_run(tmp_path / "auto", headroom=None)))
+    sec = html[html.index('id="headroom-timeline"'):]
+    sec = sec[:sec.index("</section>")]
+    assert "data:image/png;base64," in sec

@@ -148,7 +148,7 @@ def test_headroom_timeline_marks_non_finite_steps():
 
 
 def test_headroom_timeline_short_default_run_is_a_sentence(tmp_path):
-    """A healthy default run has headroom on step 0 only: no plot, one sentence naming what to pass."""
+    """A healthy run with headroom=False has headroom on step 0 only: no plot, one sentence naming what to pass."""
     import warnings
     import ampdoctor
     from ampdoctor.report.plots import headroom_timeline_empty

@@ -46,11 +46,12 @@ class AmpDoctorCallback(TrainerCallback):
         every: full per-layer statistics every N-th optimizer step (see `ampdoctor.watch`); default
             ampdoctor's cheap sampling. Every step is still checked for inf/NaN and skipped steps.
         tensorboard_dir: also write ampdoctor's per-step scalars there (`ampdoctor.watch(tensorboard_dir=)`).
-        headroom: every layer's headroom on every step, for the `headroom_trend` early warning
-            (`ampdoctor.watch(headroom=True)`; it costs more than the default).
+        headroom: the per-step headroom series for the `headroom_trend` early warning, as in
+            `ampdoctor.watch` (None: the default, "auto"; True: every step; False: sampled steps only).
     """
 
-    def __init__(self, run_dir=None, every: int | None = None, *, tensorboard_dir=None, headroom: bool = False):
+    def __init__(self, run_dir=None, every: int | None = None, *, tensorboard_dir=None,
+                 headroom: bool | str | None = None):
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         self.every = every
         self.tensorboard_dir = tensorboard_dir

@@ -34,12 +34,12 @@ class AmpDoctorLightningCallback(Callback):
         every: full per-layer statistics every N-th optimizer step (see `ampdoctor.watch`).
         log: log ampdoctor's scalars through `pl_module.log` after every training batch.
         tensorboard_dir: also write ampdoctor's per-step scalars there (`ampdoctor.watch(tensorboard_dir=)`).
-        headroom: every layer's headroom on every step, for the `headroom_trend` early warning
-            (`ampdoctor.watch(headroom=True)`; it costs more than the default).
+        headroom: the per-step headroom series for the `headroom_trend` early warning, as in
+            `ampdoctor.watch` (None: the default, "auto"; True: every step; False: sampled steps only).
     """
 
     def __init__(self, run_dir=None, every: int | None = None, *, log: bool = True, tensorboard_dir=None,
-                 headroom: bool = False):
+                 headroom: bool | str | None = None):
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         self.every = every
         self.log = log

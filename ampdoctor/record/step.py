@@ -20,6 +20,7 @@ from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Call, _Step
+from .budget import HeadroomBudget
 from .headroom import Headroom
 from .hooks import GradTap, HeadroomHook, PassHook, passes_on
 from .hostcopy import HostSlots
@@ -58,6 +59,7 @@ class StepMachine(MonitorCallbacks):
         self._hr_observe = True  # the next routine step observes which headroom hooks read anything
         self._hr_handles: dict[int, object] = {}  # slot -> the handle of its headroom hook
         self._hr_wanted = False  # headroom hooks are installed (some may be pruned for now)
+        self.hr_budget = HeadroomBudget(self.cfg.headroom_budget) if self.cfg.headroom == "auto" else None
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
@@ -92,8 +94,12 @@ class StepMachine(MonitorCallbacks):
         if hr.observing:
             self._prune_headroom_hooks()
         hr.reset()
-        # sampled steps: the full statistics give the series; routine steps only with WatchConfig.headroom
-        hr.on = self.cfg.headroom and not sampled and not self.disabled
+        # sampled steps: the full statistics give the series; routine steps per WatchConfig.headroom (budget.py)
+        mode, budget = self.cfg.headroom, self.hr_budget
+        if budget is not None:
+            prev = getattr(self, "st", None)
+            budget.boundary(prev is not None and not prev.capture and prev.exception is None)
+        hr.on = mode is not False and not sampled and not self.disabled  # (the root's own, also when compiled)
         if sampled:
             self._hr_observe = True
         elif hr.on and self._hr_observe and self._hr_wanted:
@@ -101,6 +107,10 @@ class StepMachine(MonitorCallbacks):
             self._hr_observe = False
             self.install_headroom_hooks()
             hr.observe()
+            if budget is not None:
+                budget.untimed()
+        elif hr.on and budget is not None:
+            hr.on = budget.due()
         return _Step(step=step, sampled=sampled)
 
     def begin(self) -> None:

@@ -1,0 +1,70 @@
+"""Which routine steps carry the headroom series when `WatchConfig.headroom == "auto"`: as many as fit in
+`headroom_budget` of the step time, measured on the run itself.
+
+Each routine step is timed from its beginning to the next one's (the whole iteration, as the user's loop sees it:
+host work, and the device's where the loop waits for it). Steps with the series and steps without it keep their
+own recent medians; their difference is what the series costs a step, and the stride (one step in `stride`
+carries it) is the smallest that keeps the average cost within the budget. Until both kinds have a few samples
+the stride is 2, so both are measured; at stride 1 a step without the series now and then keeps the comparison
+current. Sampled steps (full statistics), the observed step (every hook on, see Headroom.plan) and steps that
+wrote a capture are not timed.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+__all__ = ["HeadroomBudget"]
+
+SAMPLES = 9        # recent steps of each kind whose median is compared
+MIN_SAMPLES = 3    # ... needed of each before the stride follows the measurement
+MAX_STRIDE = 32    # the series at least every this many routine steps
+REFRESH = 32       # at stride 1, one step in this many goes without the series (to keep measuring its cost)
+
+
+class HeadroomBudget:
+    __slots__ = ("share", "times", "t0", "timed", "since", "stride", "off_age")
+
+    def __init__(self, share: float):
+        self.share = share
+        self.times = {True: deque(maxlen=SAMPLES), False: deque(maxlen=SAMPLES)}
+        self.t0: float | None = None
+        self.timed: bool | None = None  # the open step: True/False it runs with/without the series; None untimed
+        self.since = 0                  # routine steps since the last one with the series
+        self.stride = 2
+        self.off_age = 0                # routine steps since the last one without it
+
+    def boundary(self, count: bool) -> None:
+        """A step ended and the next begins now; `count`: the ended step's time may be used."""
+        now = time.perf_counter()
+        if count and self.timed is not None and self.t0 is not None:
+            self.times[self.timed].append(now - self.t0)
+        self.t0 = now
+        self.timed = None
+
+    def due(self) -> bool:
+        """Whether the routine step beginning now carries the series (and is timed as such)."""
+        on, off = self.times[True], self.times[False]
+        if len(on) >= MIN_SAMPLES and len(off) >= MIN_SAMPLES:
+            plain = _median(off)
+            cost = _median(on) - plain
+            self.stride = 1 if cost <= 0 or plain <= 0 else min(MAX_STRIDE, math.ceil(cost / (self.share * plain)))
+        due = self.since + 1 >= self.stride
+        if due and self.stride == 1 and self.off_age + 1 >= REFRESH:
+            due = False
+        self.since = 0 if due else self.since + 1
+        self.off_age = self.off_age + 1 if due else 0
+        self.timed = due
+        return due
+
+    def untimed(self) -> None:
+        """The step beginning now carries the series but is not timed (the observed step)."""
+        self.since = 0
+        self.timed = None
+
+
+def _median(v) -> float:
+    s = sorted(v)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])

@@ -1,0 +1,100 @@
+"""headroom="auto" (ampdoctor/record/budget.py): routine steps carry the headroom series as often as its measured
+cost fits in WatchConfig.headroom_budget of the step time."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampdoctor
+from ampdoctor.config import WatchConfig
+from ampdoctor.record import budget as B
+from ampdoctor.record.headroom import Headroom
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _drive(monkeypatch, on_ms, off_ms, steps, share=0.02):
+    """Feed a HeadroomBudget steps whose time depends on whether they carry the series; returns the on/off
+    sequence."""
+    clock = _Clock()
+    monkeypatch.setattr(B.time, "perf_counter", clock)
+    b = B.HeadroomBudget(share)
+    seq = []
+    b.boundary(False)
+    for _ in range(steps):
+        on = b.due()
+        seq.append(on)
+        clock.t += (on_ms if on else off_ms) / 1e3
+        b.boundary(True)
+    return b, seq
+
+
+def test_stride_keeps_the_average_cost_within_the_budget(monkeypatch):
+    b, seq = _drive(monkeypatch, on_ms=12.0, off_ms=10.0, steps=200)   # the series costs 20% of a step
+    assert b.stride == 10                                               # 20% / 10 = 2%
+    ons = [i for i, on in enumerate(seq) if on and i >= 100]
+    assert len(ons) == 10 and all(b_ - a == 10 for a, b_ in zip(ons, ons[1:])), ons
+
+
+def test_a_cheap_series_goes_on_every_step_but_keeps_measuring(monkeypatch):
+    b, seq = _drive(monkeypatch, on_ms=10.1, off_ms=10.0, steps=200)   # 1%: within the 2% budget
+    assert b.stride == 1
+    off = [i for i, on in enumerate(seq) if not on]
+    assert 100 <= len(seq) - len(off) and all(b_ - a >= B.REFRESH - 1 for a, b_ in zip(off[4:], off[5:])), off
+
+
+def test_a_very_costly_series_still_comes_every_max_stride_steps(monkeypatch):
+    b, seq = _drive(monkeypatch, on_ms=50.0, off_ms=1.0, steps=200)
+    assert b.stride == B.MAX_STRIDE
+    assert 4 <= sum(seq[50:]) <= 6
+
+
+def test_config_accepts_true_false_auto_only():
+    assert WatchConfig().headroom == "auto"
+    for v in (True, False, "auto"):
+        WatchConfig(headroom=v)
+    with pytest.raises(ValueError):
+        WatchConfig(headroom="sometimes")
+    with pytest.raises(ValueError):
+        WatchConfig(headroom_budget=0)
+
+
+def test_a_real_run_whose_series_is_slow_gets_a_long_stride(monkeypatch):
+    """End to end with real hooks: the series made slow on purpose (a sleep in its reduction) on a ~1 ms step
+    comes back on few routine steps; the same run at headroom=True carries it on all of them."""
+    orig = Headroom._reduce
+
+    def slow(self, *a):
+        time.sleep(0.004)
+        return orig(self, *a)
+    monkeypatch.setattr(Headroom, "_reduce", slow)
+
+    def run(headroom):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        sc = torch.amp.GradScaler("cpu")
+        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, headroom=headroom)
+        x = torch.randn(4, 8)
+        for _ in range(80):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(m(x).float(), torch.zeros(4, 4))
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        w.close()
+        return [r.headroom is not None for r in w.steps if not r.sampled]
+    auto = run(None)
+    assert auto[0] and sum(auto) <= 12, auto       # the observed step, the calibration, then every ~32nd
+    assert all(run(True))
