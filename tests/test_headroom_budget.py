@@ -30,12 +30,13 @@ def _drive(monkeypatch, on_ms, off_ms, steps, share=0.02):
     monkeypatch.setattr(B.time, "perf_counter", clock)
     b = B.HeadroomBudget(share)
     seq = []
-    b.boundary(False)
     for _ in range(steps):
+        b.begin()
         on = b.due()
         seq.append(on)
         clock.t += (on_ms if on else off_ms) / 1e3
-        b.boundary(True)
+        b.ended()
+        clock.t += 0.5  # the loop's own work between steps (data loading): not the step's
     return b, seq
 
 

@@ -282,3 +282,5 @@ class EnginePatch(_InstancePatch):
             ev.total_norm = float(gn)
         presync(m, None)
         st.advance(StepPhase.ENDED)
+        if m.hr_budget is not None:
+            m.hr_budget.ended()

@@ -1,13 +1,14 @@
 """Which routine steps carry the headroom series when `WatchConfig.headroom == "auto"`: as many as fit in
 `headroom_budget` of the step time, measured on the run itself.
 
-Each routine step is timed from its beginning to the next one's (the whole iteration, as the user's loop sees it:
-host work, and the device's where the loop waits for it). Steps with the series and steps without it keep their
-own recent medians; their difference is what the series costs a step, and the stride (one step in `stride`
-carries it) is the smallest that keeps the average cost within the budget. Until both kinds have a few samples
-the stride is 2, so both are measured; at stride 1 a step without the series now and then keeps the comparison
-current. Sampled steps (full statistics), the observed step (every hook on, see Headroom.plan) and steps that
-wrote a capture are not timed.
+Each routine step is timed from its beginning (the root's forward, zero_grad or scaler.scale) to its end (the
+optimizer's step: with a GradScaler, after the scaler's own synchronisation, so the device's work is in it): the
+training step itself, not what the loop does between steps (data loading, logging, evaluation). Steps with the
+series and steps without it keep their own recent medians; their difference is what the series costs a step, and
+the stride (one step in `stride` carries it) is the smallest that keeps the average cost within the budget. Until
+both kinds have a few samples the stride is 2, so both are measured; at stride 1 a step without the series now and
+then keeps the comparison current. Sampled steps (full statistics) and the observed step (every hook on, see
+Headroom.plan) are not timed.
 """
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ class HeadroomBudget:
         self.stride = 2
         self.off_age = 0                # routine steps since the last one without it
 
-    def boundary(self, count: bool) -> None:
-        """A step ended and the next begins now; `count`: the ended step's time may be used."""
-        now = time.perf_counter()
-        if count and self.timed is not None and self.t0 is not None:
-            self.times[self.timed].append(now - self.t0)
-        self.t0 = now
+    def begin(self) -> None:
+        """A step begins now (timed as `due`/`untimed` said)."""
+        self.t0 = time.perf_counter()
+        self.timed = None
+
+    def ended(self) -> None:
+        """The open step reached its optimizer step: its time counts for its kind."""
+        if self.timed is not None and self.t0 is not None:
+            self.times[self.timed].append(time.perf_counter() - self.t0)
         self.timed = None
 
     def due(self) -> bool:
@@ -49,7 +53,7 @@ class HeadroomBudget:
         if len(on) >= MIN_SAMPLES and len(off) >= MIN_SAMPLES:
             plain = _median(off)
             cost = _median(on) - plain
-            self.stride = 1 if cost <= 0 or plain <= 0 else min(MAX_STRIDE, math.ceil(cost / (self.share * plain)))
+            self.stride = 1 if cost <= 0 or plain <= 0 else min(MAX_STRIDE, math.ceil(cost / (self.share * plain) - 1e-6))
         due = self.since + 1 >= self.stride
         if due and self.stride == 1 and self.off_age + 1 >= REFRESH:
             due = False

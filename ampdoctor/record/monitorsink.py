@@ -110,6 +110,8 @@ class MonitorCallbacks:
                 pass
             presync(self, opt)
             st.advance(StepPhase.ENDED)
+            if self.hr_budget is not None:
+                self.hr_budget.ended()
 
     @_guarded
     def failed(self, tok, e: BaseException) -> None:
@@ -157,7 +159,8 @@ class MonitorCallbacks:
         for o in self.st.unscaled_opts or ():
             for g in o.param_groups:
                 done.update(id(p) for p in g["params"])
-        return any(id(p) not in done and id(p) in mine and p.grad is not None for p in ps)
+        # (a frozen parameter's gradient is a stale one no backward of this run wrote: not scaled)
+        return any(id(p) not in done and id(p) in mine and p.grad is not None and p.requires_grad for p in ps)
 
     @_guarded
     def clip_after(self, ev, out) -> None:
@@ -213,6 +216,8 @@ class MonitorCallbacks:
             update_check_pre(self, opt)
             if not via:
                 st.advance(StepPhase.ENDED)
+                if self.hr_budget is not None:
+                    self.hr_budget.ended()
         except Exception as e:
             self.fail(e)
 

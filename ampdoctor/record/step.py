@@ -97,8 +97,7 @@ class StepMachine(MonitorCallbacks):
         # sampled steps: the full statistics give the series; routine steps per WatchConfig.headroom (budget.py)
         mode, budget = self.cfg.headroom, self.hr_budget
         if budget is not None:
-            prev = getattr(self, "st", None)
-            budget.boundary(prev is not None and not prev.capture and prev.exception is None)
+            budget.begin()
         hr.on = mode is not False and not sampled and not self.disabled  # (the root's own, also when compiled)
         if sampled:
             self._hr_observe = True
