@@ -164,7 +164,10 @@ def tb_location(exc: BaseException) -> tuple[str | None, int | None]:
 
 def nonfinite_input(args, kwargs) -> dict | None:
     """The first floating-point tensor among a model call's arguments that holds inf/NaN, counted:
-    `{"arg": position or keyword, "nan": n, "posinf": n, "neginf": n, "numel": n, "dtype": name}`, else None."""
+    `{"arg": position or keyword, "nan": n, "posinf": n, "neginf": n, "numel": n, "dtype": name}`, else None.
+    A tensor whose only non-finite values are -inf is an additive mask (BERT's `(1 - mask) * finfo.min`, cast
+    to fp16, is -inf where padded; a causal mask filled with -inf), not bad data: what a module makes of it (a
+    softmax over a row of -inf only) is that module's."""
     named = [(i, a) for i, a in enumerate(args or ())] + [(k, v) for k, v in (kwargs or {}).items()]
     for key, obj in named:
         for t in flatten_tensors(obj, []):
@@ -177,6 +180,8 @@ def nonfinite_input(args, kwargs) -> dict | None:
                         continue
                     nan, pinf, ninf = int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
             except RuntimeError:  # a tensor subclass or device that cannot answer: not this check's business
+                continue
+            if not nan and not pinf:
                 continue
             return {"arg": key, "nan": nan, "posinf": pinf, "neginf": ninf, "numel": t.numel(),
                     "dtype": str(t.dtype).replace("torch.", "")}
