@@ -98,7 +98,8 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
         if t is None or fitting is not None and fitting(pts[k + 1 - WINDOW:k + 1]):
             continue
         slope, steady = t
-        if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope):
+        if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope) \
+                or _settling(pts, k, slope):
             continue
         # the level the window's trend line gives at this step (the median of its points carried along the
         # slope): one batch of outliers — heavy-tailed inputs — dips a single point, not the line
@@ -132,6 +133,16 @@ def _significant(pts, k: int, slope: float) -> bool:
     mean = sum(p[0] for p in w) / len(w)
     spread = sum((p[0] - mean) ** 2 for p in w)
     return spread > 0 and -slope >= SIGNIFICANT * sigma / math.sqrt(spread)
+
+
+def _settling(pts, k: int, slope: float) -> bool:
+    """Whether the window's latest half has stopped falling at its rate: the median slope over the pairs of that
+    half is under a third of the window's. A layer fitting its targets falls fast, then flattens (a regression
+    head reaching the targets' magnitude); over sparse points (the series on every few steps) a window can hold
+    both, and its slope is the early fall's. A runaway keeps its rate or speeds up."""
+    w = pts[k + 1 - WINDOW // 2:k + 1]
+    rec = [(b[1] - a[1]) / max(b[0] - a[0], 1) for i, a in enumerate(w) for b in w[i + 1:]]
+    return bool(rec) and _median(rec) > slope / 3
 
 
 def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:
