@@ -56,6 +56,13 @@ def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None
                  tensorboard_dir=tensorboard_dir, writer=writer, headroom=headroom)
 
 
+def _masters_of(model, opt_params: list) -> bool:
+    """Whether an optimizer holding none of the model's parameters holds master copies of them (an fp16 model whose
+    gradients are copied into fp32 masters that the optimizer steps): the same shapes, one for one."""
+    shapes = sorted(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+    return bool(shapes) and shapes == sorted(tuple(p.shape) for p in opt_params)
+
+
 class Watch:
     """Owns the hooks and patches of one watched model. `close()` removes all of them and is idempotent."""
 
@@ -90,7 +97,7 @@ class Watch:
             if not hasattr(optimizer, "param_groups"):
                 raise WatchError(f"optimizer= expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
             opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-            if params and not any(id(p) in params for p in opt_params):
+            if params and not any(id(p) in params for p in opt_params) and not _masters_of(model, opt_params):
                 raise WatchError("the optimizer does not hold any of the model's parameters; pass the optimizer "
                                  "built from this model (torch.optim.X(model.parameters(), ...)).")
         if scaler is not None and not all(hasattr(scaler, k) for k in ("scale", "unscale_", "step", "update")):

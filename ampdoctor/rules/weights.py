@@ -39,7 +39,12 @@ def _trained(run: RunData) -> set:
 @register("fp16_master_weights", emits=("fp16_master_weights",))
 def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     trained = _trained(run)
-    low = [p for p in run.meta.params if p[2] in ("float16",) and p[4] is not False and p[0] in trained]
+    # held by the watched optimizer (True), or, where no optimizer was given (None), seen updated by one: an
+    # fp16 model whose optimizer steps fp32 master copies (the classic mixed-precision recipe) updates none
+    updated = {p.name for r in run.steps for p in r.params if p.update_sampled > 0} \
+        if any(p[4] is None for p in run.meta.params) else set()
+    low = [p for p in run.meta.params if p[2] in ("float16",) and p[0] in trained
+           and (p[4] is True or p[4] is None and p[0] in updated)]
     err_ev = next(((r, e) for r in run.steps for e in r.events if _FP16_GRADS in (e.error or "")), None)
     if not low and err_ev is None:
         return []
