@@ -57,10 +57,15 @@ def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None
 
 
 def _masters_of(model, opt_params: list) -> bool:
-    """Whether an optimizer holding none of the model's parameters holds master copies of them (an fp16 model whose
-    gradients are copied into fp32 masters that the optimizer steps): the same shapes, one for one."""
-    shapes = sorted(tuple(p.shape) for p in model.parameters() if p.requires_grad)
-    return bool(shapes) and shapes == sorted(tuple(p.shape) for p in opt_params)
+    """Whether an optimizer holding none of the model's parameters holds master copies of them (an fp16/bf16 model
+    whose gradients are copied into fp32 masters that the optimizer steps): the same shapes, one for one, in fp32
+    where the model's are low precision (an optimizer built from a second copy of the model is not)."""
+    mine = [p for p in model.parameters() if p.requires_grad]
+    if not mine or not any(p.dtype in (torch.float16, torch.bfloat16) for p in mine):
+        return False
+    if any(p.dtype != torch.float32 for p in opt_params):
+        return False
+    return sorted(tuple(p.shape) for p in mine) == sorted(tuple(p.shape) for p in opt_params)
 
 
 class Watch:
