@@ -107,21 +107,22 @@ def update_check_pre(m, opt) -> None:
 
 
 def lr_moved(m, opt) -> bool:
-    """A routine step checks the updates too when the optimizer holds fp16/bf16 parameters and a learning rate
-    has moved by 4x or more since the last check (a step decay, a warmup's end): that is when updates start to
-    round away, and the sampled steps may be hundreds of steps off. Host numbers only, once per optimizer step."""
+    """A routine step checks the updates too when a learning rate has moved by 4x or more since the last check:
+    for fp16/bf16 parameters either way (a step decay, a warmup's end: when updates start to round away), for any
+    optimizer upwards (when one update can blow the weights up). The sampled steps may be hundreds of steps off.
+    Host numbers only, once per optimizer step."""
     low = m.low_opts.get(id(opt))
     if low is None:
         low = m.low_opts[id(opt)] = any(p.dtype in (torch.float16, torch.bfloat16)
                                         for g in opt.param_groups for p in g["params"])
-    if not low:
-        return False
     lrs = [g.get("lr") for g in opt.param_groups]
     if not all(isinstance(x, (int, float)) for x in lrs):
         return False
     last = m.lr_checked.get(id(opt))
+    # fp16/bf16 parameters: a move either way (a decay is when updates start to round away); any optimizer: a
+    # rise by 4x (a scheduler bug, a restart), when one update can blow the weights up (update_spike's step)
     moved = last is not None and (len(last) != len(lrs) or any(
-        (a > 0) != (b > 0) or (a > 0 and max(a / b, b / a) >= 4.0) for a, b in zip(last, lrs)))
+        (a > 0) != (b > 0) or (a > 0 and (b / a >= 4.0 or low and a / b >= 4.0)) for a, b in zip(last, lrs)))
     if last is None or moved or m.st.sampled:
         m.lr_checked[id(opt)] = lrs
     return moved

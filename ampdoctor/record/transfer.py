@@ -216,10 +216,16 @@ def finalize(m) -> None:
                         grad_enabled=c.grad_enabled, int_input=_integer_input(c, probes)) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}
     upd = {}
-    done = [it for it in st.upd if it[4] is not None] if not (s["found_inf"] or 0) > 0 else []  # skipped: no update
-    if done:
-        vals = torch.stack([it[4] for it in done]).cpu().tolist()
-        upd = {it[0]: v for it, v in zip(done, vals)}
+    if not (s["found_inf"] or 0) > 0:
+        done = [it for it in st.upd if it[4] is not None]
+        if done:
+            vals = torch.stack([it[4] for it in done]).cpu().tolist()
+            upd = {it[0]: v for it, v in zip(done, vals)}
+    else:  # skipped: no update, but the weights as the step found them (an earlier update's blow-up shows here)
+        done = [it for it in st.upd if it[5] is not None]
+        if done:
+            vals = torch.stack([it[5] for it in done]).cpu().tolist()
+            upd = {it[0]: (0, 0, v, None) for it, v in zip(done, vals)}
     st.upd = []
     params = []
     bad_param_modules = set()
