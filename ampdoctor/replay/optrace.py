@@ -85,6 +85,9 @@ class OpEvent:
     """mul: every tensor operand holds only 0s and 1s (a 0/1 mask times a constant, not an activation)"""
     grad_off: bool = False
     """a forward op that ran with autograd off: inside a custom torch.autograd.Function's forward (or no_grad)"""
+    absorbed: bool = False
+    """a forward op whose module still returned finite values (NewGELU's x**3 overflowing inside a tanh that
+    saturates it): not what made the step's inf/NaN when another module's output went non-finite"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -218,6 +221,12 @@ class OpTracer:
 
     def _post(self, mod, args, out):
         name = self.stack.pop() if self.stack else None
+        if self.phase == "forward" and self.events and self.events[-1].module == name and name is not None:
+            # this module's own non-finite ops: did their values reach its output?
+            mine = [e for e in self.events if e.module == name and e.phase == "forward" and not e.absorbed]
+            if mine and all(bool(torch.isfinite(t).all()) for t in _floats(out)):
+                for e in mine:
+                    e.absorbed = True
         if name is not None and torch.is_grad_enabled():
             # a node no op of ours saw made (an autograd Function applied by a forward hook of the user's own that
             # ran before this one): it belongs to the module whose output it made, not to the next consumer
