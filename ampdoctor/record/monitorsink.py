@@ -101,6 +101,8 @@ class MonitorCallbacks:
             grads_after_unscale(self, opt)
         if ev.kind == "step":
             st.in_scaler_step -= 1
+            if st.clip_pending and opt is not None:
+                self._clip_was_scaled(opt)
             try:
                 fi = self.w.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
                 if fi:
@@ -149,18 +151,31 @@ class MonitorCallbacks:
             stage = scaler_stage(sc, self.w.optimizer)
             scaled = self.st.scaled_since_update and stage in (None, "READY")
             if not scaled and stage == "UNSCALED" and self.st.scaled_since_update:
-                scaled = self._clips_scaled(ps, mine)
+                pending = self._still_scaled(ps, mine)
+                if pending:
+                    ev = self.event(kind, 5, stage=stage, scaled=False)
+                    self.st.clip_pending.append((ev, pending))  # judged when another optimizer steps them
+                    return ev
         return self.event(kind, 5, stage=stage, scaled=scaled)
 
-    def _clips_scaled(self, ps: list, mine: set) -> bool:
-        """The watched optimizer is unscaled, but do the clipped gradients include this model's parameters that
-        no optimizer unscaled yet (a second optimizer sharing the scaler, unscaled after the clip or never)?"""
+    def _still_scaled(self, ps: list, mine: set) -> set:
+        """The watched optimizer is unscaled: the clipped gradients of this model's parameters that no optimizer
+        unscaled yet. They make the clip wrong when an optimizer steps them later in the step (a second optimizer
+        sharing the scaler, unscaled after the clip); a parameter no optimizer steps only adds to the norm."""
         done: set = set()
         for o in self.st.unscaled_opts or ():
             for g in o.param_groups:
                 done.update(id(p) for p in g["params"])
         # (a frozen parameter's gradient is a stale one no backward of this run wrote: not scaled)
-        return any(id(p) not in done and id(p) in mine and p.grad is not None and p.requires_grad for p in ps)
+        return {id(p) for p in ps if id(p) not in done and id(p) in mine and p.grad is not None and p.requires_grad}
+
+    def _clip_was_scaled(self, opt) -> None:
+        """`scaler.step(opt)` runs: a clip earlier in the step over gradients of `opt`'s that were still scaled
+        clipped the scaled norm."""
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        for ev, pending in self.st.clip_pending:
+            if pending & ids:
+                ev.scaled = True
 
     @_guarded
     def clip_after(self, ev, out) -> None:
