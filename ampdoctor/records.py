@@ -306,6 +306,9 @@ class StepRecord:
     loss_ops: list | None = None
     """On a step whose loss went non-finite: the autograd ops between the loss and the model's outputs (the loss
     computation outside the model), by name without the trailing number (e.g. "MulBackward", "ExpBackward")."""
+    loss_in_model: bool | None = None
+    """The loss given to `scaler.scale` was computed inside the watched model's forward (a Hugging Face model's
+    `.loss`): the loss computation's backward is the root module's own. None: not known (no scaler, older runs)."""
     bad_input: dict | None = None
     """On a step whose forward went non-finite: the first floating-point input of the model that already held
     inf/NaN when the forward began (`{"arg": 0 | "name", "nan": n, "posinf": n, "neginf": n, "numel": n,

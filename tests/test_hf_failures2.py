@@ -384,23 +384,14 @@ def test_gpt2_batch_with_every_label_ignored_is_a_nan_in_the_loss():
     _expect(rep, "nan_origin", "", 3, "forward")
 
 
-XFAIL_BERT_REGRESSION = (
-    "top 3 = ['[error] overflow at (run) step 0: The gradient reaching the model's output was already inf at step 0, "
-    "with a finite loss: the loss computation's own backward, outside the watched model, overflowed (e.g. a "
-    "hand-made loss scale too large for fp16, or the loss gradient cast to fp16).', '[error] loss_scale_collapse at "
-    "dropout step 0: GradScaler skipped 12 steps in a row and the scale fell from 65536 to 16: ... The inf/NaN is "
-    "not transient: it comes from `dropout` (backward).'] -- the loss is computed inside the watched root's forward "
-    "(module ''), and `dropout` only passed the inf gradient along")
-
-
-@pytest.mark.xfail(strict=True, reason=XFAIL_BERT_REGRESSION)
 @pytest.mark.parametrize("every", EVERY)
 def test_bert_regression_on_unnormalised_targets_overflows_the_loss_backward(every):
     """BertForSequenceClassification(num_labels=1, regression) on raw targets up to 3e5 (prices, not normalised).
     MSE runs in fp32 under autocast and the loss (~3e10) is finite, but its gradient wrt the fp16 logits
     (2 (y_hat - y) / n * scale >= 1.5e5 even at scale 1) is inf when cast back to fp16: every step is skipped and
     the scale collapses. The inf is made by the backward of the loss computed in the root module's forward
-    (checked: d loss / d logits is inf fp16 while the loss is finite fp32)."""
+    (checked: d loss / d logits is inf fp16 while the loss is finite fp32). Was "outside the watched model" and a
+    collapse blamed on `dropout`, which only passed the gradient on."""
     torch.manual_seed(0)
     m = bert(num_labels=1, problem_type="regression")
 

@@ -60,6 +60,8 @@ class MonitorCallbacks:
             if isinstance(out, torch.Tensor) and out.numel() == 1:
                 st.losses.append(out.detach().reshape(()))
                 st.loss_node = out.grad_fn  # a reference only: read on a step whose loss went non-finite
+                if out.grad_fn is not None and st.out_seq is not None:  # made inside the model's forward?
+                    st.loss_in_model = out.grad_fn._sequence_nr() < st.out_seq
             st.scaled_since_update = True
         elif kind == "update":
             st.scaled_since_update = False

@@ -271,7 +271,7 @@ def finalize(m) -> None:
                      micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
-                     loss_ops=st.loss_ops, bad_input=st.bad_input,
+                     loss_ops=st.loss_ops, bad_input=st.bad_input, loss_in_model=st.loss_in_model,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True

@@ -357,6 +357,18 @@ def _outside_model(run: RunData) -> list[Finding]:
         if _output_grad_nonfinite(r) and not benign:
             root = next(c for c in r.modules if c.depth == 0)
             nan = root.gout.nan > 0 and root.gout.posinf + root.gout.neginf == 0
+            if r.loss_in_model:  # the model computed its own loss (HF's `.loss`): that backward is the root's
+                return [Finding("nan_origin" if nan else "overflow", "error", "backward", "", None, r.step,
+                                f"The backward of the loss the model computes in its own forward (its `.loss`) "
+                                f"made the gradient of the model's outputs {'NaN' if nan else 'inf'} at step "
+                                f"{r.step}, with a finite loss ({r.loss:.4g}): at this loss scale its gradient "
+                                "exceeds the fp16 range before any layer is reached (a loss summed over many "
+                                "values, or targets far larger than the outputs).",
+                                "Scale the targets (or the loss) down, average instead of summing, and let "
+                                "GradScaler back off; compute the loss from `logits.float()` outside the model "
+                                "when it must stay large.",
+                                {"loss": r.loss, "loss_scale": r.scale, "nonfinite_in": root.gout.nonfinite,
+                                 "loss_in_model": True, "rank_hint": 13})]
             return [Finding("nan_origin" if nan else "overflow", "error", "backward", None, None, r.step,
                             f"The gradient reaching the model's output was already {'NaN' if nan else 'inf'} at "
                             f"step {r.step}, with a finite loss: the loss computation's own backward, outside the "

@@ -51,6 +51,13 @@ def _longest_run(steps) -> tuple[int, int | None]:
     return longest, longest_start
 
 
+def _grad_bad_at_output(r: StepRecord) -> bool:
+    """The gradient arriving at the model's outputs was non-finite with a finite forward (a sampled step)."""
+    root = next((c for c in r.modules if c.depth == 0), None)
+    return (root is not None and root.gout is not None and not root.gout.finite and r.loss_finite is not False
+            and r.output_finite is not False and (root.out is None or root.out.finite))
+
+
 @register("scale_timeline", emits=("loss_scale_collapse", "skipped_steps"))
 def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler or not run.steps:
@@ -103,6 +110,12 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             cause_module = p.module if p else None
             why = (f" The inf/NaN is not transient: it comes from `{p.module or '(root)'}` ({p.phase})." if p else
                    " The loss itself is non-finite on these steps.")
+            if not cause.forward_bad and _grad_bad_at_output(cause):
+                # the gradient was already inf/NaN where it entered the model: the loss computation's backward
+                # (the root's own when the model computed the loss), not the module that passed it on
+                cause_module = "" if cause.loss_in_model else None
+                why = (" The inf/NaN is not transient: it enters with the gradient of the model's outputs (the "
+                       "loss computation's backward).")
         out.append(Finding(
             "loss_scale_collapse", "error", "scaler", cause_module, None,
             # the collapse began with its longest run of skips (not at GradScaler's first, benign backoff)
