@@ -63,7 +63,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
 
     def between(s0: int, s1: int) -> list[int]:  # the updated steps strictly between two steps (bisect: long runs)
         return order[bisect.bisect_right(order, s0):bisect.bisect_left(order, s1)]
-    ref: dict[str, tuple[int, float, int]] = {}   # name -> (step, norm after that step's update, numel)
+    ref: dict[str, tuple[int, float, int, bool]] = {}  # name -> (step, norm after its update, numel, young then)
     out: dict[str, dict] = {}
     bad_grad: dict[str, list[int]] = {}           # name -> steps whose gradient for it was not finite
     for r in run.steps:
@@ -83,8 +83,10 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 if rms < _MIN_RMS:
                     born_zero[p.name] = r.step
             young = p.name in born_zero and len(between(born_zero[p.name] - 1, r.step)) < _ZERO_GRACE
-            if p.name in ref and not young:  # several updates since the last sampled step
-                s0, n0, numel = ref[p.name]
+            if p.name in ref and not young and not ref[p.name][3]:  # several updates since the last sampled step
+                # (not from a norm taken while the weight was still young: a zero-born weight's first updates
+                # set its scale, and Adam's ordinary steps from one update's worth read as growth)
+                s0, n0, numel, _ = ref[p.name]
                 upd = between(s0, r.step)
                 n_upd = len(upd)
                 f = p.weight_norm / max(n0, peak.get(p.name, 0.0)) if n0 > 0 else 0.0
@@ -108,7 +110,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                                    "updates": 1, "rms_before": rms}
                     continue
             after = p.weight_norm_after if p.weight_norm_after is not None and r.step in updated else p.weight_norm
-            ref[p.name] = (r.step, after, p.numel)
+            ref[p.name] = (r.step, after, p.numel, young)
             peak[p.name] = max(peak.get(p.name, 0.0), p.weight_norm, after)
     return list(out.values())
 
