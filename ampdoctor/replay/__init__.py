@@ -19,7 +19,7 @@ import torch
 from ..capture import Capture, load_capture
 from ..errors import BadInput
 from ..findings import Report
-from ..rules.origins import bad_data_finding
+from ..rules.outside import bad_data_finding
 from ..tensors import nonfinite_input
 from . import explain, fixsearch, modelio, shadow as shadow_mod
 from .optrace import OpTracer

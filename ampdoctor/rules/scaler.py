@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..findings import Finding
 from ..records import CallEvent, StepRecord
 from .registry import RuleConfig, RunData, register
+from .outside import output_grad_nonfinite
 from .steps import benign_backoff
 
 ORDER = ("scaler.scale(loss).backward()\n"
@@ -49,13 +50,6 @@ def _longest_run(steps) -> tuple[int, int | None]:
             longest, longest_start = cur, start
         prev = r
     return longest, longest_start
-
-
-def _grad_bad_at_output(r: StepRecord) -> bool:
-    """The gradient arriving at the model's outputs was non-finite with a finite forward (a sampled step)."""
-    root = next((c for c in r.modules if c.depth == 0), None)
-    return (root is not None and root.gout is not None and not root.gout.finite and r.loss_finite is not False
-            and r.output_finite is not False and (root.out is None or root.out.finite))
 
 
 @register("scale_timeline", emits=("loss_scale_collapse", "skipped_steps"))
@@ -110,7 +104,7 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             cause_module = p.module if p else None
             why = (f" The inf/NaN is not transient: it comes from `{p.module or '(root)'}` ({p.phase})." if p else
                    " The loss itself is non-finite on these steps.")
-            if not cause.forward_bad and _grad_bad_at_output(cause):
+            if not cause.forward_bad and output_grad_nonfinite(cause):
                 # the gradient was already inf/NaN where it entered the model: the loss computation's backward
                 # (the root's own when the model computed the loss), not the module that passed it on
                 cause_module = "" if cause.loss_in_model else None
