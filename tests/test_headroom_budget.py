@@ -80,6 +80,8 @@ def test_a_real_run_whose_series_is_slow_gets_a_long_stride(monkeypatch):
         return orig(self, *a)
     monkeypatch.setattr(Headroom, "_reduce", slow)
 
+    from ampdoctor.record.hooks import HeadroomHook
+
     def run(headroom):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -87,15 +89,21 @@ def test_a_real_run_whose_series_is_slow_gets_a_long_stride(monkeypatch):
         sc = torch.amp.GradScaler("cpu")
         w = ampdoctor.watch(m, optimizer=opt, scaler=sc, headroom=headroom)
         x = torch.randn(4, 8)
+        hooked = []
         for _ in range(80):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.mse_loss(m(x).float(), torch.zeros(4, 4))
+            hooked.append(sum(isinstance(h, HeadroomHook) for mod in m.modules() for h in mod._forward_hooks.values()))
             sc.scale(loss).backward()
             sc.step(opt)
             sc.update()
         w.close()
-        return [r.headroom is not None for r in w.steps if not r.sampled]
-    auto = run(None)
+        on = [r.headroom is not None for r in w.steps]
+        return on[1:], hooked[1:]
+    auto, hooked = run(None)
     assert auto[0] and sum(auto) <= 12, auto       # the observed step, the calibration, then every ~32nd
-    assert all(run(True))
+    # steps without the series run the model without headroom hooks (parked); those with it have them back
+    assert all((n > 0) == on for n, on in zip(hooked, auto)), list(zip(hooked, auto))
+    on, hooked = run(True)
+    assert all(on) and all(n > 0 for n in hooked)

@@ -59,6 +59,8 @@ class StepMachine(MonitorCallbacks):
         self._hr_observe = True  # the next routine step observes which headroom hooks read anything
         self._hr_handles: dict[int, object] = {}  # slot -> the handle of its headroom hook
         self._hr_wanted = False  # headroom hooks are installed (some may be pruned for now)
+        self._hr_parked = False  # ... but off between the steps that carry the series (headroom="auto")
+        self._hr_idle: frozenset = frozenset()  # the slots the last observed step pruned
         self.hr_budget = HeadroomBudget(self.cfg.headroom_budget) if self.cfg.headroom == "auto" else None
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
@@ -110,6 +112,10 @@ class StepMachine(MonitorCallbacks):
                 budget.untimed()
         elif hr.on and budget is not None:
             hr.on = budget.due()
+            if hr.on and self._hr_parked:
+                self.install_headroom_hooks(skip=self._hr_idle)
+            elif not hr.on and not self._hr_parked and self._hr_wanted and budget.stride > 1:
+                self._park_headroom_hooks()
         return _Step(step=step, sampled=sampled)
 
     def begin(self) -> None:
@@ -138,19 +144,21 @@ class StepMachine(MonitorCallbacks):
             h.remove()
         self._mod_handles = []
 
-    def install_headroom_hooks(self) -> None:
+    def install_headroom_hooks(self, skip=frozenset()) -> None:
         """The always-on headroom hooks: one forward post-hook per module below the root, for the watch's life
         (none on a compiled model: the root's eager hooks record the root's headroom). Those that read nothing
-        on an observed step come off again (`_prune_headroom_hooks`)."""
+        on an observed step come off again (`_prune_headroom_hooks`); `skip`: those slots (pruned ones, when the
+        hooks come back after steps without the series)."""
         if self.compiled or self.disabled:
             return
         hr = self.hr
         self._hr_wanted = True
+        self._hr_parked = False
         for mod in self.w.model.modules():
             if mod is self.root or mod is self.w.model or not hookable(mod):
                 continue
             slot = self.slot_of[id(mod)]
-            if slot in self._hr_handles:
+            if slot in self._hr_handles or slot in skip:
                 continue
             hook = PassHook(hr, slot) if slot in self.hr_skip else HeadroomHook(hr, slot, self.fail)
             self._hr_handles[slot] = hook.register(mod)
@@ -161,13 +169,23 @@ class StepMachine(MonitorCallbacks):
         child's output, pass-on modules no container returns). The series stays the same: a pruned container's
         value is its child's (Headroom.plan)."""
         idle, _ = self.hr.plan(fixed=self.slot_of[id(self.root)])
+        self._hr_idle = frozenset(idle)
         for slot in idle:
             h = self._hr_handles.pop(slot, None)
             if h is not None:
                 h.remove()
 
+    def _park_headroom_hooks(self) -> None:
+        """headroom="auto" between the steps that carry the series: no hook at all (a hooked module takes torch's
+        slow call path even when its hook returns at once); they come back, pruned, for the next such step."""
+        for h in self._hr_handles.values():
+            h.remove()
+        self._hr_handles = {}
+        self._hr_parked = True
+
     def remove_headroom_hooks(self) -> None:
         self._hr_wanted = False
+        self._hr_parked = False
         for h in self._hr_handles.values():
             h.remove()
         self._hr_handles = {}
