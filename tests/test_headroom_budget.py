@@ -107,3 +107,25 @@ def test_a_real_run_whose_series_is_slow_gets_a_long_stride(monkeypatch):
     assert all((n > 0) == on for n, on in zip(hooked, auto)), list(zip(hooked, auto))
     on, hooked = run(True)
     assert all(on) and all(n > 0 for n in hooked)
+
+
+def test_an_fp32_model_reads_nothing_so_auto_stops_after_the_observed_step():
+    """No fp16/bf16 value anywhere (no autocast): the observed step reads nothing, every headroom hook comes off
+    and the routine steps after it skip the series' machinery until the next sampled step observes again."""
+    from ampdoctor.record.hooks import HeadroomHook, PassHook
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    w = ampdoctor.watch(m, optimizer=opt, every=6)
+    x = torch.randn(4, 8)
+    hooks, on = [], []
+    for _ in range(10):
+        opt.zero_grad()
+        F.mse_loss(m(x), torch.zeros(4, 4)).backward()
+        hooks.append(sum(isinstance(h, (HeadroomHook, PassHook)) for mod in m.modules()
+                         for h in mod._forward_hooks.values()))
+        on.append(w.machine.hr.on)
+        opt.step()
+    w.close()
+    assert on == [False, True, False, False, False, False, False, True, False, False], on  # 0, 6 sampled
+    assert hooks[1] > 0 and hooks[2:6] == [0, 0, 0, 0] and hooks[7] > 0 and hooks[8] == 0, hooks

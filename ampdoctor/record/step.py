@@ -61,6 +61,7 @@ class StepMachine(MonitorCallbacks):
         self._hr_wanted = False  # headroom hooks are installed (some may be pruned for now)
         self._hr_parked = False  # ... but off between the steps that carry the series (headroom="auto")
         self._hr_idle: frozenset = frozenset()  # the slots the last observed step pruned
+        self._hr_empty = False  # ... and it read nothing at all (no fp16/bf16 value anywhere, root included)
         self.hr_budget = HeadroomBudget(self.cfg.headroom_budget) if self.cfg.headroom == "auto" else None
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
@@ -110,6 +111,8 @@ class StepMachine(MonitorCallbacks):
             hr.observe()
             if budget is not None:
                 budget.untimed()
+        elif hr.on and budget is not None and self._hr_empty:
+            hr.on = False  # the observed step read nothing (an fp32 model): nothing to read until it is observed again
         elif hr.on and budget is not None:
             hr.on = budget.due()
             if hr.on and self._hr_parked:
@@ -168,6 +171,7 @@ class StepMachine(MonitorCallbacks):
         (~2/3 of a transformer's: fp32 LayerNorms and residual streams under autocast, containers returning a
         child's output, pass-on modules no container returns). The series stays the same: a pruned container's
         value is its child's (Headroom.plan)."""
+        self._hr_empty = not self.hr.read
         idle, _ = self.hr.plan(fixed=self.slot_of[id(self.root)])
         self._hr_idle = frozenset(idle)
         for slot in idle:
