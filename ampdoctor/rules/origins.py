@@ -7,7 +7,7 @@ from ..findings import Finding
 from ..records import ACCUMULATING, ModuleCall, StepRecord
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
-from .steps import absorbed, benign_backoff, onset_step
+from .steps import absorbed, benign_backoff, first_unlocated_skip, onset_step
 from .outside import bad_data, bad_weights, output_grad_nonfinite, outside_model, unlocated
 
 
@@ -106,6 +106,8 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
         ev = _evidence(c, phase, r0)
         ev.update({"steps": steps[:50], "occurrences": len(steps), "rank_hint": 10 if phase == "forward" else 12})
         step = onset_step(run.steps, r0.step, phase)  # the first bad step, when only the trip-wire saw it
+        if phase == "backward" and kind == "inf" and step == r0.step and r0.step not in benign:
+            step = first_unlocated_skip(run.steps, step, benign)  # skips that began before the follow-ups
         if step != r0.step:
             ev["observed_step"] = r0.step
         at = where(module)

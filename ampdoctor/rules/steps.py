@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..records import BACKOFF_MAX_STREAK, ModuleCall, StepRecord
 
 __all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "absorbed_modules", "absorbed",
-           "real_bad", "first_bad_step", "onset_step", "crash", "parents", "descendants"]
+           "real_bad", "first_bad_step", "onset_step", "first_unlocated_skip", "crash", "parents", "descendants"]
 
 BACKOFF_MIN_SCALE = 1.0
 """Below this loss scale a skipped step is no longer the scaler searching: gradients overflow unscaled."""
@@ -163,6 +163,27 @@ def onset_step(steps: list[StepRecord], observed: int, phase: str) -> int:
             break
         k -= 1
     return k
+
+
+def first_unlocated_skip(steps: list[StepRecord], located: int, benign: set[int]) -> int:
+    """A backward overflow first located at step `located`: the run's first step skipped for its backward (finite
+    forward) if it came earlier with no per-layer statistics, the scaler's backoff made the steps after it healthy
+    (so the follow-ups saw nothing), and nothing else was located in between — the same producer, dated where the
+    skips began. `located` otherwise (or when a located step or a forward failure came first)."""
+    first = None
+    for r in steps:
+        if r.step >= located:
+            break
+        if r.forward_producer is not None or r.backward_producer is not None:
+            return located
+        if r.loss_finite is False or r.output_finite is False or r.exception:
+            return located
+        if (r.skipped or r.grad_finite is False) and r.step not in benign:
+            if r.sampled and r.modules:
+                return located  # a sampled skip that located nothing: not this producer's
+            if first is None:
+                first = r.step
+    return first if first is not None else located
 
 
 def crash(steps: list[StepRecord]) -> dict | None:
