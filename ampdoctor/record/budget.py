@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from statistics import median
 
 __all__ = ["HeadroomBudget"]
 
@@ -51,8 +52,8 @@ class HeadroomBudget:
         """Whether the routine step beginning now carries the series (and is timed as such)."""
         on, off = self.times[True], self.times[False]
         if len(on) >= MIN_SAMPLES and len(off) >= MIN_SAMPLES:
-            plain = _median(off)
-            cost = _median(on) - plain
+            plain = median(off)
+            cost = median(on) - plain
             self.stride = 1 if cost <= 0 or plain <= 0 else min(MAX_STRIDE, math.ceil(cost / (self.share * plain) - 1e-6))
         due = self.since + 1 >= self.stride
         if due and self.stride == 1 and self.off_age + 1 >= REFRESH:
@@ -67,8 +68,3 @@ class HeadroomBudget:
         self.since = 0
         self.timed = None
 
-
-def _median(v) -> float:
-    s = sorted(v)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
