@@ -164,7 +164,7 @@ class Watch:
             self.machine.finish()
         finally:
             self.machine.remove_module_hooks()
-            self.machine.remove_headroom_hooks()
+            self.machine.hr_hooks.remove()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -325,7 +325,7 @@ class Watch:
             m.compiled = True  # the compiled graph carries no hooks of ampdoctor's (see modulehooks.py)
         m.sync_module_hooks()  # step 0 is sampled: the other modules' hooks go on now
         if self.config.headroom:  # every step, every module: abs-max forward and backward (headroom.py)
-            m.install_headroom_hooks()
+            m.hr_hooks.install()
         self._handles.append(_optim.register_optimizer_step_pre_hook(m.global_opt_pre))
         self._handles.append(_optim.register_optimizer_step_post_hook(m.global_opt_post))
         if self.optimizer is not None:

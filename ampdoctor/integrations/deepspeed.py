@@ -282,5 +282,4 @@ class EnginePatch(_InstancePatch):
             ev.total_norm = float(gn)
         presync(m, None)
         st.advance(StepPhase.ENDED)
-        if m.hr_budget is not None:
-            m.hr_budget.ended()
+        m.hr_hooks.ended()

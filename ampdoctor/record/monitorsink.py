@@ -114,8 +114,7 @@ class MonitorCallbacks:
                 pass
             presync(self, opt)
             st.advance(StepPhase.ENDED)
-            if self.hr_budget is not None:
-                self.hr_budget.ended()
+            self.hr_hooks.ended()
 
     @_guarded
     def failed(self, tok, e: BaseException) -> None:
@@ -233,8 +232,7 @@ class MonitorCallbacks:
             update_check_pre(self, opt)
             if not via:
                 st.advance(StepPhase.ENDED)
-                if self.hr_budget is not None:
-                    self.hr_budget.ended()
+                self.hr_hooks.ended()
         except Exception as e:
             self.fail(e)
 

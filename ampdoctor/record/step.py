@@ -20,9 +20,9 @@ from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
 from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Call, _Step
-from .budget import HeadroomBudget
 from .headroom import Headroom
-from .hooks import GradTap, HeadroomHook, PassHook, passes_on
+from .headroomhooks import HeadroomHooks
+from .hooks import GradTap, passes_on
 from .hostcopy import HostSlots
 from .transfer import finalize
 from .params import checked_weights, weight_amax
@@ -56,13 +56,7 @@ class StepMachine(MonitorCallbacks):
         self.hr = Headroom(len(mods))
         self.hr_skip = frozenset(i for i, m in enumerate(mods) if passes_on(m))  # not read (see passes_on)
         self._root_tap = GradTap(self.hr, 0)
-        self._hr_observe = True  # the next routine step observes which headroom hooks read anything
-        self._hr_handles: dict[int, object] = {}  # slot -> the handle of its headroom hook
-        self._hr_wanted = False  # headroom hooks are installed (some may be pruned for now)
-        self._hr_parked = False  # ... but off between the steps that carry the series (headroom="auto")
-        self._hr_idle: frozenset = frozenset()  # the slots the last observed step pruned
-        self._hr_empty = False  # ... and it read nothing at all (no fp16/bf16 value anywhere, root included)
-        self.hr_budget = HeadroomBudget(self.cfg.headroom_budget) if self.cfg.headroom == "auto" else None
+        self.hr_hooks = HeadroomHooks(self)  # their life, and which routine steps record the series
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
@@ -93,32 +87,7 @@ class StepMachine(MonitorCallbacks):
     # -- step lifecycle -----------------------------------------------------------------------------
     def _new_step(self, step: int) -> _Step:
         sampled = self.policy.sampled(step)
-        hr = self.hr
-        if hr.observing:
-            self._prune_headroom_hooks()
-        hr.reset()
-        # sampled steps: the full statistics give the series; routine steps per WatchConfig.headroom (budget.py)
-        mode, budget = self.cfg.headroom, self.hr_budget
-        if budget is not None:
-            budget.begin()
-        hr.on = mode is not False and not sampled and not self.disabled  # (the root's own, also when compiled)
-        if sampled:
-            self._hr_observe = True
-        elif hr.on and self._hr_observe and self._hr_wanted:
-            # the first routine step after a sampled one runs with every hook and notes which ones read anything
-            self._hr_observe = False
-            self.install_headroom_hooks()
-            hr.observe()
-            if budget is not None:
-                budget.untimed()
-        elif hr.on and budget is not None and self._hr_empty:
-            hr.on = False  # the observed step read nothing (an fp32 model): nothing to read until it is observed again
-        elif hr.on and budget is not None:
-            hr.on = budget.due()
-            if hr.on and self._hr_parked:
-                self.install_headroom_hooks(skip=self._hr_idle)
-            elif not hr.on and not self._hr_parked and self._hr_wanted and budget.stride > 1:
-                self._park_headroom_hooks()
+        self.hr_hooks.start(sampled)  # whether this step records the headroom series (headroomhooks.py)
         return _Step(step=step, sampled=sampled)
 
     def begin(self) -> None:
@@ -146,53 +115,6 @@ class StepMachine(MonitorCallbacks):
         for h in self._mod_handles:
             h.remove()
         self._mod_handles = []
-
-    def install_headroom_hooks(self, skip=frozenset()) -> None:
-        """The always-on headroom hooks: one forward post-hook per module below the root, for the watch's life
-        (none on a compiled model: the root's eager hooks record the root's headroom). Those that read nothing
-        on an observed step come off again (`_prune_headroom_hooks`); `skip`: those slots (pruned ones, when the
-        hooks come back after steps without the series)."""
-        if self.compiled or self.disabled:
-            return
-        hr = self.hr
-        self._hr_wanted = True
-        self._hr_parked = False
-        for mod in self.w.model.modules():
-            if mod is self.root or mod is self.w.model or not hookable(mod):
-                continue
-            slot = self.slot_of[id(mod)]
-            if slot in self._hr_handles or slot in skip:
-                continue
-            hook = PassHook(hr, slot) if slot in self.hr_skip else HeadroomHook(hr, slot, self.fail)
-            self._hr_handles[slot] = hook.register(mod)
-
-    def _prune_headroom_hooks(self) -> None:
-        """After an observed step: the hooks of modules that read nothing come off until the next sampled step
-        (~2/3 of a transformer's: fp32 LayerNorms and residual streams under autocast, containers returning a
-        child's output, pass-on modules no container returns). The series stays the same: a pruned container's
-        value is its child's (Headroom.plan)."""
-        self._hr_empty = not self.hr.read
-        idle, _ = self.hr.plan(fixed=self.slot_of[id(self.root)])
-        self._hr_idle = frozenset(idle)
-        for slot in idle:
-            h = self._hr_handles.pop(slot, None)
-            if h is not None:
-                h.remove()
-
-    def _park_headroom_hooks(self) -> None:
-        """headroom="auto" between the steps that carry the series: no hook at all (a hooked module takes torch's
-        slow call path even when its hook returns at once); they come back, pruned, for the next such step."""
-        for h in self._hr_handles.values():
-            h.remove()
-        self._hr_handles = {}
-        self._hr_parked = True
-
-    def remove_headroom_hooks(self) -> None:
-        self._hr_wanted = False
-        self._hr_parked = False
-        for h in self._hr_handles.values():
-            h.remove()
-        self._hr_handles = {}
 
     def finish_open_step(self) -> None:
         st = self.st
@@ -226,7 +148,7 @@ class StepMachine(MonitorCallbacks):
         self.disabled = True
         self.hr.on = False
         self.remove_module_hooks()
-        self.remove_headroom_hooks()
+        self.hr_hooks.remove()
         warnings.warn(f"ampdoctor disabled itself after an internal error ({type(e).__name__}: {e}); "
                       "training continues unwatched. Please report this.", RuntimeWarning, stacklevel=3)
         try:
@@ -270,7 +192,7 @@ class StepMachine(MonitorCallbacks):
                 # graph (and recompile it whenever they change); they come off for good
                 self.compiled = True
                 self.remove_module_hooks()
-                self.remove_headroom_hooks()
+                self.hr_hooks.remove()
             self.begin()
             st = self.st
             if torch.is_grad_enabled():
