@@ -51,8 +51,6 @@ class MonitorCallbacks:
         if opt is not None:  # several optimizers may share one scaler (one step each, one update)
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
             if kind == "unscale_":
-                if st.unscaled_opts is None:
-                    st.unscaled_opts = []
                 st.unscaled_opts.append(opt)
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
@@ -164,7 +162,7 @@ class MonitorCallbacks:
         unscaled yet. They make the clip wrong when an optimizer steps them later in the step (a second optimizer
         sharing the scaler, unscaled after the clip); a parameter no optimizer steps only adds to the norm."""
         done: set = set()
-        for o in self.st.unscaled_opts or ():
+        for o in self.st.unscaled_opts:
             for g in o.param_groups:
                 done.update(id(p) for p in g["params"])
         # (a frozen parameter's gradient is a stale one no backward of this run wrote: not scaled)

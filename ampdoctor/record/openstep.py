@@ -101,7 +101,7 @@ class _Step:
     bseq: int = 0
     in_scaler_step: int = 0     # nesting depth of scaler.step() calls (its own unscale_ and optimizer.step inside)
     scaled_since_update: bool = False  # scaler.scale() ran and scaler.update() not yet: the gradients are scaled
-    unscaled_opts: list | None = None  # the optimizers scaler.unscale_ ran for in this step (clip_before)
+    unscaled_opts: list = field(default_factory=list)  # the optimizers scaler.unscale_ ran for (clip_before)
     clip_pending: list = field(default_factory=list)  # (clip event, ids of its gradients still scaled)
     capture: str | None = None
     loss_ops: list | None = None                       # see StepRecord.loss_ops

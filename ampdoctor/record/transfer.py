@@ -216,16 +216,14 @@ def finalize(m) -> None:
                         grad_enabled=c.grad_enabled, int_input=_integer_input(c, probes)) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}
     upd = {}
-    if not (s["found_inf"] or 0) > 0:
-        done = [it for it in st.upd if it[4] is not None]
-        if done:
-            vals = torch.stack([it[4] for it in done]).cpu().tolist()
-            upd = {it[0]: v for it, v in zip(done, vals)}
-    else:  # skipped: no update, but the weights as the step found them (an earlier update's blow-up shows here)
-        done = [it for it in st.upd if it[5] is not None]
-        if done:
-            vals = torch.stack([it[5] for it in done]).cpu().tolist()
-            upd = {it[0]: (0, 0, v, None) for it, v in zip(done, vals)}
+    # [rounded away, sampled, norm before, norm after] per item; a skipped step made no update, but its weights
+    # as the step found them (item[5]) show an earlier update's blow-up
+    skipped = (s["found_inf"] or 0) > 0
+    k = 5 if skipped else 4
+    done = [it for it in st.upd if it[k] is not None]
+    if done:
+        vals = torch.stack([it[k] for it in done]).cpu().tolist()
+        upd = {it[0]: (0, 0, v, None) if skipped else v for it, v in zip(done, vals)}
     st.upd = []
     params = []
     bad_param_modules = set()
