@@ -71,12 +71,12 @@ def test_config_accepts_true_false_auto_only():
 
 
 def test_a_real_run_whose_series_is_slow_gets_a_long_stride(monkeypatch):
-    """End to end with real hooks: the series made slow on purpose (a sleep in its reduction) on a ~1 ms step
-    comes back on few routine steps; the same run at headroom=True carries it on all of them."""
+    """End to end with real hooks: the series made slow on purpose (a 10 ms sleep in its reduction) on a ~1 ms
+    step comes back on few routine steps; the same run at headroom=True carries it on all of them."""
     orig = Headroom._reduce
 
     def slow(self, *a):
-        time.sleep(0.004)
+        time.sleep(0.01)
         return orig(self, *a)
     monkeypatch.setattr(Headroom, "_reduce", slow)
 
@@ -102,7 +102,9 @@ def test_a_real_run_whose_series_is_slow_gets_a_long_stride(monkeypatch):
         on = [r.headroom is not None for r in w.steps]
         return on[1:], hooked[1:]
     auto, hooked = run(None)
-    assert auto[0] and sum(auto) <= 12, auto       # the observed step, the calibration, then every ~32nd
+    # the observed step, the calibration, then one in many (every 32nd on a quiet machine; a loaded one lengthens
+    # the plain steps the cost is measured against, so the bound leaves room for that)
+    assert auto[0] and sum(auto) <= len(auto) // 3, auto
     # steps without the series run the model without headroom hooks (parked); those with it have them back
     assert all((n > 0) == on for n, on in zip(hooked, auto)), list(zip(hooked, auto))
     on, hooked = run(True)
