@@ -22,7 +22,8 @@ scaler.step(opt) -> scaler.update()` with AdamW and a GradScaler. The variants, 
 
     plain    the step as is
     default  ampdoctor.watch(model, optimizer=opt, scaler=scaler)          (ampdoctor's own sampling)
-    headroom ampdoctor.watch(model, optimizer=opt, scaler=scaler, headroom=True)  (always-on headroom, opt-in)
+    headroom ampdoctor.watch(model, optimizer=opt, scaler=scaler, headroom=True)  (the series every step, opt-in)
+    hroff    ampdoctor.watch(model, optimizer=opt, scaler=scaler, headroom=False) (the series on sampled steps only)
     every1   ampdoctor.watch(model, optimizer=opt, scaler=scaler, every=1)  (full per-layer stats every step)
     anomaly  the step inside torch.autograd.detect_anomaly()
     hf       transformers.debug_utils.DebugUnderflowOverflow(model)      (only when transformers imports)
@@ -63,7 +64,7 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ampdoctor
 
-ALL_VARIANTS = ("plain", "default", "headroom", "every1", "anomaly", "hf")
+ALL_VARIANTS = ("plain", "default", "headroom", "hroff", "every1", "anomaly", "hf")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -221,6 +222,8 @@ class Variant:
             self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, every=1)
         elif self.name == "headroom":
             self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, headroom=True)
+        elif self.name == "hroff":
+            self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, headroom=False)
         elif self.name == "hf":
             from transformers.debug_utils import DebugUnderflowOverflow
             self.debug = DebugUnderflowOverflow(self.model)
@@ -301,7 +304,7 @@ def parse_args(argv=None):
     p.add_argument("--sync-steps", type=int, default=4)
     p.add_argument("--no-clip", action="store_true", help="leave out scaler.unscale_ + clip_grad_norm_")
     p.add_argument("--amp", default=None, choices=["fp16", "bf16", "off"])
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS))
+    p.add_argument("--variants", default=",".join(v for v in ALL_VARIANTS if v != "hroff"))
     p.add_argument("--json", default=None)
     p.add_argument("--bitwise", action="store_true")
     p.add_argument("--bitwise-steps", type=int, default=50)
