@@ -17,7 +17,12 @@ accumulation, a pairwise margin-ranking loss and a set transformer (pooling by m
 Each run is an ordinary loop on the CPU (fp16 autocast with a real torch.amp.GradScaler("cpu"), bf16 without one where
 said), first asserted healthy (every loss finite; the loss falls; the scaler backs off only at the start), then
 judged: the report must hold no warning and no error (info is fine). A false alarm keeps its assertion under a strict
-xfail that names the finding."""
+xfail that names the finding.
+
+Strict xfail: the PINN through PyTorch's gradient-penalty AMP recipe from GradScaler's default init_scale 65536, whose
+first step overflows in the scaled input gradient (NaN loss, steps 0-1 skipped, then finite and falling): reported as
+two errors (nan_origin in the loss computation at step 0; skipped_steps 'which no loss scale can fix') instead of the
+info the first backoffs get. The same run from init_scale 1024 is quiet."""
 import copy
 import math
 import sys
@@ -671,5 +676,534 @@ def test_set_transformer_pooling_by_multihead_attention_predicts_set_spread():
         return F.mse_loss(model(x).float(), s.flatten())
 
     w, losses, scales = fit(model, step_loss, steps=60, lr=2e-3)
+    healthy(losses, scales, fall=0.5)
+    quiet(w)
+
+
+# -- forecasting, implicit representations, physics --------------------------------------------------------------------
+class PatchTST(nn.Module):
+    """RevIN (per-series mean/std, eps 1e-5, learnable affine) -> patches of 8 -> transformer -> flatten head ->
+    de-normalised forecast of the next 16 points."""
+
+    def __init__(self, L=64, H=16, P=8, d=32):
+        super().__init__()
+        self.P, self.H = P, H
+        self.aff_w, self.aff_b = nn.Parameter(torch.ones(1)), nn.Parameter(torch.zeros(1))
+        self.embed = nn.Linear(P, d)
+        self.pos = nn.Parameter(torch.randn(L // P, d) * 0.02)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True), 2,
+                                         enable_nested_tensor=False)
+        self.head = nn.Linear(L // P * d, H)
+
+    def forward(self, x):
+        mu, sd = x.mean(1, keepdim=True), torch.sqrt(x.var(1, keepdim=True, unbiased=False) + 1e-5)
+        z = (x - mu) / sd * self.aff_w + self.aff_b
+        h = self.enc(self.embed(z.unfold(1, self.P, self.P)) + self.pos)
+        y = self.head(h.flatten(1)).float()
+        return (y - self.aff_b) / (self.aff_w + 1e-10) * sd + mu
+
+
+def test_patchtst_revin_forecasting_raw_series_around_100():
+    """Series in raw units (level 50-150, trend, daily-like seasonality, noise); RevIN normalises inside the model,
+    the MSE is on the raw scale (tens to hundreds at the start)."""
+    torch.manual_seed(17)
+    model = PatchTST()
+    t = torch.arange(80).float()
+
+    def step_loss(i):
+        g = gen(i)
+        lvl = torch.rand(64, 1, generator=g) * 100 + 50
+        amp, ph = torch.rand(64, 1, generator=g) * 20 + 5, torch.rand(64, 1, generator=g) * 6
+        tr = torch.randn(64, 1, generator=g) * 0.3
+        s = lvl + tr * t + amp * torch.sin(2 * math.pi * t / 16 + ph) + torch.randn(64, 80, generator=g)
+        return F.mse_loss(model(s[:, :64]), s[:, 64:])
+
+    w, losses, scales = fit(model, step_loss, steps=60, lr=3e-3)
+    healthy(losses, scales, fall=0.3)
+    quiet(w)
+
+
+class Sine(nn.Module):
+    def __init__(self, a, b, w0=30.0, first=False):
+        super().__init__()
+        self.lin, self.w0 = nn.Linear(a, b), w0
+        bound = 1 / a if first else math.sqrt(6 / a) / w0
+        nn.init.uniform_(self.lin.weight, -bound, bound)
+
+    def forward(self, x):
+        return torch.sin(self.w0 * self.lin(x))
+
+
+def test_siren_sin_30_wx_fitting_a_2d_signal():
+    """SIREN (w0 = 30, its init) fitting a 2D signal on a 32x32 grid: sin of arguments up to ~30 under fp16 autocast."""
+    torch.manual_seed(18)
+    model = nn.Sequential(Sine(2, 64, first=True), Sine(64, 64), Sine(64, 64), nn.Linear(64, 1))
+    g = torch.linspace(-1, 1, 32)
+    xy = torch.stack(torch.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2)
+    tgt = (torch.sin(5 * xy[:, 0]) * torch.cos(3 * xy[:, 1]) + 0.5 * torch.exp(-8 * xy.pow(2).sum(1)))[:, None]
+
+    w, losses, scales = fit(model, lambda i: F.mse_loss(model(xy).float(), tgt), steps=60, lr=1e-4, clip=None)
+    healthy(losses, scales, fall=0.2)
+    quiet(w)
+
+
+class TinyNeRF(nn.Module):
+    """Fourier features (L = 6 octaves, 2^0..2^5 pi) of 2D points -> MLP -> density (softplus) and colour
+    (sigmoid)."""
+
+    def __init__(self, L=6):
+        super().__init__()
+        self.register_buffer("freqs", (2.0 ** torch.arange(L)) * math.pi)
+        self.net = mlp(2 + 4 * L, 64, 64, 2, act=nn.ReLU)
+
+    def forward(self, p):
+        a = p[..., None] * self.freqs
+        h = self.net(torch.cat([p, a.sin().flatten(-2), a.cos().flatten(-2)], -1)).float()
+        return F.softplus(h[..., 0]), torch.sigmoid(h[..., 1])
+
+
+def render(field, o, d, n=32, near=0.0, far=4.0):
+    """Volume rendering along rays: alpha = 1 - exp(-sigma * delta), exclusive cumprod transmittance (+1e-10)."""
+    t = torch.linspace(near, far, n)
+    p = o[:, None] + d[:, None] * t[None, :, None]
+    sigma, c = field(p)
+    delta = torch.full_like(sigma, (far - near) / n)
+    alpha = 1 - torch.exp(-sigma * delta)
+    T = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1 - alpha[:, :-1] + 1e-10], 1), 1)
+    return (T * alpha * c).sum(1)
+
+
+def test_nerf_fourier_features_volume_rendering_cumprod_transmittance():
+    """Rays from a circle of radius 2 through a 2D scene (a disc of density 8 whose colour varies with angle),
+    rendered by the same quadrature from the true field; the MSE to the true pixel colours falls."""
+    torch.manual_seed(19)
+    model = TinyNeRF()
+
+    def true_field(p):
+        r = p.norm(dim=-1)
+        return 8.0 * (r < 0.8).float(), 0.5 + 0.4 * torch.sin(3 * torch.atan2(p[..., 1], p[..., 0]))
+
+    def step_loss(i):
+        g = gen(i)
+        th = torch.rand(256, generator=g) * 2 * math.pi
+        o = 2 * torch.stack([th.cos(), th.sin()], 1)
+        aim = torch.randn(256, 2, generator=g) * 0.4
+        d = F.normalize(aim - o, dim=1)
+        with torch.no_grad():
+            y = render(true_field, o, d)
+        return F.mse_loss(render(model, o, d), y)
+
+    w, losses, scales = fit(model, step_loss, steps=60, lr=3e-3)
+    healthy(losses, scales, fall=0.7)
+    quiet(w)
+
+
+PINN_XFAIL = pytest.mark.xfail(strict=True, reason=(
+    "ampdoctor raises two ERRORS on the recipe's first-step backoff: nan_origin (phase forward, module None, step 0: "
+    "'The loss became NaN outside the watched model (in the loss computation) while the model's outputs were finite') "
+    "and skipped_steps (phase scaler, module None, step 0: 'GradScaler skipped 2 of 80 steps; on 1 of them the forward "
+    "pass itself was non-finite, which no loss scale can fix'). False: the NaN is the derivative term du/dt taken from "
+    "the SCALED output (dL/du = 65536 > fp16 max, inf in the fp16 backward, inf/65536 in the residual); GradScaler "
+    "skips steps 0-1 and backs off to 16384 as designed, and every loss from step 1 on is finite and falls 10x: the "
+    "scale did fix it. These are the first backoffs, which the contract makes info; the same run from init_scale "
+    "1024 is quiet."))
+
+
+@pytest.mark.parametrize("init_scale", [pytest.param(65536.0, marks=PINN_XFAIL), 1024.0], ids=["scale65536", "scale1024"])
+def test_pinn_ode_residual_through_autograd_grad_create_graph_amp_recipe(init_scale):
+    """u'(t) = -2 u on [0, 2], u(0) = 1, a tanh MLP; u' by autograd.grad(create_graph=True) of the scaled output
+    (PyTorch's AMP recipe for gradient penalties: scale, grad, unscale by hand), the residual + boundary loss. From
+    GradScaler's default 65536 the recipe's first steps overflow (d(scaled u.sum())/du = 65536 is past fp16's max) and
+    are skipped, as GradScaler intends; from 1024 none is."""
+    torch.manual_seed(20)
+    model = mlp(1, 64, 64, 1, act=nn.Tanh)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc)
+    losses, scales = [], []
+    for i in range(80):
+        opt.zero_grad()
+        t = (torch.rand(128, 1, generator=gen(i)) * 2).requires_grad_(True)
+        with torch.autocast("cpu", dtype=FP16):
+            u = model(t).float()
+        (g,) = torch.autograd.grad(sc.scale(u.sum()), t, create_graph=True)
+        du = g / sc.get_scale()
+        with torch.autocast("cpu", dtype=FP16):
+            loss = (du + 2 * u).pow(2).mean() + (model(torch.zeros(1, 1)).float() - 1).pow(2).mean()
+        sc.scale(loss).backward()
+        sc.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        sc.step(opt)
+        sc.update()
+        losses.append(loss.item())
+        scales.append(sc.get_scale())
+    w.close()
+    if init_scale == 65536.0:
+        # step 0's penalty is NaN, the scaler skips steps 0 and 1 and settles at 16384; every later loss is finite
+        assert not math.isfinite(losses[0]) and scales[:2] == [32768.0, 16384.0], (losses[:3], scales[:3])
+        losses, scales = losses[1:], scales[1:]
+    healthy(losses, scales, fall=0.3)
+    assert len(set(scales[1:])) == 1, scales
+    quiet(w)
+
+
+# -- meta, latent-variable and probabilistic models ---------------------------------------------------------------------
+class HyperNet(nn.Module):
+    """A task embedding (amplitude, phase) -> the weights of a 1-32-1 target MLP, applied with F.linear."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.h = h
+        self.gen = mlp(2, 64, 64, 3 * h + 1, act=nn.ReLU)
+
+    def forward(self, task, x):
+        p = self.gen(task)
+        h = self.h
+        w1, b1, w2, b2 = p[:, :h], p[:, h:2 * h], p[:, 2 * h:3 * h], p[:, 3 * h:]
+        hid = torch.tanh(x[..., None] * w1[:, None] + b1[:, None])          # (tasks, points, h)
+        return (hid * w2[:, None]).sum(-1) + b2
+
+
+def test_hypernetwork_generating_a_target_nets_weights_sinusoid_tasks():
+    torch.manual_seed(21)
+    model = HyperNet()
+
+    def step_loss(i):
+        g = gen(i)
+        amp, ph = torch.rand(32, 1, generator=g) * 2 + 0.5, torch.rand(32, 1, generator=g) * math.pi
+        x = torch.rand(32, 20, generator=g) * 6 - 3
+        return F.mse_loss(model(torch.cat([amp, ph], 1), x).float(), amp * torch.sin(x + ph))
+
+    w, losses, scales = fit(model, step_loss, steps=80, lr=2e-3)
+    healthy(losses, scales, fall=0.6)
+    quiet(w)
+
+
+class CatVAE(nn.Module):
+    """8 categorical latents of 8 classes through F.gumbel_softmax(tau) (straight-through off), KL to uniform."""
+
+    def __init__(self, D=32, n=8, K=8):
+        super().__init__()
+        self.n, self.K = n, K
+        self.enc, self.dec = mlp(D, 128, n * K, act=nn.ReLU), mlp(n * K, 128, D, act=nn.ReLU)
+
+    def forward(self, x, tau, g):
+        logits = self.enc(x).float().view(-1, self.n, self.K)
+        u = torch.rand(logits.shape, generator=g).clamp(1e-6, 1 - 1e-6)
+        z = F.softmax((logits - torch.log(-torch.log(u))) / tau, -1)
+        q = F.softmax(logits, -1)
+        kl = (q * (F.log_softmax(logits, -1) + math.log(self.K))).sum((1, 2))
+        return self.dec(z.flatten(1)), kl
+
+
+def test_gumbel_softmax_discrete_vae_temperature_annealed_1_to_0_5():
+    torch.manual_seed(22)
+    model = CatVAE()
+    protos = (torch.rand(16, 32, generator=gen(221)) < 0.5).float()
+
+    def step_loss(i):
+        g = gen(i)
+        x = protos[torch.randint(0, 16, (128,), generator=g)]
+        x = (x + (torch.rand(128, 32, generator=g) < 0.05).float()) % 2
+        tau = max(0.5, math.exp(-0.02 * i))
+        recon, kl = model(x, tau, gen(90_000 + i))
+        return F.binary_cross_entropy_with_logits(recon.float(), x, reduction="none").sum(1).mean() + kl.mean()
+
+    w, losses, scales = fit(model, step_loss, steps=100, lr=5e-3)
+    healthy(losses, scales, fall=0.9)
+    quiet(w)
+
+
+class MDN(nn.Module):
+    def __init__(self, K=5):
+        super().__init__()
+        self.K = K
+        self.net = mlp(1, 64, 64, 3 * K, act=nn.Tanh)
+
+    def forward(self, x):
+        h = self.net(x).float()
+        return F.log_softmax(h[:, :self.K], -1), h[:, self.K:2 * self.K], h[:, 2 * self.K:].clamp(-7, 7)
+
+
+def test_mixture_density_network_inverse_sinusoid_logsumexp_nll():
+    """The inverse problem x = y + 0.3 sin(2 pi y) + noise (multi-valued in x): a 5-component Gaussian mixture, the
+    NLL through logsumexp in fp32 (it goes negative as the components sharpen)."""
+    torch.manual_seed(23)
+    model = MDN()
+
+    def step_loss(i):
+        g = gen(i)
+        y = torch.rand(256, 1, generator=g)
+        x = y + 0.3 * torch.sin(2 * math.pi * y) + 0.05 * torch.randn(256, 1, generator=g)
+        logpi, mu, logs = model(x - 0.5)
+        lp = logpi - 0.5 * ((y - mu) / logs.exp()).pow(2) - logs - 0.5 * math.log(2 * math.pi)
+        return -torch.logsumexp(lp, 1).mean()
+
+    w, losses, scales = fit(model, step_loss, steps=100, lr=3e-3)
+    healthy(losses, scales, drop=0.5)
+    quiet(w)
+
+
+def test_heteroscedastic_regression_gaussian_nll_softplus_variance():
+    torch.manual_seed(24)
+    model = mlp(4, 64, 64, 2, act=nn.SiLU)
+
+    def step_loss(i):
+        g = gen(i)
+        x = torch.randn(256, 4, generator=g)
+        noise = 0.05 + x[:, :1].abs()
+        y = x.sum(1, keepdim=True) + noise * torch.randn(256, 1, generator=g)
+        h = model(x).float()
+        return F.gaussian_nll_loss(h[:, :1], y, F.softplus(h[:, 1:]) + 1e-6)
+
+    w, losses, scales = fit(model, step_loss, steps=80, lr=3e-3)
+    healthy(losses, scales, drop=0.5)
+    quiet(w)
+
+
+def test_quantile_regression_pinball_loss_three_quantiles():
+    torch.manual_seed(25)
+    model = mlp(2, 64, 64, 3, act=nn.ReLU)
+    qs = torch.tensor([0.1, 0.5, 0.9])
+
+    def step_loss(i):
+        g = gen(i)
+        x = torch.rand(256, 2, generator=g) * 4 - 2
+        y = 3 * x[:, :1] + x[:, 1:] ** 2 + (0.5 + x[:, :1].abs()) * torch.randn(256, 1, generator=g)
+        e = y - model(x).float()
+        return torch.maximum(qs * e, (qs - 1) * e).mean()
+
+    w, losses, scales = fit(model, step_loss, steps=60, lr=3e-3)
+    healthy(losses, scales, fall=0.6)
+    quiet(w)
+
+
+def test_poisson_nll_counts_log_link_rates_up_to_50():
+    torch.manual_seed(26)
+    model = mlp(3, 64, 1, act=nn.ReLU)
+    wt = torch.tensor([0.8, -0.5, 0.6])
+
+    def step_loss(i):
+        g = gen(i)
+        x = torch.randn(256, 3, generator=g)
+        y = torch.poisson((x @ wt + 1.5).clamp(max=3.9).exp(), generator=g)
+        return F.poisson_nll_loss(model(x).float().squeeze(1), y, log_input=True, full=True)
+
+    w, losses, scales = fit(model, step_loss, steps=60, lr=5e-3)
+    healthy(losses, scales, fall=0.6)
+    quiet(w)
+
+
+class FiLMNet(nn.Module):
+    """Conv features modulated by FiLM (gamma, beta from a task embedding); the task picks which colour channel
+    decides the label."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+        self.task = nn.Embedding(3, 4 * c)
+        nn.init.zeros_(self.task.weight)
+        self.head = nn.Linear(c, 2)
+        self.c = c
+
+    def forward(self, x, t):
+        g1, b1, g2, b2 = self.task(t).split(self.c, 1)
+        h = F.relu(self.conv1(x) * (1 + g1[..., None, None]) + b1[..., None, None])
+        h = F.relu(self.conv2(h) * (1 + g2[..., None, None]) + b2[..., None, None])
+        return self.head(h.mean((2, 3)))
+
+
+def test_film_conditioning_task_embedding_modulates_conv_features_bf16():
+    """bf16 without a scaler (convolutions)."""
+    torch.manual_seed(27)
+    model = FiLMNet()
+
+    def step_loss(i):
+        g = gen(i)
+        x = torch.randn(64, 3, 8, 8, generator=g)
+        t = torch.randint(0, 3, (64,), generator=g)
+        y = (x[torch.arange(64), t].mean((1, 2)) > 0).long()
+        return F.cross_entropy(model(x, t).float(), y)
+
+    w, losses, scales = fit(model, step_loss, steps=80, lr=5e-3, dtype=BF16)
+    healthy(losses, scales, fall=0.88)
+    quiet(w)
+
+
+# -- sequence and image generative models -----------------------------------------------------------------------------
+class MaskedConv(nn.Conv2d):
+    def __init__(self, a, b, k, kind):
+        super().__init__(a, b, k, padding=k // 2)
+        m = torch.ones_like(self.weight)
+        m[:, :, k // 2, k // 2 + (kind == "B"):] = 0
+        m[:, :, k // 2 + 1:] = 0
+        self.register_buffer("mask", m)
+
+    def forward(self, x):
+        return F.conv2d(x, self.weight * self.mask, self.bias, padding=self.padding)
+
+
+def test_pixelcnn_masked_convolutions_type_a_then_b_bf16():
+    """bf16 without a scaler (convolutions); binary 8x8 images of bars, BCE per pixel."""
+    torch.manual_seed(28)
+    model = nn.Sequential(MaskedConv(1, 16, 5, "A"), nn.ReLU(), MaskedConv(16, 16, 3, "B"), nn.ReLU(),
+                          MaskedConv(16, 16, 3, "B"), nn.ReLU(), nn.Conv2d(16, 1, 1))
+
+    def step_loss(i):
+        g = gen(i)
+        rows = (torch.rand(64, 1, 8, 1, generator=g) < 0.3).float().expand(-1, -1, -1, 8)
+        cols = (torch.rand(64, 1, 1, 8, generator=g) < 0.3).float().expand(-1, -1, 8, -1)
+        x = torch.where(torch.rand(64, 1, 1, 1, generator=g) < 0.5, rows, cols).contiguous()
+        return F.binary_cross_entropy_with_logits(model(x).float(), x)
+
+    w, losses, scales = fit(model, step_loss, steps=60, lr=3e-3, dtype=BF16)
+    healthy(losses, scales, fall=0.7)
+    quiet(w)
+
+
+class XLLayer(nn.Module):
+    """Attention over [memory of the previous segment (detached); this segment], causal within the segment."""
+
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.ff = mlp(d, 4 * d, d)
+        self.h = h
+
+    def forward(self, x, mem):
+        B, T, C = x.shape
+        hx = self.ln1(x)
+        ctx = torch.cat([mem.to(hx.dtype), hx], 1) if mem is not None else hx
+        M = ctx.shape[1] - T
+        q = self.q(hx).view(B, T, self.h, -1).transpose(1, 2)
+        k, v = (t.view(B, -1, self.h, C // self.h).transpose(1, 2) for t in self.kv(ctx).split(C, -1))
+        mask = torch.ones(T, M + T, dtype=torch.bool).tril(M)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, C))
+        return x + self.ff(self.ln2(x)), hx.detach()
+
+
+class TinyXL(nn.Module):
+    def __init__(self, V=32, d=32, n=2):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList(XLLayer(d) for _ in range(n))
+        self.head = nn.Linear(d, V)
+
+    def forward(self, idx, mems):
+        x = self.emb(idx)
+        new = []
+        for layer, m in zip(self.layers, mems):
+            x, nm = layer(x, m)
+            new.append(nm)
+        return self.head(x), new
+
+
+def test_transformer_xl_segment_recurrence_with_detached_memory():
+    """A long stream (a noisy repeating pattern of period 24) cut into segments of 16; each layer attends over the
+    previous segment's detached hidden states too (the memory carried across optimizer steps)."""
+    torch.manual_seed(29)
+    model = TinyXL()
+    pat = torch.randint(0, 32, (24,), generator=gen(291))
+    stream = pat.repeat(8, 60)[:, :1000]
+    stream = torch.where(torch.rand(stream.shape, generator=gen(292)) < 0.05,
+                         torch.randint(0, 32, stream.shape, generator=gen(293)), stream)
+    stream = torch.roll(stream, 0)
+    offs = torch.arange(8) * 5
+    stream = torch.stack([torch.roll(s, int(o)) for s, o in zip(stream, offs)])
+    mems = [None, None]
+
+    def step_loss(i):
+        nonlocal mems
+        seg = stream[:, 16 * i: 16 * i + 17]
+        logits, mems = model(seg[:, :-1], mems)
+        return F.cross_entropy(logits.float().flatten(0, 1), seg[:, 1:].flatten())
+
+    w, losses, scales = fit(model, step_loss, steps=60, lr=3e-3)
+    healthy(losses, scales, fall=0.5)
+    quiet(w)
+
+
+# -- loop shapes -------------------------------------------------------------------------------------------------------
+class DeepSup(nn.Module):
+    """Four residual MLP stages, an auxiliary classifier after each of the first three (weights 0.3), the main one
+    after the last."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.stages = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU()) for _ in range(4))
+        self.heads = nn.ModuleList(nn.Linear(d, 8) for _ in range(4))
+
+    def forward(self, x):
+        h, outs = self.inp(x), []
+        for s, hd in zip(self.stages, self.heads):
+            h = h + s(h)
+            outs.append(hd(h))
+        return outs
+
+
+def test_deep_supervision_auxiliary_heads_weighted_0_3():
+    torch.manual_seed(30)
+    model = DeepSup()
+
+    def step_loss(i):
+        x, y = clusters(128, i, spread=1.5)
+        outs = model(x)
+        return sum((0.3 if j < 3 else 1.0) * F.cross_entropy(o.float(), y) for j, o in enumerate(outs))
+
+    w, losses, scales = fit(model, step_loss, steps=60, lr=2e-3)
+    healthy(losses, scales, fall=0.5)
+    quiet(w)
+
+
+def test_batch_size_ramp_from_8_to_256():
+    """The batch doubles every 10 steps (8 -> 256), the lr scaled with sqrt(batch) through the param group."""
+    torch.manual_seed(31)
+    model = mlp(16, 64, 64, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+
+    def step_loss(i):
+        n = min(256, 8 * 2 ** (i // 10))
+        opt.param_groups[0]["lr"] = 5e-4 * math.sqrt(n / 8)
+        x, y = clusters(n, i, spread=1.5)
+        return F.cross_entropy(model(x).float(), y)
+
+    w, losses, scales = fit(model, step_loss, steps=60, opt=opt)
+    healthy(losses, scales, fall=0.5)
+    quiet(w)
+
+
+def test_non_reentrant_checkpointing_with_4_micro_batch_accumulation():
+    """Each of 4 blocks under checkpoint(use_reentrant=False), 4 micro-batches accumulated per optimizer step (loss /
+    4, scaled backward each), then unscale_ -> clip -> step -> update."""
+    torch.manual_seed(32)
+    blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+                           for _ in range(4))
+    model = nn.ModuleDict({"inp": nn.Linear(16, 64), "blocks": blocks, "head": nn.Linear(64, 8)})
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    sc = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=sc)
+    losses, scales = [], []
+    for i in range(40):
+        opt.zero_grad(set_to_none=True)
+        tot = 0.0
+        for j in range(4):
+            x, y = clusters(32, 4 * i + j, spread=1.5)
+            with torch.autocast("cpu", dtype=FP16):
+                h = model["inp"](x)
+                for b in blocks:
+                    h = h + checkpoint(b, h, use_reentrant=False)
+                loss = F.cross_entropy(model["head"](h).float(), y) / 4
+            sc.scale(loss).backward()
+            tot += loss.item()
+        sc.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        sc.step(opt)
+        sc.update()
+        losses.append(tot)
+        scales.append(sc.get_scale())
+    w.close()
     healthy(losses, scales, fall=0.5)
     quiet(w)
