@@ -104,9 +104,12 @@ def bad_data_finding(b: dict, step: int | None, capture: str | None) -> Finding:
 def unlocated(run: RunData) -> list[Finding]:
     """A step whose loss (or, without a scaler, whose gradients) went non-finite on a step without per-layer
     statistics: say so, so that the step's capture is replayed to locate the op."""
+    backoff = benign_backoff(run.steps, run.has_scaler)
     for r in run.steps:
         if r.bad_input:
             continue  # the data brought it (_bad_data)
+        if r.step in backoff and r.output_finite is not False:
+            continue  # the loss scale itself made the loss non-finite in the first search (steps.scaled_loss_steps)
         if r.loss_finite is False or r.output_finite is False or (not run.has_scaler and r.grad_finite is False):
             inf = r.loss is not None and math.isinf(r.loss)
             where = ("loss" if r.loss_finite is False else "model's output" if r.output_finite is False
@@ -176,9 +179,12 @@ def outside_model(run: RunData) -> list[Finding]:
     although the loss was finite (backward: the loss's own backward, e.g. a manual loss scale too large for fp16
     or an fp16 cast of the loss gradient)."""
     out_bwd = [r for r in run.steps if output_grad_nonfinite(r)]
-    benign = bool(out_bwd) and all(r.step in benign_backoff(run.steps, run.has_scaler) for r in out_bwd)
+    backoff = benign_backoff(run.steps, run.has_scaler)
+    benign = bool(out_bwd) and all(r.step in backoff for r in out_bwd)
     for r in run.steps:
         p = r.forward_producer
+        if r.step in backoff and r.loss_finite is False:
+            continue  # the loss scale itself made the loss non-finite in the first search (steps.scaled_loss_steps)
         # every module's output finite (sampled), or, on a routine step, the model's own outputs (checked every step)
         outputs_finite = (not any(c.out is not None and not c.out.finite and not _only_neginf(c.out)
                                   for c in r.modules) if r.sampled and r.modules else

@@ -80,9 +80,10 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     initial = [s for s in skipped if first_good is None or s < first_good]
     later = [s for s in skipped if first_good is not None and s > first_good]
     out = []
-    forward_bad = [r.step for r in steps if r.skipped and r.forward_bad]
     benign = benign_backoff(steps, True, max_streak=cfg.collapse_consecutive, later_min=cfg.skipped_min,
                             later_share=cfg.skipped_share)
+    # (a loss the scale itself made non-finite in the first search is the search: steps.scaled_loss_steps)
+    forward_bad = [r.step for r in steps if r.skipped and r.forward_bad and r.step not in benign]
     ev = {"skipped": len(skipped), "steps": len(steps), "longest_streak": longest, "init_scale": init,
           "last_scale": last_scale, "skipped_steps": skipped[:100],
           "timeline": [[r.step, r.scale, bool(r.skipped)] for r in steps][:400]}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..records import BACKOFF_MAX_STREAK, ModuleCall, StepRecord
 
-__all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "absorbed_modules", "absorbed",
+__all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "scaled_loss_steps", "absorbed_modules", "absorbed",
            "real_bad", "first_bad_step", "onset_step", "first_unlocated_skip", "crash", "parents", "descendants"]
 
 BACKOFF_MIN_SCALE = 1.0
@@ -56,6 +56,33 @@ def _later_probes(steps: list[StepRecord], first_good: int | None) -> int:
     return n
 
 
+SCALED_LOSS_MIN_SCALE = 2.0 ** 14
+"""At or above this loss scale a loss built from a gradient of a scaled value can overflow fp16 by the scale alone."""
+
+
+def scaled_loss_steps(steps: list[StepRecord]) -> set[int]:
+    """Steps of GradScaler's first search whose loss went non-finite through the loss scale itself. PyTorch's AMP
+    recipe for a gradient penalty takes `autograd.grad` of a *scaled* value (scaler.scale called more than once in
+    the step) and builds the loss from that gradient: at a scale too high for fp16 the penalty term is inf, and
+    GradScaler backs off exactly as for overflowing gradients. Only when every module's output was finite (no
+    producer but a mask, no crash, no bad batch), the scale was still high, the step came before the first applied
+    update and was skipped, and no forward went non-finite after that update."""
+    first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
+    if first_good is None or any(r.forward_bad for r in steps if r.step > first_good):
+        return set()
+    out = set()
+    for r in steps:
+        if r.step >= first_good:
+            break
+        p = r.forward_producer
+        if (r.skipped and r.loss_finite is False and r.output_finite is not False and not r.exception
+                and not r.bad_input and (p is None or p.detail.get("mask_like"))
+                and (r.scale is None or r.scale >= SCALED_LOSS_MIN_SCALE)
+                and sum(1 for e in r.events if e.kind == "scale" and not e.internal) >= 2):
+            out.add(r.step)
+    return out
+
+
 def _output_grad_overflowed(r: StepRecord) -> bool:
     """The gradient arriving at the model's output was already non-finite (a sampled step's root call)."""
     root = next((c for c in r.modules if c.depth == 0), None)
@@ -80,13 +107,15 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     after = sum(1 for r in steps if first_good is not None and r.step > first_good)
     n_later = _later_probes(steps, first_good)
     later_ok = n_later < later_min or n_later / max(after, 1) < later_share
+    scaled_loss = scaled_loss_steps(steps)
     for s in _streaks(steps):
         first_search = first_good is not None and s[-1].step < first_good
         if len(s) >= max_streak and not first_search:
             continue
         # skips before a forward failure in the same streak can still be the search (a first-step backoff, then
         # a batch that overflows the forward); from the failure on, nothing in the streak is
-        k = next((i for i, r in enumerate(s) if r.forward_bad or r.exception), len(s))
+        # (a loss the scale itself made non-finite is the search too: scaled_loss_steps)
+        k = next((i for i, r in enumerate(s) if r.forward_bad and r.step not in scaled_loss or r.exception), len(s))
         ended_by_failure = k < len(s)
         s = s[:k]
         if not s or any(r.scale is not None and r.scale < min_scale for r in s):
@@ -133,6 +162,8 @@ def absorbed_modules(steps: list[StepRecord]) -> set[str]:
 def real_bad(r: StepRecord, benign: set[int], absorbed_mods: set[str]) -> bool:
     """The step went bad for a reason other than GradScaler's benign backoff or an absorbed forward inf (a mask)."""
     p = r.forward_producer
+    if r.step in benign and not r.exception and r.output_finite is not False and (p is None or p.detail.get("mask_like")):
+        return False  # a loss the scale made non-finite in the search (scaled_loss_steps; benign_backoff has them)
     if r.loss_finite is False or r.output_finite is False or r.exception:
         return True
     if p is not None and not p.detail.get("mask_like") and p.module not in absorbed_mods:
