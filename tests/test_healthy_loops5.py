@@ -34,7 +34,6 @@ each iteration calls `scaler.unscale_(opt)` on the optimizer that steps before `
 re-created optimizer without clipping."""
 from __future__ import annotations
 
-import io
 import json
 import math
 import subprocess
@@ -569,7 +568,7 @@ def test_onecycle_large_peak_sgd_momentum_cycling():
 # -- data loading ---------------------------------------------------------------------------------------------------
 def test_dataloader_shuffled_epochs_last_batch_smaller():
     """A torch DataLoader over a TensorDataset of 300 samples, batch 64, shuffle, drop_last=False: every epoch ends
-    with a batch of 44; 5 epochs (25 steps) ... 8 epochs, 40 steps."""
+    with a batch of 44; 8 epochs, 40 steps."""
     torch.manual_seed(11)
     t = Task(11)
     X = torch.randn(300, 16, generator=gen(11))
