@@ -647,10 +647,6 @@ class FlowNet(nn.Module):
         return flow, self.smooth(flow)
 
 
-@pytest.mark.xfail(strict=True, reason="ampdoctor's first finding is an error overflow at module None step 0 ('the "
-                   "gradient reaching the model's output was already inf ... outside the watched model': flow is both an "
-                   "output and smooth's input); then skipped_steps (run) step 5 and eps_underflow at smooth only at step "
-                   "5 (warning); right: smooth at step 0, where the first skip is")
 def test_charbonnier_eps_squared_vanishing_in_fp16_is_a_backward_failure_at_the_smoothness_loss_from_step_0():
     torch.manual_seed(0)
     m = FlowNet()

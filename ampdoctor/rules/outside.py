@@ -130,10 +130,17 @@ def _only_neginf(s) -> bool:
 
 
 def output_grad_nonfinite(r: StepRecord) -> bool:
-    """The gradient arriving at the model's output is non-finite although the forward ended finite."""
+    """The gradient arriving at the model's output is non-finite although the forward ended finite, and no module
+    inside the model made it: an output the model also consumes itself (a flow field returned and fed to the
+    model's own smoothness term) gathers that module's backward inf/NaN into its gradient."""
     root = next((c for c in r.modules if c.depth == 0), None)
-    return (root is not None and root.gout is not None and not root.gout.finite and r.loss_finite is not False
-            and r.output_finite is not False and (root.out is None or root.out.finite) and not r.forward_bad)
+    if not (root is not None and root.gout is not None and not root.gout.finite and r.loss_finite is not False
+            and r.output_finite is not False and (root.out is None or root.out.finite) and not r.forward_bad):
+        return False
+    p = r.backward_producer
+    inner = p is not None and p.module and next(
+        (c for c in r.modules if c.module == p.module and c.gout is not None and c.gout.finite), None)
+    return not inner
 
 
 # autograd nodes (names without their trailing number) whose op cannot make NaN from finite inputs: a NaN out of a
