@@ -149,7 +149,12 @@ class MonitorCallbacks:
         if sc is not None and self.w.optimizer is not None and getattr(sc, "_enabled", True):
             stage = scaler_stage(sc, self.w.optimizer)
             scaled = self.st.scaled_since_update and stage in (None, "READY")
-            if not scaled and stage == "UNSCALED" and self.st.scaled_since_update:
+            # another optimizer on the scaler was unscaled this iteration (a second one, or one built anew each
+            # epoch while the watch holds the first): whether these gradients are still scaled is the same
+            # question as for UNSCALED below
+            unscaled_other = scaled and bool(self.st.unscaled_opts)
+            if unscaled_other or not scaled and stage == "UNSCALED" and self.st.scaled_since_update:
+                scaled = False
                 pending = self._still_scaled(ps, mine)
                 if pending:
                     ev = self.event(kind, 5, stage=stage, scaled=False)
