@@ -313,6 +313,9 @@ class StepRecord:
     """On a step whose forward went non-finite: the first floating-point input of the model that already held
     inf/NaN when the forward began (`{"arg": 0 | "name", "nan": n, "posinf": n, "neginf": n, "numel": n,
     "dtype": ...}`): the data, not a module, brought it."""
+    bad_weights: dict | None = None
+    """On a routine step whose forward went non-finite: the modules whose own weights were already non-finite then
+    (`{"module": "nan" | "inf"}`; a sampled step says it per module call, `ModuleCall.par`)."""
     headroom: dict | None = None
     """Every step, every module (ampdoctor/record/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it

@@ -68,6 +68,7 @@ class StepMachine(MonitorCallbacks):
             self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
         self.low_opts: dict[int, bool] = {}    # id(optimizer) -> holds fp16/bf16 parameters (params.lr_moved)
         self.lr_checked: dict[int, list] = {}  # id(optimizer) -> its learning rates at the last update check
+        self.routine_weight_checks = 0  # bad routine steps whose weights were read (transfer.resolve; a few only)
         self.disabled = False
         self.suspended = False
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)

@@ -159,6 +159,13 @@ def resolve(m) -> None:
     w_amax = host.get("w_amax", [])
     if st.w_deferred and st.pw_index and (bad_fwd or bad_bwd):
         w_amax = weight_amax(m, st).tolist()
+    if not st.sampled and bad_fwd and m.params and m.routine_weight_checks < 3:
+        # a routine step whose forward went non-finite: were the weights the forward used already non-finite (an
+        # update before wrote them)? Read now, on the bad step only (a skipped step left them as the forward saw
+        # them; without a scaler this runs before the optimizer step); the first few bad steps only
+        m.routine_weight_checks += 1
+        st.pw_index = checked_weights(m)
+        w_amax = weight_amax(m, st).tolist() if st.pw_index else []
     w_start = host.get("w_start")
     if w_start is None and st.w_start is not None and st.w_deferred and (bad_fwd or bad_bwd):
         w_start = st.w_start.tolist()
@@ -270,6 +277,7 @@ def finalize(m) -> None:
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
                      loss_ops=st.loss_ops, bad_input=st.bad_input, loss_in_model=st.loss_in_model,
+                     bad_weights=(w_bad or None) if not st.sampled else None,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True

@@ -17,14 +17,18 @@ def bad_weights(run: RunData) -> list[Finding]:
     """Weights that were already non-finite when a step began: no module of the step produced the inf/NaN (a
     module holding bad weights is not blamed for its output); the optimizer step before wrote them."""
     prev = None
+    order = {m[0]: (i, m[1]) for i, m in enumerate(run.meta.modules)}
     for r in run.steps:
-        bad = [c for c in r.modules if c.par is not None and not c.par.finite]
+        # (module, NaN?, forward order, type): a sampled step's calls; a routine step that went bad, its weights
+        bad = [(c.module, bool(c.par.nan), c.seq, c.type) for c in r.modules if c.par is not None and not c.par.finite]
+        if not bad and r.bad_weights and not r.modules:
+            bad = [(mod, k == "nan", *order.get(mod, (len(order), "?"))) for mod, k in r.bad_weights.items()]
         if bad:
             # inf weights before NaN ones (an inf update makes NaN downstream on the next step, not the reverse),
             # then the first in forward order
-            c = min(bad, key=lambda c: (bool(c.par.nan), c.seq))
-            kind = "NaN" if c.par.nan else "inf"
-            made = _applied_bad_gradients(prev, {b.module for b in bad}, kind)
+            module, nan, _, typ = min(bad, key=lambda b: (b[1], b[2]))
+            kind = "NaN" if nan else "inf"
+            made = _applied_bad_gradients(prev, {b[0] for b in bad}, kind)
             if made is not None:
                 return made
             if prev is not None and prev.forward_bad:
@@ -36,13 +40,14 @@ def bad_weights(run: RunData) -> list[Finding]:
             grads = ("" if prev is None or prev.grad_finite is None else
                      " with finite gradients" if prev.grad_finite else " with non-finite gradients")
             return [Finding(
-                "nan_origin" if kind == "NaN" else "overflow", "error", "optimizer", c.module, None, r.step,
-                f"The weights of `{c.module}` ({c.type}) were already {kind} when step {r.step} began: "
+                "nan_origin" if kind == "NaN" else "overflow", "error", "optimizer", module, None, r.step,
+                f"The weights of `{module}` ({typ}) were already {kind} when step {r.step} began: "
                 f"{before}{grads} wrote them. The modules after it only passed the values on.",
                 "Look at that update: a NaN/inf gradient stepped without a GradScaler (use "
                 "`clip_grad_norm_(..., error_if_nonfinite=True)` or skip such steps), a learning rate that "
-                "overflows fp16 weights, or Adam's eps vanishing in fp16 parameters (keep fp32 master weights).",
-                {"type": c.type, "weights": "nan" if c.par.nan else "inf", "modules": [b.module for b in bad][:20],
+                "overflows fp16 weights, Adam's eps vanishing in fp16 parameters (keep fp32 master weights), or a "
+                "hand-written update dividing by a zero norm.",
+                {"type": typ, "weights": "nan" if nan else "inf", "modules": [b[0] for b in bad][:20],
                  "previous_step": prev.step if prev is not None else None, "rank_hint": 12})]
         prev = r
     return []
