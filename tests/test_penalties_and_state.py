@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import in_top3, lines, one_thread, randn
+from scenarios import in_top3, lines, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
