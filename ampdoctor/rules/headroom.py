@@ -14,6 +14,9 @@ Silent by construction on:
 - gradients scaled by a GradScaler: judged unscaled (the scaler's own growth and backoff are its job);
 - one batch far from the others (heavy-tailed inputs: a Student-t feature's outlier row): the closeness is read
   from the window's trend line, not from its last point alone, so a single dip is not a layer running out;
+- a fall that stopped: when the run went on past the forecast step and the layer never came a bit closer to the
+  max than when it would have been warned about, or still had 2 bits at the forecast step, the forecast was
+  refuted (a report written after the fact does not repeat it);
 - the model's own output growing while the loss falls: a regression fitting unnormalised targets (an MSE on
   values in the thousands) grows its output until it matches them, then settles; the loss pulls it there, so
   its past rate forecasts nothing. Layers inside the model still warn on their own headroom.
@@ -113,10 +116,26 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
             continue
         bits = max(bits, level)
         left = max(bits, 0.0) / -slope
-        if left <= cfg.headroom_horizon:
+        if left <= cfg.headroom_horizon and not _refuted(pts, k, pts[k][0] + math.ceil(left), bits):
             return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
                     "dtype": pts[k][2]}
     return None
+
+
+REFUTED_BITS = 2.0
+"""A forecast of overflow is refuted when the layer still had this much headroom (4x) at the forecast step."""
+
+
+def _refuted(pts, k: int, forecast: int, bits: float) -> bool:
+    """The run went on past the forecast step and the layer did not run out: it never came a bit closer to the max
+    than when it was warned about, or it still had `REFUTED_BITS` at the forecast step. The fall it extrapolated
+    stopped or slowed (a fit reaching its targets, sampled sparsely). A layer that did run out ends its series at
+    the overflow; a run that ends before the forecast step keeps the warning."""
+    later = pts[k + 1:]
+    if not later or later[-1][0] < forecast:
+        return False
+    at = next(p[1] for p in later if p[0] >= forecast)
+    return min(p[1] for p in later) >= bits - 1.0 or at >= REFUTED_BITS
 
 
 SIGNIFICANT = 3.0
@@ -187,15 +206,19 @@ def _order(run: RunData) -> dict[str, int]:
 
 
 def _fitting(run: RunData, root: list) -> Callable[[list], bool]:
-    """A predicate on a window of a forward series: its values are the root's output (the same abs-max at every
-    step: the model's prediction) and the loss fell: its median over the window's last half is below its median
+    """A predicate on a window of a forward series: its values are the root's output (the same abs-max on at least
+    two thirds of the steps and never more headroom than the root's: the model's prediction, or one of its heads)
+    and the loss fell: its median over the window's last half is below its median
     around the window's start (half a window either side; an overshoot at the end of the fit, the loss bouncing
     while the output still grows a few steps, is still a fit)."""
     rootv = {p[0]: p[1] for p in root}
     losses: dict = {}
 
     def fitting(window) -> bool:
-        if not rootv or any(rootv.get(p[0]) != p[1] for p in window):
+        # the root's abs-max is the largest of its outputs': one of several heads matches it on most steps (the
+        # other head may start larger) and never exceeds it
+        if not rootv or any(rootv.get(p[0]) is None or rootv[p[0]] > p[1] + 1e-9 for p in window) \
+                or 3 * sum(1 for p in window if rootv[p[0]] == p[1]) < 2 * len(window):
             return False
         if not losses:
             losses.update((r.step, r.loss) for r in run.steps if r.loss is not None and math.isfinite(r.loss))
