@@ -316,6 +316,9 @@ class StepRecord:
     bad_weights: dict | None = None
     """On a routine step whose forward went non-finite: the modules whose own weights were already non-finite then
     (`{"module": "nan" | "inf"}`; a sampled step says it per module call, `ModuleCall.par`)."""
+    bad_buffer: dict | None = None
+    """A buffer the training writes (a running statistic, an EMA) that was finite until this step and is not now:
+    `{"module", "buffer", "kind": "inf" | "nan"}` (ampdoctor/record/buffers.py), read every step."""
     headroom: dict | None = None
     """Every step, every module (ampdoctor/record/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it

@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from .autocapture import CapturePolicy
+from .buffers import BufferWatch
 from .gradexits import ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import ModuleHook, hookable, in_compiled_frame
 from .monitor import caller_location
@@ -68,6 +69,7 @@ class StepMachine(MonitorCallbacks):
             self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
         self.low_opts: dict[int, bool] = {}    # id(optimizer) -> holds fp16/bf16 parameters (params.lr_moved)
         self.lr_checked: dict[int, list] = {}  # id(optimizer) -> its learning rates at the last update check
+        self.buffers = BufferWatch(watch.model)  # the buffers the training writes: finite? (buffers.py)
         self.routine_weight_checks = 0  # bad routine steps whose weights were read (transfer.resolve; a few only)
         self.disabled = False
         self.suspended = False

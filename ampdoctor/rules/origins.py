@@ -8,7 +8,7 @@ from ..records import ACCUMULATING, ModuleCall, StepRecord
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .steps import absorbed, benign_backoff, first_unlocated_skip, onset_step
-from .outside import bad_data, bad_weights, output_grad_nonfinite, outside_model, unlocated
+from .outside import bad_buffers, bad_data, bad_weights, output_grad_nonfinite, outside_model, unlocated
 
 
 def autocast_device(run: RunData) -> str:
@@ -163,4 +163,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out.extend(data)
     if not groups and not out:
         out.extend(bad_weights(run) or unlocated(run))
+    # a buffer turned non-finite before any error above (or with none: silent) is where it began
+    first = min((f.step for f in out if f.severity == "error" and f.step is not None), default=None)
+    out.extend(f for f in bad_buffers(run) if first is None or f.step < first)
     return out

@@ -10,7 +10,27 @@ from ..records import StepRecord
 from .registry import RunData
 from .steps import benign_backoff, onset_step
 
-__all__ = ["bad_data", "bad_data_finding", "bad_weights", "output_grad_nonfinite", "outside_model", "unlocated"]
+__all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "output_grad_nonfinite", "outside_model", "unlocated"]
+
+
+def bad_buffers(run: RunData) -> list[Finding]:
+    """A buffer the training writes (a running statistic, an EMA) that turned non-finite: its module's own in-place
+    update produced it. Silent when the module's output stays finite (`x * rsqrt(inf)` is 0): the features it
+    scales are dead from then on, and nothing else in the run goes non-finite."""
+    r = next((r for r in run.steps if r.bad_buffer), None)
+    if r is None:
+        return []
+    b = r.bad_buffer
+    module, kind = b.get("module", ""), "NaN" if b.get("kind") == "nan" else "inf"
+    typ = next((m[1] for m in run.meta.modules if m[0] == module), "?")
+    silent = not r.bad
+    return [Finding(
+        "nan_origin" if kind == "NaN" else "overflow", "error", "forward", module, None, r.step,
+        f"The buffer `{b.get('buffer')}` of `{module or '(root)'}` ({typ}) became {kind} at step {r.step}: the "
+        f"module's own update of it overflowed{' while its output stayed finite, so nothing else saw it — the features it scales are dead from here on' if silent else ''}.",
+        "Keep running statistics in fp32: register the buffer as float32 and update it from `x.float()` (e.g. "
+        "`self.sq.mul_(m).add_((1 - m) * x.float().pow(2).mean(0))`), or clamp what is accumulated.",
+        {"buffer": b.get("buffer"), "kind": b.get("kind"), "silent": silent, "type": typ, "rank_hint": 11})]
 
 
 def bad_weights(run: RunData) -> list[Finding]:
