@@ -108,7 +108,7 @@ def loss_of(output):
 def rng_state():
     """The CPU and every initialised CUDA generator's state (what `torch.cuda.get_rng_state_all()` returns,
     without its per-device lookups: this runs at every step's forward)."""
-    s = {"cpu": torch.get_rng_state()}
+    s = {"cpu": torch.default_generator.get_state()}  # (what torch.get_rng_state() returns, without its wrapper)
     if torch.cuda.is_initialized():
         s["cuda"] = [g.get_state() for g in torch.cuda.default_generators]
     return s

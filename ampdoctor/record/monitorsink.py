@@ -166,12 +166,21 @@ class MonitorCallbacks:
         """The watched optimizer is unscaled: the clipped gradients of this model's parameters that no optimizer
         unscaled yet. They make the clip wrong when an optimizer steps them later in the step (a second optimizer
         sharing the scaler, unscaled after the clip); a parameter no optimizer steps only adds to the norm."""
-        done: set = set()
-        for o in self.st.unscaled_opts:
-            for g in o.param_groups:
-                done.update(id(p) for p in g["params"])
+        # the model's parameters none of them holds, kept while the optimizers' parameter lists stay as they are
+        # (the usual loop asks every step: one optimizer over every parameter leaves none, and the answer is empty)
+        key = tuple((id(o), tuple((id(g["params"]), len(g["params"])) for g in o.param_groups))
+                    for o in self.st.unscaled_opts)
+        if self._uncovered is None or self._uncovered[0] != key:
+            done: set = set()
+            for o in self.st.unscaled_opts:
+                for g in o.param_groups:
+                    done.update(id(p) for p in g["params"])
+            self._uncovered = (key, mine - done)
+        left = self._uncovered[1]
+        if not left:
+            return set()
         # (a frozen parameter's gradient is a stale one no backward of this run wrote: not scaled)
-        return {id(p) for p in ps if id(p) not in done and id(p) in mine and p.grad is not None and p.requires_grad}
+        return {id(p) for p in ps if id(p) in left and p.grad is not None and p.requires_grad}
 
     def _clip_was_scaled(self, opt) -> None:
         """`scaler.step(opt)` runs: a clip earlier in the step over gradients of `opt`'s that were still scaled

@@ -76,6 +76,7 @@ class StepMachine(MonitorCallbacks):
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)
         self.root = watch.model
         self._model_params = None
+        self._uncovered = None  # (optimizers' parameter lists, model parameters none of them holds): _still_scaled
         self.writer = None
         if watch.run_dir is not None:
             import os
