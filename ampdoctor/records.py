@@ -319,6 +319,9 @@ class StepRecord:
     bad_buffer: dict | None = None
     """A buffer the training writes (a running statistic, an EMA) that was finite until this step and is not now:
     `{"module", "buffer", "kind": "inf" | "nan"}` (ampdoctor/record/buffers.py), read every step."""
+    outside_updates: dict | None = None
+    """Frozen fp16/bf16 parameters (no gradient) that the user's code wrote in place since the last sampled step (an
+    EMA teacher, a momentum encoder): `{name: [unchanged, sampled]}` over their first elements."""
     headroom: dict | None = None
     """Every step, every module (ampdoctor/record/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it

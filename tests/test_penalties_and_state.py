@@ -18,9 +18,10 @@ of a `.half()` model overflowing on a loud batch (silent in training mode, zeros
 fp16 with momentum 0.9999 updated by lerp_ (every update rounds away).
 
 Each failure is first asserted real in the loop itself. Where ampdoctor is wrong the test is a strict xfail whose
-reason says what it reported: the WGAN-GP recipe without inv_scale (info only), the fp16 mean teacher rounding its
-updates away (no findings). The `.half()` model's BatchNorm running_var going inf (no findings: batch_norm's kernel
-writes the buffer without moving its version counter) was one too, fixed (record/buffers.py compares norms)."""
+reason says what it reported: the WGAN-GP recipe without inv_scale (info only). The `.half()` model's BatchNorm
+running_var going inf (no findings: batch_norm's kernel writes the buffer without moving its version counter) and the
+fp16 mean teacher rounding its updates away (no findings) were ones too, fixed (record/buffers.py compares norms;
+params.outside_snapshot/outside_compare: frozen fp16 weights written in place whose values did not change)."""
 import copy
 import math
 
@@ -868,9 +869,6 @@ class MeanTeacher(nn.Module):
         return self.student(x), t
 
 
-@pytest.mark.xfail(strict=True, reason="ampdoctor reports no findings at all (rep.findings == []): the fp16 "
-                   "teacher's weights are changed only by lerp_ outside the optimizer, and their updates round away "
-                   "unseen (no update_underflow at `teacher`)")
 def test_fp16_mean_teacher_updated_by_lerp_rounds_every_update_away():
     torch.manual_seed(17)
     m = MeanTeacher()

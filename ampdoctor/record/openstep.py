@@ -92,6 +92,7 @@ class _Step:
     pw_index: list = field(default_factory=list)       # params whose weights were checked at presync
     w_start: object = None                             # their abs-max when the step's forward began (sampled)
     bad_buffer: dict | None = None                     # a written buffer that turned non-finite (buffers.py)
+    outside: tuple | None = None                       # frozen fp16 weights written since the last sampled step
     w_deferred: bool = False                           # CPU: weights checked in resolve, on bad steps only
     out_ok: list = field(default_factory=list)
     output_finite: bool | None = None

@@ -143,3 +143,37 @@ def update_check_post(m, opt) -> None:
         else:
             same = n = torch.zeros((), dtype=torch.float64, device=post.device)
         item[4] = torch.stack([same.to(post.device), n.to(post.device), pre.to(post.device), post[i]])
+
+
+OUTSIDE_SAMPLE = 4096
+"""Elements compared of each frozen low-precision parameter (see outside_snapshot)."""
+
+
+def outside_snapshot(m, step: int):
+    """On a sampled step, as its forward begins: the first elements and version of every fp16/bf16 parameter that
+    no gradient updates (requires_grad False): an EMA teacher or momentum encoder kept in low precision, written in
+    place by the user's code between steps. None when there is none."""
+    items = []
+    for i, (_, p) in enumerate(m.params):
+        if p.requires_grad or p.dtype not in (torch.float16, torch.bfloat16) or p.layout != torch.strided:
+            continue
+        w = local(p.detach())
+        if w.numel():
+            items.append((i, p._version, w.reshape(-1)[:OUTSIDE_SAMPLE].clone()))
+    return (step, items) if items else None
+
+
+def outside_compare(m, snap) -> tuple[list[str], torch.Tensor] | None:
+    """At the next step's forward: of the parameters written since the snapshot (version moved), how many sampled
+    elements are unchanged: `(names, [[unchanged, sampled], ...])`, read with the step's transfer. An update made
+    outside the optimizer that rounds away (w * 0.9999 + 0.0001 * w' == w in fp16) leaves them all as they were."""
+    names, rows = [], []
+    for i, version, before in snap[1]:
+        name, p = m.params[i]
+        if p._version == version:
+            continue
+        now = local(p.detach()).reshape(-1)[:before.numel()]
+        names.append(name)
+        rows.append(torch.stack([(now == before).sum().double(), torch.tensor(float(before.numel()),
+                                                                            dtype=torch.float64, device=now.device)]))
+    return (names, torch.stack(rows)) if rows else None

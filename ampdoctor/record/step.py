@@ -26,7 +26,7 @@ from .headroomhooks import HeadroomHooks
 from .hooks import GradTap, passes_on
 from .hostcopy import HostSlots
 from .transfer import finalize
-from .params import checked_weights, weight_amax
+from .params import checked_weights, outside_compare, outside_snapshot, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
                        input_writes, is_sharded, loss_of, module_type, rng_state, tb_location, tb_module)
@@ -70,6 +70,7 @@ class StepMachine(MonitorCallbacks):
         self.low_opts: dict[int, bool] = {}    # id(optimizer) -> holds fp16/bf16 parameters (params.lr_moved)
         self.lr_checked: dict[int, list] = {}  # id(optimizer) -> its learning rates at the last update check
         self.buffers = BufferWatch(watch.model)  # the buffers the training writes: finite? (buffers.py)
+        self.outside_snap = None  # frozen fp16/bf16 weights as a sampled step found them (params.outside_snapshot)
         self.routine_weight_checks = 0  # bad routine steps whose weights were read (transfer.resolve; a few only)
         self.disabled = False
         self.suspended = False
@@ -207,7 +208,11 @@ class StepMachine(MonitorCallbacks):
                     st.batches.append((args, kwargs, rng_state()))
                     if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
                         st.in_versions = input_versions((args, kwargs))
+                if st.micro == 1 and self.outside_snap is not None and st.step > self.outside_snap[0]:
+                    st.outside = outside_compare(self, self.outside_snap)  # frozen fp16 weights written since?
+                    self.outside_snap = None
                 if st.sampled and st.micro == 1 and self.params:
+                    self.outside_snap = outside_snapshot(self, st.step)
                     # the weights as the step found them: a forward that writes its own weights (an in-place
                     # renorm, an EMA codebook) is their producer, not an earlier update (transfer.resolve)
                     st.pw_index = checked_weights(self)

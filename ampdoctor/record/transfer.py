@@ -81,6 +81,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
             parts.append(("w_amax", weight_amax(m, st)))
             if st.w_start is not None:
                 parts.append(("w_start", st.w_start))
+    if st.outside is not None:
+        parts.append(("outside", st.outside[1]))
     if st.sampled:
         m.buffers.refresh()  # which buffers the training writes (after this step's forward)
     b_amax = m.buffers.part()
@@ -180,6 +182,10 @@ def resolve(m) -> None:
         if not math.isfinite(v) and (w_start is None or k >= len(w_start) or not math.isfinite(w_start[k])):
             w_bad[m.params[i][0].rpartition(".")[0]] = "nan" if v != v else "inf"
     st.bad_buffer = m.buffers.read(host.get("b_amax"))
+    if st.outside is not None:
+        got = host.get("outside") or []
+        st.outside = {n: [int(got[2 * k]), int(got[2 * k + 1])] for k, n in enumerate(st.outside[0])
+                      if 2 * k + 1 < len(got)} or None
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite,
@@ -284,6 +290,7 @@ def finalize(m) -> None:
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
                      loss_ops=st.loss_ops, bad_input=st.bad_input, loss_in_model=st.loss_in_model,
                      bad_weights=(w_bad or None) if not st.sampled else None, bad_buffer=st.bad_buffer,
+                     outside_updates=st.outside,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True

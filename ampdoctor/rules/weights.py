@@ -83,8 +83,9 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             if share >= cfg.rounded_away_share and (p.name not in worst or share > worst[p.name][0]):
                 # the step is where it began (the first step past the share), the numbers the worst seen
                 worst[p.name] = (share, worst[p.name][1] if p.name in worst else r.step, p)
+    out = _outside_updates(run, cfg)
     if not worst:
-        return []
+        return out
     by_module: dict[str, list] = {}
     for name, v in worst.items():
         by_module.setdefault(v[2].module, []).append(v)
@@ -102,6 +103,43 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             {"params": [v[2].name for v in items], "share": share, "sampled": p.update_sampled,
              "rounded_away": p.update_rounded_away, "dtype": p.dtype, "grad_absmax": p.grad_absmax,
              "rank_hint": 7}))
+    return out
+
+
+OUTSIDE_MIN_SAMPLED = 256
+"""Sampled elements (over a module's frozen parameters) needed before an outside update is judged."""
+
+
+def _outside_updates(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """Frozen fp16/bf16 weights the user's code writes in place (an EMA teacher, a momentum encoder) whose values
+    did not change: every such update rounds away (`w * 0.9999 + 0.0001 * w'` is w in fp16), and the copy never
+    follows the model it should average."""
+    dtypes = {p[0]: p[2] for p in run.meta.params}
+    by_module: dict[str, list] = {}
+    for r in run.steps:
+        for name, (same, n) in (r.outside_updates or {}).items():
+            by_module.setdefault(name.rpartition(".")[0], []).append((r.step, name, same, n))
+    # one finding per top-level copy (the teacher, not each of its layers)
+    tops: dict[str, list] = {}
+    for module, items in by_module.items():
+        tops.setdefault(module.split(".")[0] if module else "", []).extend(items)
+    out = []
+    for top, items in tops.items():
+        same, n = sum(i[2] for i in items), sum(i[3] for i in items)
+        if n < OUTSIDE_MIN_SAMPLED or same / n < cfg.rounded_away_share:
+            continue
+        names = sorted({i[1] for i in items})
+        dt = dtypes.get(names[0], "float16")
+        module = _common_module(names)
+        out.append(Finding(
+            "update_underflow", "error", "optimizer", module, None, min(i[0] for i in items),
+            f"`{module or '(root)'}`'s {dt} weights are written in place outside the optimizer (an EMA or momentum "
+            f"copy), but {same / n:.0%} of the sampled elements did not change: each update is below half an ulp "
+            "of the weight and rounds away, so the copy stays where it started.",
+            "Keep the EMA copy in fp32 (`ema = copy.deepcopy(model).float()`), or update it less often with a "
+            "correspondingly smaller momentum; cast to fp16 only for its forward.",
+            {"params": names[:20], "share": same / n, "sampled": n, "rounded_away": same, "dtype": dt,
+             "outside_optimizer": True, "rank_hint": 7}))
     return out
 
 
