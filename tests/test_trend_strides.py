@@ -184,7 +184,7 @@ def warmup_cosine(warm, total, floor=0.0):
 
 
 def mlp(d_in, h, out, act=nn.GELU, norm=False):
-    return nn.Sequential(nn.Linear(d_in, h), *( [nn.LayerNorm(h)] if norm else []), act(), nn.Linear(h, h), act(),
+    return nn.Sequential(nn.Linear(d_in, h), *([nn.LayerNorm(h)] if norm else []), act(), nn.Linear(h, h), act(),
                          nn.Linear(h, out))
 
 
