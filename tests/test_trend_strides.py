@@ -13,9 +13,9 @@ bounded losses, no late skipped steps): no warning or error at any stride.
 growing layer (or its producer chain) >= 10 steps before the first inf at strides 1 and 3; at 8 and 32 only the
 overflow itself must be reported at the right layer (a warning may come too late there: what happens is recorded).
 
-Strict xfails mark what ampdoctor gets wrong at a stride (HEALTHY_XFAIL / FAILURE_XFAIL give what it reported):
-false headroom_trend warnings on a one-time input jump at stride 8 and on a regression head following a one-time
-change of the targets' units at stride 3. Every failure is forecast >= 10 steps before its first non-finite loss at
+Strict xfails mark what ampdoctor gets wrong at a stride (HEALTHY_XFAIL / FAILURE_XFAIL give what it reported);
+two false headroom_trend warnings were (a one-time input jump at stride 8, a regression head following a one-time
+change of the targets' units at stride 3) and are fixed. Every failure is forecast >= 10 steps before its first non-finite loss at
 strides 1 and 3; at 8 and 32 the small GPT's warning does not come at all (the overflow itself is reported).
 """
 from __future__ import annotations
@@ -533,18 +533,10 @@ HEALTHY = {
     "single_head_mse": dict(fall=0.1, max_late_skips=1),
     "target_units_staircase": dict(bounded=2000.0, first=30),
 }
-HEALTHY_XFAIL = {   # (name, stride): what ampdoctor reported
-    ("normaliser_jump", 8): "headroom_trend (warning, forward) at `0` step 71: 5.0 bits left, -0.086 bits/step, "
-    "forecast step 158 (first_headroom_bits 7.49). Wrong: the series is flat at ~13.1 bits, jumps once to ~4.9 at "
-    "step 50 (input x300) and stays flat at 4.7-5.3 bits to the end; at stride 8 the 12-point window (steps 0-71) "
-    "starts at the run's beginning, so there is no earlier history to compare with and the one step reads as a "
-    "steady slope; the run ends (150) before the forecast step, so it is not refuted. Silent at strides 1, 3, 32.",
-    ("target_units_staircase", 3): "headroom_trend (warning, forward) at the head `5` step 124: 3.9 bits left, "
-    "-0.044 bits/step, forecast step 214. Wrong: the targets doubled at step 100 (1600 -> 3200, never above "
-    "4160 = 3.98 bits); the head follows them (5.0 -> 3.9 bits over steps 103-124) and plateaus at 3.9-4.1 bits. "
-    "The fit exemption does not apply because the window (steps ~88-124) straddles the target change, so the loss "
-    "rose over it, and the run ends before step 214, so the forecast is not refuted. Silent at strides 1, 8, 32.",
-}
+HEALTHY_XFAIL = {}  # (name, stride): what ampdoctor reported
+# (were strict xfails, fixed by headroom_trend's refutation of a fall that stopped: a one-time input jump at stride
+# 8, warned at step 71 with the series flat at ~5 bits to the end; a head following a one-time change of its targets'
+# units at stride 3, warned at step 124 and flat at 3.9-4.1 bits after)
 
 
 def healthy_params():

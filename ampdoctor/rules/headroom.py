@@ -14,9 +14,9 @@ Silent by construction on:
 - gradients scaled by a GradScaler: judged unscaled (the scaler's own growth and backoff are its job);
 - one batch far from the others (heavy-tailed inputs: a Student-t feature's outlier row): the closeness is read
   from the window's trend line, not from its last point alone, so a single dip is not a layer running out;
-- a fall that stopped: when the run went on past the forecast step and the layer never came a bit closer to the
-  max than when it would have been warned about, or still had 2 bits at the forecast step, the forecast was
-  refuted (a report written after the fact does not repeat it);
+- a fall that stopped: when the run went on past the forecast step with 2 bits left, or for 20 steps at under a
+  quarter of the rate, never a bit closer to the max than when it would have been warned about, the forecast was
+  refuted (a report written after the fact does not repeat it; one written at the time did warn);
 - the model's own output growing while the loss falls: a regression fitting unnormalised targets (an MSE on
   values in the thousands) grows its output until it matches them, then settles; the loss pulls it there, so
   its past rate forecasts nothing. Layers inside the model still warn on their own headroom.
@@ -91,10 +91,13 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
     """The first point where the series is close, falling steadily and forecast to reach zero in time
     (`fitting(window)`: the window's values are the model's output growing towards what the loss asks for)."""
     low = math.inf  # the lowest headroom before the current window (its history)
+    floor = math.inf  # after a refuted forecast: warn again only a bit below where it was refuted
     for k in range(len(pts)):
         if k >= WINDOW:
             low = min(low, pts[k - WINDOW][1])
         bits = pts[k][1]
+        if bits >= floor:
+            continue
         if bits > cfg.headroom_max_bits:
             continue
         t = trend(pts, k)
@@ -116,9 +119,13 @@ def _first_warning(pts, cfg: RuleConfig, fitting=None):
             continue
         bits = max(bits, level)
         left = max(bits, 0.0) / -slope
-        if left <= cfg.headroom_horizon and not _refuted(pts, k, pts[k][0] + math.ceil(left), bits):
-            return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
-                    "dtype": pts[k][2]}
+        if left > cfg.headroom_horizon:
+            continue
+        if _refuted(pts, k, pts[k][0] + math.ceil(left), min(bits, pts[k][1]), slope):
+            floor = min(bits, pts[k][1]) - 1.0  # the same fall seen from the next points is refuted too
+            continue
+        return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
+                "dtype": pts[k][2]}
     return None
 
 
@@ -126,16 +133,27 @@ REFUTED_BITS = 2.0
 """A forecast of overflow is refuted when the layer still had this much headroom (4x) at the forecast step."""
 
 
-def _refuted(pts, k: int, forecast: int, bits: float) -> bool:
-    """The run went on past the forecast step and the layer did not run out: it never came a bit closer to the max
-    than when it was warned about, or it still had `REFUTED_BITS` at the forecast step. The fall it extrapolated
-    stopped or slowed (a fit reaching its targets, sampled sparsely). A layer that did run out ends its series at
-    the overflow; a run that ends before the forecast step keeps the warning."""
+REFUTED_SPAN = 20
+"""Steps of series after a warning over which a fall that stopped refutes it (with WINDOW // 2 points at least)."""
+
+
+def _refuted(pts, k: int, forecast: int, bits: float, rate: float) -> bool:
+    """What the run did after the warning shows the fall it extrapolated stopped or slowed (a fit reaching its
+    targets, a one-time jump in the inputs' scale, sampled sparsely): the run went past the forecast step with
+    `REFUTED_BITS` left or never came a bit closer to the max; or, over at least `REFUTED_SPAN` steps and half a
+    window of points, it fell at under a quarter of the warned rate and never came a bit closer. A layer that did
+    run out keeps falling to its overflow, where its series ends; a warning at the end of a run stays."""
     later = pts[k + 1:]
-    if not later or later[-1][0] < forecast:
+    if not later:
         return False
-    at = next(p[1] for p in later if p[0] >= forecast)
-    return min(p[1] for p in later) >= bits - 1.0 or at >= REFUTED_BITS
+    closest = min(p[1] for p in later)
+    if later[-1][0] >= forecast:
+        at = next(p[1] for p in later if p[0] >= forecast)
+        return closest >= bits - 1.0 or at >= REFUTED_BITS
+    if len(later) < WINDOW // 2 or later[-1][0] - later[0][0] < REFUTED_SPAN or closest < bits - 1.0:
+        return False
+    slopes = [(b[1] - a[1]) / max(b[0] - a[0], 1) for i, a in enumerate(later) for b in later[i + 1:]]
+    return _median(slopes) > rate / 4
 
 
 SIGNIFICANT = 3.0
