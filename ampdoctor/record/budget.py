@@ -2,8 +2,9 @@
 `headroom_budget` of the step time, measured on the run itself.
 
 Each routine step is timed from its beginning (the root's forward, zero_grad or scaler.scale) to its end (the
-optimizer's step: with a GradScaler, after the scaler's own synchronisation, so the device's work is in it): the
-training step itself, not what the loop does between steps (data loading, logging, evaluation). Steps with the
+optimizer's step: with a GradScaler, after the scaler's own synchronisation, so the device's work is in it), plus
+what ampdoctor does for it at the next iteration's start (its record finalised, the series read back, the hooks
+parked): the training step itself, not what the loop does between steps (data loading, logging, evaluation). Steps with the
 series and steps without it keep their own recent medians; their difference is what the series costs a step, and
 the stride (one step in `stride` carries it) is the smallest that keeps the average cost within the budget. Until
 both kinds have a few samples the stride is 2, so both are measured; at stride 1 a step without the series now and
@@ -26,7 +27,7 @@ REFRESH = 32       # at stride 1, one step in this many goes without the series 
 
 
 class HeadroomBudget:
-    __slots__ = ("share", "times", "t0", "timed", "since", "stride", "off_age")
+    __slots__ = ("share", "times", "t0", "timed", "since", "stride", "off_age", "last")
 
     def __init__(self, share: float):
         self.share = share
@@ -36,6 +37,7 @@ class HeadroomBudget:
         self.since = 0                  # routine steps since the last one with the series
         self.stride = 2
         self.off_age = 0                # routine steps since the last one without it
+        self.last: bool | None = None   # the kind of the last timed step (its tail is added by `tail`)
 
     def begin(self) -> None:
         """A step begins now (timed as `due`/`untimed` said)."""
@@ -44,9 +46,17 @@ class HeadroomBudget:
 
     def ended(self) -> None:
         """The open step reached its optimizer step: its time counts for its kind."""
+        self.last = None
         if self.timed is not None and self.t0 is not None:
             self.times[self.timed].append(time.perf_counter() - self.t0)
+            self.last = self.timed
         self.timed = None
+
+    def tail(self, seconds: float) -> None:
+        """What the last timed step cost after its optimizer step (its record finalised at the next iteration's
+        start, its hooks parked): added to its time, so that the series' read-back counts against the series."""
+        if self.last is not None and self.times[self.last]:
+            self.times[self.last][-1] += seconds
 
     def due(self) -> bool:
         """Whether the routine step beginning now carries the series (and is timed as such)."""

@@ -9,6 +9,8 @@ once). They come off for good when the watch closes, fails, or finds the model c
 """
 from __future__ import annotations
 
+import time
+
 from typing import TYPE_CHECKING
 
 from .budget import HeadroomBudget
@@ -34,14 +36,15 @@ class HeadroomHooks:
         cfg = m.cfg
         self.budget = HeadroomBudget(cfg.headroom_budget) if cfg.headroom == "auto" else None
 
-    def start(self, sampled: bool) -> None:
+    def start(self, sampled: bool, tail: float = 0.0) -> None:
         """A step begins: prune after an observed step, and set `hr.on` (whether this step records the series)
-        as WatchConfig.headroom and the budget say."""
+        as WatchConfig.headroom and the budget say. `tail`: what finalising the ended step took (counted to it)."""
         m, hr, budget = self.m, self.m.hr, self.budget
         if hr.observing:
             self.prune()
         hr.reset()
         if budget is not None:
+            budget.tail(tail)
             budget.begin()
         # sampled steps: the full statistics give the series; the root's own value also when compiled
         hr.on = m.cfg.headroom is not False and not sampled and not m.disabled
@@ -60,7 +63,10 @@ class HeadroomHooks:
             if hr.on and self.parked:
                 self.install(skip=self.idle)
             elif not hr.on and not self.parked and self.wanted and budget.stride > 1:
+                t = time.perf_counter()
                 self.park()
+                budget.t0 += time.perf_counter() - t  # (the series' own cost, not this step's)
+                budget.tail(time.perf_counter() - t)
 
     def ended(self) -> None:
         """The open step reached its optimizer step (the budget times it)."""

@@ -9,6 +9,7 @@ everything crosses to the host in one transfer; the record is finished when the 
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 
 import torch
@@ -90,16 +91,18 @@ class StepMachine(MonitorCallbacks):
         self.st = self._new_step(0)
 
     # -- step lifecycle -----------------------------------------------------------------------------
-    def _new_step(self, step: int) -> _Step:
+    def _new_step(self, step: int, tail: float = 0.0) -> _Step:
+        """`tail`: the seconds the ended step's finalisation took (the headroom budget counts them to it)."""
         sampled = self.policy.sampled(step)
-        self.hr_hooks.start(sampled)  # whether this step records the headroom series (headroomhooks.py)
+        self.hr_hooks.start(sampled, tail)  # whether this step records the headroom series (headroomhooks.py)
         return _Step(step=step, sampled=sampled)
 
     def begin(self) -> None:
         """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step."""
         if self.st.phase is StepPhase.ENDED:
+            t = time.perf_counter()
             self.finalize()
-            self.st = self._new_step(self.st.step + 1)
+            self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
             self.sync_module_hooks()
 
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
