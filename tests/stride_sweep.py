@@ -1,0 +1,128 @@
+"""pytest plugin (not a test file): pin the stride of every watch's headroom series, to find the false
+`headroom_trend` alarms that the default headroom="auto" raises only at some strides (the stride follows the
+machine's load, so such a test is flaky; pinned, it fails or passes every time).
+
+    cd tests && AMPDOCTOR_FORCE_STRIDE=4 ../.venv/bin/python -m pytest -q -p stride_sweep test_healthy*.py ...
+
+Without AMPDOCTOR_FORCE_STRIDE the plugin does nothing. With AMPDOCTOR_FORCE_STRIDE=k, every `Watch` built
+without an explicit `config=` and `headroom=` (ampdoctor.watch, the HF/Lightning callbacks: they pass headroom=None
+unless told) gets:
+
+  k == 1: headroom=True (the series on every routine step);
+  k > 1:  headroom="auto" with headroom_budget=1e-9, and its HeadroomBudget swapped (per instance, via __class__)
+          for a subclass whose `ended` records fixed fake timings (a step with the series 2 units, one without 1:
+          the series costs 100%, over any budget) and whose `due` runs with record.budget.MAX_STRIDE = k; so after
+          the calibration at stride 2 (3 timed steps of each kind) the stride is exactly k, whatever the load.
+
+A test's explicit choice (config= or headroom=) is left alone, and so is every other watch's budget (nothing is
+patched module-wide). `python -m ampdoctor` subprocesses a test launches are not forced (the plugin is not loaded
+there). The terminal summary says how many watches were forced.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+_ENV = "AMPDOCTOR_FORCE_STRIDE"
+_forced = {"watches": 0, "explicit": 0, "tests": set()}
+_current = {"nodeid": None}
+
+
+def forced_stride() -> int | None:
+    v = os.environ.get(_ENV, "").strip()
+    if not v:
+        return None
+    k = int(v)
+    if not 1 <= k <= 32:
+        raise pytest.UsageError(f"{_ENV} must be in 1..32, got {v!r}")
+    return k
+
+
+def _pinned_budget_class(k: int):
+    import ampdoctor.record.budget as budget
+
+    class PinnedBudget(budget.HeadroomBudget):
+        __slots__ = ()  # same layout: an instance's __class__ can be swapped to it
+
+        def ended(self) -> None:
+            self.last = None  # no `tail` added to a fake time
+            if self.timed is not None and self.t0 is not None:
+                self.times[self.timed].append(2.0 if self.timed else 1.0)
+            self.timed = None
+
+        def due(self) -> bool:
+            saved = budget.MAX_STRIDE
+            budget.MAX_STRIDE = k
+            try:
+                return budget.HeadroomBudget.due(self)
+            finally:
+                budget.MAX_STRIDE = saved
+
+    PinnedBudget.__name__ = PinnedBudget.__qualname__ = f"PinnedBudget{k}"
+    return PinnedBudget
+
+
+def install(k: int, patch=None):
+    """Wrap Watch.__init__ so that unconfigured watches run the series at stride k. `patch(obj, name, value)`
+    defaults to setattr (the plugin, for the session); tests pass monkeypatch.setattr."""
+    from ampdoctor.config import DEFAULT_EVERY, WatchConfig
+    from ampdoctor.watch import Watch
+
+    patch = patch or setattr
+    pinned = _pinned_budget_class(k) if k > 1 else None
+    orig = Watch.__init__
+    if getattr(orig, "_stride_sweep", None) is not None:
+        orig = orig._stride_sweep
+
+    @functools.wraps(orig)
+    def __init__(self, model, *args, every=None, config=None, headroom=None, **kw):
+        if config is not None or headroom is not None:
+            _forced["explicit"] += 1
+            return orig(self, model, *args, every=every, config=config, headroom=headroom, **kw)
+        every = DEFAULT_EVERY if every is None else every
+        if k == 1:
+            config = WatchConfig(every=every, headroom=True)
+        else:
+            config = WatchConfig(every=every, headroom="auto", headroom_budget=1e-9)
+        orig(self, model, *args, config=config, **kw)
+        if pinned is not None:
+            b = self.machine.hr_hooks.budget
+            assert b is not None and type(b).__slots__ == pinned.__mro__[1].__slots__
+            b.__class__ = pinned
+        _forced["watches"] += 1
+        if _current["nodeid"]:
+            _forced["tests"].add(_current["nodeid"])
+
+    __init__._stride_sweep = orig
+    patch(Watch, "__init__", __init__)
+
+
+def pytest_configure(config):
+    k = forced_stride()
+    if k is not None:
+        install(k)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _current["nodeid"] = item.nodeid
+    try:
+        yield
+    finally:
+        _current["nodeid"] = None
+
+
+def pytest_report_header(config):
+    k = forced_stride()
+    if k is not None:
+        return f"stride_sweep: headroom series pinned at stride {k} for watches without config=/headroom="
+
+
+def pytest_terminal_summary(terminalreporter):
+    k = forced_stride()
+    if k is not None:
+        terminalreporter.write_line(
+            f"stride_sweep: stride {k}: {_forced['watches']} watches forced in {len(_forced['tests'])} tests; "
+            f"{_forced['explicit']} watches left alone (explicit config=/headroom=)")
