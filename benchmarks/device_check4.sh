@@ -11,7 +11,7 @@ timeout 90 python -m pytest -q -p no:cacheprovider tests/test_fused.py tests/tes
   tests/test_headroom_budget.py tests/test_identity.py tests/test_step_phase.py tests/test_gradexits.py tests/test_bad_data.py > $O/tests.txt 2>&1
 python benchmarks/overhead.py --model nanogpt --device cuda --variants plain,default,hroff,headroom --steps 50 --warmup 30 --sync-steps 0 > $O/nanogpt.txt 2>&1
 timeout 80 python benchmarks/overhead.py --model gpt2 --device cuda --variants plain,default,headroom --steps 24 --warmup 14 > $O/gpt2.txt 2>&1
-timeout 60 python benchmarks/overhead.py --model convnet --device cuda --variants plain,default --steps 30 --warmup 10 --sync-steps 0 > $O/convnet.txt 2>&1
+timeout 60 python benchmarks/overhead.py --model convnet --device cuda --variants plain,default,hroff --steps 30 --warmup 10 --sync-steps 0 > $O/convnet.txt 2>&1
 echo "== corpus";   tail -8 $O/corpus.txt
 echo "== compiled"; tail -5 $O/compiled.txt
 echo "== tests";    tail -2 $O/tests.txt
