@@ -234,3 +234,23 @@ def test_a_run_that_dies_on_an_exception_is_recorded(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "ampdoctor", "report", str(run), "--no-html"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 1, cli.stdout + cli.stderr
+
+
+def test_watch_on_a_meta_device_model_then_materialised_trains_and_sees_its_buffers():
+    """A model built on the meta device (FSDP2's deferred init) can be watched before `to_empty`: the buffer check
+    reads nothing it cannot (it raised `Cannot copy out of meta tensor` from watch() itself); watching a
+    materialised copy reads the BatchNorm's running statistics as usual."""
+    with torch.device("meta"):
+        lazy = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    w = ampdoctor.watch(lazy)
+    w.close()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = ampdoctor.watch(m, optimizer=opt)
+    for i in range(3):
+        opt.zero_grad()
+        m(torch.randn(8, 4, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+        opt.step()
+    w.close()
+    assert w.machine.buffers.live, "the BatchNorm's running statistics are written: read every step"
+    assert not [f for f in w.report().findings if f.severity in ("warning", "error")]

@@ -38,10 +38,13 @@ class BufferWatch:
         self.l2: dict[int, float] = {}      # index -> its L2 norm at the start (a kernel's in-place write of running
         #                                     statistics, e.g. batch_norm's, does not move the version counter)
         if self.bufs:
-            ts = [_lead(b) for _, b, _ in self.bufs]
-            vals = norms(ts, math.inf).tolist()
-            self.finite = {i: math.isfinite(v) for i, v in enumerate(vals)}
-            self.l2 = dict(enumerate(norms(ts, 2).tolist()))
+            try:
+                ts = [_lead(b) for _, b, _ in self.bufs]
+                vals = norms(ts, math.inf).tolist()
+                self.finite = {i: math.isfinite(v) for i, v in enumerate(vals)}
+                self.l2 = dict(enumerate(norms(ts, 2).tolist()))
+            except (RuntimeError, NotImplementedError, TypeError):  # buffers without data yet (meta, lazy init)
+                self.bufs, self.finite, self.l2 = [], {}, {}
 
     def refresh(self) -> None:
         """On a sampled step, after its forward: the buffers written since the watch began (their version counter
