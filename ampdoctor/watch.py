@@ -94,7 +94,9 @@ class Watch:
             raise WatchError("pass either every= or config=, not both")
         self.config = config or (WatchConfig(every=every) if every is not None else WatchConfig())
         if headroom is not None:  # the per-step headroom series (WatchConfig.headroom)
-            self.config = dataclasses.replace(self.config, headroom=headroom if headroom == "auto" else bool(headroom))
+            # (a string other than "auto" is refused by WatchConfig, not read as True; 0/1 and numpy bools are bools)
+            self.config = dataclasses.replace(self.config, headroom=headroom if isinstance(headroom, (bool, str))
+                                              else bool(headroom))
         self.model = model
         self.run_dir = None if run_dir is None else str(run_dir)
         params = {id(p) for p in model.parameters()}

@@ -250,3 +250,15 @@ def test_inference_mode_and_eval_only_watch():
                 m(torch.randn(3, 4))
     assert len(w.steps) == 1 and len(w.steps[0].modules) == 4
     assert not [f for f in w.report().findings if f.severity != "info"]
+
+
+def test_headroom_argument_other_than_true_false_auto_is_refused_not_read_as_true():
+    """`watch(headroom="sometimes")` was coerced by bool() into True; a string other than "auto" is an error now,
+    and the model is left unwatched (a new watch on it works)."""
+    m = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="headroom"):
+        ampdoctor.watch(m, headroom="sometimes")
+    for value, want in ((True, True), (False, False), ("auto", "auto"), (1, True), (0, False)):
+        w = ampdoctor.watch(m, headroom=value)
+        assert w.config.headroom == want
+        w.close()
