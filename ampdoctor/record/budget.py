@@ -4,11 +4,11 @@
 Each routine step is timed from its beginning (the root's forward, zero_grad or scaler.scale) to its end (the
 optimizer's step: with a GradScaler, after the scaler's own synchronisation, so the device's work is in it), plus
 what ampdoctor does for it at the next iteration's start (its record finalised, the series read back, the hooks
-parked): the training step itself, not what the loop does between steps (data loading, logging, evaluation). Steps with the
-series and steps without it keep their own recent medians; their difference is what the series costs a step, and
-the stride (one step in `stride` carries it) is the smallest that keeps the average cost within the budget. Until
-both kinds have a few samples the stride is 2, so both are measured; at stride 1 a step without the series now and
-then keeps the comparison current. Sampled steps (full statistics) and the observed step (every hook on, see
+parked): the training step itself, not what the loop does between steps (data loading, logging, evaluation).
+Steps with the series and steps without it keep their own recent medians; their difference is what the series
+costs a step, and the stride (one step in `stride` carries it) is the smallest that keeps the average cost within
+the budget. Until both kinds have a few samples the stride is 2, so both are measured; at stride 1 a step without
+the series now and then keeps the comparison current. Sampled steps (full statistics) and the observed step (every hook on, see
 Headroom.plan) are not timed.
 """
 from __future__ import annotations

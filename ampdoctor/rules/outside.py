@@ -10,7 +10,8 @@ from ..records import StepRecord
 from .registry import RunData
 from .steps import benign_backoff, onset_step
 
-__all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "output_grad_nonfinite", "outside_model", "unlocated"]
+__all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "output_grad_nonfinite", "outside_model",
+           "unlocated"]
 
 
 def bad_buffers(run: RunData) -> list[Finding]:
@@ -24,10 +25,12 @@ def bad_buffers(run: RunData) -> list[Finding]:
     module, kind = b.get("module", ""), "NaN" if b.get("kind") == "nan" else "inf"
     typ = next((m[1] for m in run.meta.modules if m[0] == module), "?")
     silent = not r.bad
+    dead = (" while its output stayed finite, so nothing else saw it — the features it scales are dead from here on"
+            if silent else "")
     return [Finding(
         "nan_origin" if kind == "NaN" else "overflow", "error", "forward", module, None, r.step,
         f"The buffer `{b.get('buffer')}` of `{module or '(root)'}` ({typ}) became {kind} at step {r.step}: the "
-        f"module's own update of it overflowed{' while its output stayed finite, so nothing else saw it — the features it scales are dead from here on' if silent else ''}.",
+        f"module's own update of it overflowed{dead}.",
         "Keep running statistics in fp32: register the buffer as float32 and update it from `x.float()` (e.g. "
         "`self.sq.mul_(m).add_((1 - m) * x.float().pow(2).mean(0))`), or clamp what is accumulated.",
         {"buffer": b.get("buffer"), "kind": b.get("kind"), "silent": silent, "type": typ, "rank_hint": 11})]

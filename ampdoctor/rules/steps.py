@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..records import BACKOFF_MAX_STREAK, ModuleCall, StepRecord
 
-__all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "scaled_loss_steps", "absorbed_modules", "absorbed",
+__all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "scaled_loss_steps", "absorbed_modules",
+           "absorbed",
            "real_bad", "first_bad_step", "onset_step", "first_unlocated_skip", "crash", "parents", "descendants"]
 
 BACKOFF_MIN_SCALE = 1.0
@@ -162,7 +163,8 @@ def absorbed_modules(steps: list[StepRecord]) -> set[str]:
 def real_bad(r: StepRecord, benign: set[int], absorbed_mods: set[str]) -> bool:
     """The step went bad for a reason other than GradScaler's benign backoff or an absorbed forward inf (a mask)."""
     p = r.forward_producer
-    if r.step in benign and not r.exception and r.output_finite is not False and (p is None or p.detail.get("mask_like")):
+    if r.step in benign and not r.exception and r.output_finite is not False \
+            and (p is None or p.detail.get("mask_like")):
         return False  # a loss the scale made non-finite in the search (scaled_loss_steps; benign_backoff has them)
     if r.loss_finite is False or r.output_finite is False or r.exception:
         return True
