@@ -115,14 +115,11 @@ def _outside_updates(run: RunData, cfg: RuleConfig) -> list[Finding]:
     did not change: every such update rounds away (`w * 0.9999 + 0.0001 * w'` is w in fp16), and the copy never
     follows the model it should average."""
     dtypes = {p[0]: p[2] for p in run.meta.params}
-    by_module: dict[str, list] = {}
-    for r in run.steps:
-        for name, (same, n) in (r.outside_updates or {}).items():
-            by_module.setdefault(name.rpartition(".")[0], []).append((r.step, name, same, n))
     # one finding per top-level copy (the teacher, not each of its layers)
     tops: dict[str, list] = {}
-    for module, items in by_module.items():
-        tops.setdefault(module.split(".")[0] if module else "", []).extend(items)
+    for r in run.steps:
+        for name, (same, n) in (r.outside_updates or {}).items():
+            tops.setdefault(name.split(".")[0] if "." in name else "", []).append((r.step, name, same, n))
     out = []
     for top, items in tops.items():
         same, n = sum(i[2] for i in items), sum(i[3] for i in items)
