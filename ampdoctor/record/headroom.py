@@ -42,7 +42,7 @@ _F32 = torch.float32
 class Headroom:
     """The pending tensors and reduced abs-maxes of the open step (owned by the StepMachine)."""
 
-    __slots__ = ("on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
+    __slots__ = ("clean", "on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
                  "last_slot", "staged", "tables", "reads", "observing", "called", "read", "last_pass",
                  "static_alias", "seen_alias")
 
@@ -59,9 +59,12 @@ class Headroom:
         self.last_pass = -1
         self.static_alias: list[tuple[int, int]] = []  # (slot, slot) of pruned containers, applied every step
         self.seen_alias: list[tuple[int, int, int]] = []  # the observed step's (slot, source, pass-on slot or -1)
+        self.clean = False  # True while nothing was handed over since the last reset
         self.reset()
 
     def reset(self) -> None:
+        if self.clean:  # nothing was handed over since the last reset (a step without the series)
+            return
         for tab in self.tables.values():
             tab.reset()
         self.ft, self.fs, self.bt, self.bs = [], [], [], []
@@ -74,6 +77,7 @@ class Headroom:
         self.last_slot = -1
         self.last_pass = -1
         self.staged: list | None = None  # the step's parts, stacked (see stage)
+        self.clean = True
 
     # -- hot path (called by the hooks): keep a reference, nothing else ----------------------------------
     def forward(self, slot: int, out, tap) -> None:
@@ -87,6 +91,7 @@ class Headroom:
         self._forward(slot, out, tap)
 
     def _forward(self, slot: int, out, tap) -> None:
+        self.clean = False
         tensors = (out,) if isinstance(out, _Tensor) else flatten_tensors(out, [])
         last = self.last
         for t in tensors:
@@ -117,6 +122,7 @@ class Headroom:
     def passed(self, slot: int, args, output) -> None:
         """A module that passes its input's range on (`passes_on`) returned `output`: if its input was the last
         value read, its output stands for that value (a container returning it is an alias, not a new read)."""
+        self.clean = False
         if self.observing:
             self.called.add(slot)
         if args and args[0] is self.last and isinstance(output, _Tensor):
@@ -160,6 +166,7 @@ class Headroom:
         self.called, self.read, self.seen_alias = set(), set(), []
 
     def grad(self, slot: int, g) -> None:
+        self.clean = False
         nb = g.nbytes
         self.bt.append(g if nb <= READ_BYTES else _lead(g))
         self.bs.append(slot)
@@ -257,6 +264,8 @@ class Headroom:
     def parts(self) -> list[tuple[str, torch.Tensor]]:
         """The reduced values for the step's one transfer, one vector per device and kind, keyed `hr:<kind><i>`
         in `self.done`'s order of first use."""
+        if self.clean:  # nothing handed over since the last reset
+            return []
         self.flush()
         if self.staged is not None:
             return self.staged

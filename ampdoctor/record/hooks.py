@@ -57,7 +57,7 @@ class ModuleHook(CopiesInert):
         # in an eager loop, twice per step)
         self.fn = fn
         self.kind = kind
-        self.outside = torch.compiler.disable(fn) if eager else None
+        self.outside = torch.compiler.disable(_from_compiled(fn)) if eager else None
 
     def register(self, module: torch.nn.Module):
         if self.kind == "pre":
@@ -94,9 +94,23 @@ def hookable(module: torch.nn.Module) -> bool:
     return not isinstance(module, torch.jit.ScriptModule)
 
 
+_COMPILED_CALLS = [0]  # root hooks reached through torch.compiler.disable (from compiled code), in this process
+
+
+def _from_compiled(fn):
+    """`fn` as compiled code calls it: Dynamo traced the hook and left this call as a graph break."""
+    def outside(*args):
+        _COMPILED_CALLS[0] += 1
+        return fn(*args)
+    return outside
+
+
 def in_compiled_frame(depth: int = 40) -> bool:
     """Whether the caller (a root hook behind `torch.compiler.disable`) was reached from a torch.compile'd
-    (Dynamo) frame: past the disable wrapper's own frames, another Dynamo frame on the stack."""
+    (Dynamo) frame: past the disable wrapper's own frames, another Dynamo frame on the stack. Only a hook that
+    compiled code called can be (until one was, the stack is not walked: an eager step pays nothing)."""
+    if not _COMPILED_CALLS[0]:
+        return False
     f = sys._getframe(1)
     while f is not None and "_dynamo" not in f.f_code.co_filename:
         f = f.f_back  # the hook's own frames

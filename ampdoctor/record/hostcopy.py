@@ -53,13 +53,13 @@ class Pending:
         self.via_scaler, self.grads_scaled = via_scaler, grads_scaled
         by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for k, t in parts:
-            by_dev.setdefault(t.device, []).append((k, t.reshape(-1)))
+            by_dev.setdefault(t.device, []).append((k, t))
         self.items = []
         for dev, items in by_dev.items():
             if dev.type == "cpu":  # nothing to move: each value is read where it is (no concatenation)
                 self.items.append((items, None, None))
                 continue
-            flat = torch.cat([t for _, t in items]) if len(items) > 1 else items[0][1]
+            flat = torch.cat([t.reshape(-1) for _, t in items]) if len(items) > 1 else items[0][1].reshape(-1)
             ev = None
             if asynchronous and dev.type == "cuda":
                 if slots is not None:
@@ -74,9 +74,13 @@ class Pending:
     def result(self) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {}
         for items, flat, ev in self.items:
-            if flat is None:
+            if flat is None:  # a key given several times reads in order
                 for k, t in items:
-                    out.setdefault(k, []).extend(t.tolist())  # 1-d: a key given several times reads in order
+                    d = t.dim()
+                    if d == 0:
+                        out.setdefault(k, []).append(t.item())
+                    else:
+                        out.setdefault(k, []).extend((t if d == 1 else t.reshape(-1)).tolist())
                 continue
             if ev is not None:
                 ev.synchronize()

@@ -25,11 +25,15 @@ _LIB_DIRS = tuple(os.path.join(_SITE, n) + os.sep for n in ("transformers", "acc
 
 
 _SKIP_PREFIXES = (_PKG_DIR, _TORCH_DIR, "<frozen") + _LIB_DIRS
-_SKIP_CODE: dict = {}  # id(code) -> (code, whether its frames are skipped): decided once per function; keyed by
-#                        id (hashing a code object hashes its contents, ~0.6 us) and holding the code, so the id
-#                        is not reused while the entry lives
-_LINE: dict = {}       # (id(code), f_lasti) -> line: f_lineno decodes the line table, linear in the code's length
-#                        (a training loop at a script's top level is one long code object)
+_LOC: dict = {}  # (id(code), f_lasti) -> (code, (file, line) of a user's frame, or None for a skipped frame):
+#                  decided once per call site. Keyed by id (hashing a code object hashes its contents, ~0.6 us) and
+#                  holding the code, so the id is not reused while the entry lives; f_lineno would decode the line
+#                  table, linear in the code's length (a training loop at a script's top level is one long code)
+
+
+def _skipped(code) -> bool:
+    fn = code.co_filename
+    return fn.startswith(_SKIP_PREFIXES) or fn.endswith("/contextlib.py") or fn.endswith("/functools.py")
 
 
 def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
@@ -37,22 +41,13 @@ def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
     f = sys._getframe(skip)
     while f is not None:
         code = f.f_code
-        seen = _SKIP_CODE.get(id(code))
-        if seen is None or seen[0] is not code:
-            if len(_SKIP_CODE) > 4096:  # generated code (exec, compile) must not grow it forever
-                _SKIP_CODE.clear()
-                _LINE.clear()
-            fn = code.co_filename
-            seen = _SKIP_CODE[id(code)] = (code, fn.startswith(_SKIP_PREFIXES) or fn.endswith("/contextlib.py")
-                                           or fn.endswith("/functools.py"))
-        if not seen[1]:
-            key = (id(code), f.f_lasti)
-            line = _LINE.get(key)
-            if line is None:
-                if len(_LINE) > 16384:
-                    _LINE.clear()
-                line = _LINE[key] = f.f_lineno
-            return code.co_filename, line
+        hit = _LOC.get((id(code), f.f_lasti))
+        if hit is None or hit[0] is not code:
+            if len(_LOC) > 16384:  # generated code (exec, compile) must not grow it forever
+                _LOC.clear()
+            hit = _LOC[(id(code), f.f_lasti)] = (code, None if _skipped(code) else (code.co_filename, f.f_lineno))
+        if hit[1] is not None:
+            return hit[1]
         f = f.f_back
     return None, None
 

@@ -136,12 +136,12 @@ class MonitorCallbacks:
             return None
         ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         mine = self._model_param_ids()
-        if not any(id(p) in mine for p in ps):
+        if mine.isdisjoint(map(id, ps)):
             # get_total_norm takes the gradients themselves (a norm read for the logs): are they this model's?
             if kind != "get_total_norm" or not ps:
                 return None
             grads = {id(p.grad) for _, p in self.params if p.grad is not None}
-            if not any(id(g) in grads for g in ps):
+            if grads.isdisjoint(map(id, ps)):
                 return None
         sc = self.w.scaler
         stage = None

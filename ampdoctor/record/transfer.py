@@ -136,10 +136,11 @@ def resolve(m) -> None:
     if via_scaler and not st.fused_amp:
         found_inf = 0.0  # GradScaler only calls a plain optimizer's step when no inf was found
     div = scale if (grads_scaled and scale and st.grad_parts is None) else 1.0
-    g_amax = [v / div for v in host.get("g_amax", [])]
-    g_l2 = [v / div for v in host.get("g_l2", [])]
+    g_amax, g_l2 = host.get("g_amax", []), host.get("g_l2", [])
+    if div != 1.0:
+        g_amax, g_l2 = [v / div for v in g_amax], [v / div for v in g_l2]
     losses = host.get("loss", [])
-    grad_finite = all(math.isfinite(v) for v in g_amax) if g_amax else None
+    grad_finite = all(map(math.isfinite, g_amax)) if g_amax else None
     out_sums = host.get("out_ok", [])
     out_ok, i = [], 0  # per micro-batch: were all of its output sums finite?
     # an output whose sums are finite or -inf held no +inf or NaN: -inf only, a mask (an RL policy's illegal
@@ -247,9 +248,14 @@ def finalize(m) -> None:
     params = []
     bad_param_modules = set()
     dtypes = m.param_info
-    for i, name in enumerate(st.param_names):
-        amax = s["g_amax"][i] if i < len(s["g_amax"]) else None
-        l2 = s["g_l2"][i] if i < len(s["g_l2"]) else None
+    names, g_amax, g_l2 = st.param_names, s["g_amax"], s["g_l2"]
+    # a routine step keeps the parameters whose gradient was non-finite only (none when all were finite)
+    kept = range(len(names)) if st.sampled else () if s["grad_finite"] is not False else [
+        i for i, v in enumerate(g_amax) if not math.isfinite(v)]
+    for i in kept:
+        name = names[i]
+        amax = g_amax[i] if i < len(g_amax) else None
+        l2 = g_l2[i] if i < len(g_l2) else None
         nonfin = amax is not None and not math.isfinite(amax)
         mod = name.rpartition(".")[0]
         if nonfin:
