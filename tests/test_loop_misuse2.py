@@ -53,14 +53,13 @@ update()), 16 (the Lightning-like module in fp32 + autocast + GradScaler).
 source for them, which would make 18/19 pass whatever the runtime saw.)
 
 ampdoctor got wrong (strict xfails, each reason says what it reported instead):
- -  7: the clip_grad_norm_ bound at import before watch() is never seen: an empty report.
- -  9: get_total_norm + clip_grads_with_norm_ on scaled gradients: clip_before_unscale only as a WARNING (the norm
-    read), not the error of a clip on scaled gradients (clip_grads_with_norm_ is not watched).
- - 13: scaler_misorder at step 0 is named (passes), but at the following update() line ("update() ran before
-    scaler.step()"), not at the opt.step() line that bypassed the inf check.
- - 15 (twin): a correct hand-skip of a non-finite step that still calls update(): [error] scaler_misorder at that
-    update() line and an [error] backward overflow at `head` from the 2**24 scale search.
  - 19: the legacy CPU autocast through a module alias: an empty report, no deprecated_api.
+
+Found here and fixed (each a strict xfail first): 7 (a clip_grad_norm_ bound at import is seen through the
+`_clip_grads_with_norm_` it calls, torch >= 2.6), 9 (clip_grads_with_norm_ is watched; a clip in the step makes
+clip_before_unscale an error at the first call on scaled gradients), 13 (scaler_misorder at the opt.step() line
+that bypassed the inf check), 15's twin (an update() with no step after unscale_ ends the iteration as a skipped
+step: no misorder, the 2**24 search is info).
 """
 from __future__ import annotations
 
@@ -390,9 +389,6 @@ def early_body(m, opt, sc, ok):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a clip_grad_norm_ bound by `from torch.nn.utils import clip_grad_norm_` before watch() is the unpatched function: "
-    "ampdoctor never sees the call: the report is empty (rep.findings == []), no clip_before_unscale"))
 def test_clip_bound_at_import_before_ampdoctor_is_still_seen():
     m, opt, sc = setup()
     rep, raised = run(m, opt, sc, early_body(m, opt, sc, False))
@@ -463,9 +459,6 @@ def two_step_body(m, opt, sc, ok, norms):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor sees only the get_total_norm call (clip_grads_with_norm_ is not watched) and reports clip_before_unscale "
-    "as a WARNING ('the norm it read is scale x too large'), not the error of gradients clipped while scaled"))
 def test_get_total_norm_then_clip_grads_with_norm_before_unscale_is_an_error():
     m, opt, sc = setup()
     norms = []
@@ -615,9 +608,7 @@ def direct_body(m, opt, sc, via_scaler):
 
 @pytest.mark.parametrize("where", [
     "rule",
-    pytest.param("line", marks=pytest.mark.xfail(strict=True, reason=(
-        "ampdoctor reports scaler_misorder at step 0 but at the following `sc.update()` line ('scaler.update() ran "
-        "before scaler.step() in this iteration'), not at the `opt.step()` line that bypassed the scaler"))),
+    "line",
 ])
 def test_optimizer_step_after_unscale_bypasses_the_inf_check(where):
     m, opt, sc = setup(init_scale=2.0 ** 24)
@@ -695,11 +686,6 @@ def test_skipping_a_nonfinite_step_without_update_is_missing_scaler_update():
     expect(rep, "missing_scaler_update", ("error",), tag="skip-unscale")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "false alarms on a correct hand-skip (unscale_ recorded this iteration's inf checks, so update() backs the scale "
-    "off from fresh checks): ampdoctor reports [error] scaler_misorder at the skip branch's `sc.update()` ('update() "
-    "ran before scaler.step() ... stale inf checks') and an [error] overflow at `head` (backward, step 0) from the "
-    "2**24 scale search, which the same search through scaler.step (scenario 13's twin) reports only as info"))
 def test_twin_skipping_a_nonfinite_step_with_update_is_quiet():
     m, opt, sc = setup(init_scale=2.0 ** 24)
     skipped = []

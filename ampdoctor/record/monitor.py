@@ -135,7 +135,10 @@ class OptimizerPatch(_InstancePatch):
 
 
 
-_CLIP_FUNCS = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grad_norm")
+_CLIP_FUNCS = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grad_norm", "clip_grads_with_norm_")
+# what torch's clip_grad_norm_ calls through its module's globals (torch >= 2.6): a clip_grad_norm_ the user's
+# script bound before the watch began (`from torch.nn.utils import clip_grad_norm_` at its top) is seen there
+_INNER_CLIP = "_clip_grads_with_norm_"
 
 
 class ClipPatch:
@@ -144,6 +147,7 @@ class ClipPatch:
     _lock = threading.Lock()
     _sinks: list = []
     _saved: list[tuple[Any, str, Any]] = []
+    _depth = threading.local()  # inside one of the wrappers: the inner clip is part of that call
 
     @classmethod
     def add(cls, sink) -> None:
@@ -175,22 +179,56 @@ class ClipPatch:
                 orig = originals.setdefault(name, getattr(fn, "__wrapped_by_ampdoctor__", fn))
                 cls._saved.append((mod, name, fn))
                 setattr(mod, name, cls._wrapper(name, orig))
+        fn = getattr(C, _INNER_CLIP, None)
+        if callable(fn):
+            cls._saved.append((C, _INNER_CLIP, fn))
+            setattr(C, _INNER_CLIP, cls._inner(getattr(fn, "__wrapped_by_ampdoctor__", fn)))
+
+    @classmethod
+    def _fan_out(cls, kind: str, parameters, orig: Callable, args, kwargs, norm_arg: int | None = None):
+        toks = [(s, s.clip_before(kind, parameters)) for s in list(cls._sinks)]
+        d = cls._depth
+        d.n = getattr(d, "n", 0) + 1
+        try:
+            out = orig(parameters, *args, **kwargs)
+        except BaseException as e:
+            for s, t in toks:
+                s.failed(t, e)
+            raise
+        finally:
+            d.n -= 1
+        # clip_grads_with_norm_ returns nothing: the norm it clipped with is its argument
+        norm = out if norm_arg is None else (args[norm_arg] if len(args) > norm_arg else kwargs.get("total_norm"))
+        for s, t in toks:
+            s.clip_after(t, norm)
+        return out
+
+    @classmethod
+    def _inner(cls, orig: Callable) -> Callable:
+        """torch's own `_clip_grads_with_norm_`, as clip_grad_norm_ calls it: recorded only when no wrapper of ours
+        is on the way (a clip_grad_norm_ bound before the watch began), as the clip_grad_norm_ that called it."""
+        def inner(parameters, *args, **kwargs):
+            if getattr(cls._depth, "n", 0) or not cls._sinks:
+                return orig(parameters, *args, **kwargs)
+            if not isinstance(parameters, (torch.Tensor, list, tuple)):
+                parameters = list(parameters)
+            caller = sys._getframe(1).f_code.co_name
+            kind = caller if caller in ("clip_grad_norm_", "clip_grad_norm") else "clip_grads_with_norm_"
+            return cls._fan_out(kind, parameters, orig, args, kwargs, norm_arg=1)
+        inner.__wrapped_by_ampdoctor__ = orig
+        inner.__wrapped__ = orig
+        inner.__name__ = getattr(orig, "__name__", _INNER_CLIP)
+        inner.__doc__ = getattr(orig, "__doc__", None)
+        return inner
 
     @classmethod
     def _wrapper(cls, kind: str, orig: Callable) -> Callable:
+        norm_arg = 1 if kind == "clip_grads_with_norm_" else None  # (parameters, max_norm, total_norm, ...)
+
         def clip(parameters, *args, **kwargs):
             if not isinstance(parameters, (torch.Tensor, list, tuple)):
                 parameters = list(parameters)  # a generator would be consumed by our look
-            toks = [(s, s.clip_before(kind, parameters)) for s in list(cls._sinks)]
-            try:
-                out = orig(parameters, *args, **kwargs)
-            except BaseException as e:
-                for s, t in toks:
-                    s.failed(t, e)
-                raise
-            for s, t in toks:
-                s.clip_after(t, out)
-            return out
+            return cls._fan_out(kind, parameters, orig, args, kwargs, norm_arg)
         clip.__wrapped_by_ampdoctor__ = orig
         clip.__wrapped__ = orig
         clip.__name__ = getattr(orig, "__name__", kind)

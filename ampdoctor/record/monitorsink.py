@@ -33,6 +33,15 @@ def _ran(flag: list, grads):
     flag[0] = True
 
 
+def _found_inf(scaler, opts: list):
+    """The inf checks `scaler.unscale_` recorded for these optimizers this iteration, summed (a 0-d float64 tensor),
+    or None when there are none."""
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    fi = [v.detach().double().reshape(()) for o in opts
+          for v in (states.get(id(o)) or {}).get("found_inf_per_device", {}).values()]
+    return (fi[0] if len(fi) == 1 else torch.stack(fi).sum()) if fi else None
+
+
 class MonitorCallbacks:
     """Mixin of StepMachine: records each call as a CallEvent and marks step boundaries."""
 
@@ -68,6 +77,10 @@ class MonitorCallbacks:
                 st.scale_t = st.scale_t.clone()  # update() before the step's values were staged: keep the old
             new = args[0] if args else kwargs.get("new_scale")
             ev.has_steps = any(e.kind == "step" for e in st.events)
+            if st.phase is StepPhase.OPEN and st.found_inf_t is None and st.unscaled_opts:
+                # no step came (the loop skipped it, e.g. on a non-finite gradient norm): whether the scaler backs
+                # off is what unscale_ found, read before update() clears it
+                st.found_inf_t = _found_inf(self.w.scaler, st.unscaled_opts)
             found_inf_all(self)
             if new is not None and not isinstance(new, torch.Tensor):
                 ev.new_scale = float(new)
@@ -99,6 +112,12 @@ class MonitorCallbacks:
             st.scaled_outs.append((ev, ran))
         if ev.kind == "unscale_" and opt is not None and st.sampled and self.owns(opt):  # (sampled steps only)
             grads_after_unscale(self, opt)
+        if ev.kind == "update" and st.phase is StepPhase.OPEN and st.unscaled_opts and st.in_scaler_step == 0:
+            # update() with no step since unscale_: the loop skipped this iteration's step itself (e.g. on a
+            # non-finite gradient norm); the iteration ends here, as a skipped step (its found_inf, see before)
+            presync(self, None)
+            st.advance(StepPhase.ENDED)
+            self.hr_hooks.ended()
         if ev.kind == "step":
             st.in_scaler_step -= 1
             if st.clip_pending and opt is not None:

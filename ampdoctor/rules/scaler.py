@@ -180,10 +180,15 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not hits:
         return []
     r, e = hits[0]
-    clipping = e.kind.startswith("clip_grad")
+    # the first call on scaled gradients is where unscale_ belongs; a clip in the same step makes it an error
+    # (get_total_norm, then clip_grads_with_norm_ with that norm)
+    clip = e if e.kind.startswith("clip_grad") else next(
+        (h for rr, h in hits if rr.step == r.step and h.kind.startswith("clip_grad")), None)
+    clipping = clip is not None
     norm = e.total_norm
-    msg = (f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}) — "
-           f"{'it clipped the scaled norm, so the real update is shrunk by ~the scale factor' if clipping else 'the norm it read is scale× too large'}"
+    then = f"; `{clip.kind}` at {_loc(clip)} then clipped with it" if clipping and clip is not e else ""
+    msg = (f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}){then} — "
+           f"{'the scaled norm was clipped, so the real update is shrunk by ~the scale factor' if clipping else 'the norm it read is scale× too large'}"
            f" (seen on {len(hits)} step(s)).")
     ev = {"file": e.file, "line": e.line, "stage": e.stage, "loss_scale": r.scale, "norm_seen": norm,
           "norm_unscaled_estimate": norm / r.scale if norm and r.scale else None, "calls": len(hits),
@@ -230,7 +235,10 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
             since_update.append(p)
         since_update.reverse()
         if e.kind == "update" and (_NO_INF in (e.error or "") or not any(p.kind == "step" for p in since_update)):
-            if any(p.kind == "scale" for p in since_update) or _NO_INF in (e.error or ""):
+            # unscale_ recorded this iteration's inf checks and no step follows: the loop skipped the step itself
+            # (a non-finite gradient norm) and lets the scaler back off, which GradScaler supports
+            skipped_on_purpose = any(p.kind == "unscale_" for p in since_update) and not _stepped_later(events, i)
+            if not skipped_on_purpose and any(p.kind == "scale" for p in since_update) or _NO_INF in (e.error or ""):
                 add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran before `scaler.step()` in this "
                     "iteration: the scale is adjusted from stale inf checks (GradScaler asserts 'No inf checks').",
                     "Call update() after step():\n" + ORDER)
@@ -268,6 +276,13 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "gradients by the loss scale — every update is that many times too small, and fp16 gradients get "
                 "no protection from underflow.",
                 "Backpropagate the scaled loss: `scaler.scale(loss).backward()`:\n" + ORDER)
+        elif e.kind == "optimizer.step" and not e.scaled and not e.via_scaler and any(
+                p.kind == "unscale_" for p in since_update) and not any(p.kind == "step" for p in since_update):
+            add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly after "
+                "`scaler.unscale_()`: GradScaler's inf check is bypassed, so a step whose gradients hold inf/NaN "
+                "is applied to the weights instead of skipped.",
+                "Use `scaler.step(optimizer)` after unscale_ (it skips the step when unscale_ found inf/NaN):\n"
+                + ORDER)
         elif e.kind == "optimizer.step" and e.scaled and not e.via_scaler:
             add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly on gradients still "
                 "multiplied by the loss scale: the update is scale× too large and inf steps are not skipped.",
@@ -282,6 +297,17 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     + ORDER)
                 break
     return out
+
+
+def _stepped_later(events: list[CallEvent], i: int) -> bool:
+    """A scaler or optimizer step follows the update `events[i]` before the next iteration begins (its scale or
+    zero_grad): an update before the step, not an iteration whose step was skipped."""
+    for p in events[i + 1:]:
+        if p.kind in ("step", "optimizer.step"):
+            return True
+        if p.kind in ("scale", "zero_grad"):
+            return False
+    return False
 
 
 def _updated_later(events: list[CallEvent], i: int) -> bool:
