@@ -72,13 +72,14 @@ value is subnormal, and ampdoctor's underflow rule is about module values, not t
 `Accelerator(mixed_precision="fp16", cpu=True)` itself cannot run on the CPU (accelerate raises), hence the forcing.
 
 ampdoctor got wrong (strict xfails, each reason says what it reported instead):
- - A2, L2, H1 (the loss backpropagated without `scaler.scale`, then the framework's `unscale_`: torch asserts
-   "Attempted unscale_ but _scale is None"): an empty report each time (H1 read with `ampdoctor.diagnose(run_dir)`,
-   since a crashed Trainer run never reaches the callback's on_train_end), no scaler_misorder.
  - P2 (a new GradScaler every iteration): only `overflow` (error, module None, step 0: "the gradient reaching the
    model's output was already inf ... e.g. a hand-made loss scale too large for fp16"); the per-iteration scalers are
    not watched, no optimizer.step ever runs (all iterations fold into step 0), and the every-step skipping is not
    reported (no skipped_steps / loss_scale_collapse / scaler_misorder). The run does end with an error finding.
+
+Found here and fixed (strict xfails first): A2, L2, H1 (the loss backpropagated without `scaler.scale`, then the
+framework's `unscale_` asserting "Attempted unscale_ but _scale is None") were an empty report; they are
+`scaler_misorder` at the call that found no scale.
 """
 from __future__ import annotations
 
@@ -233,8 +234,6 @@ def a2_body(ok):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor reported nothing (an empty report) for accelerate's clip_grad_norm_ -> unscale_gradients: the `unscale_` that raised 'Attempted unscale_ but _scale is None' (the loss never went through scaler.scale) is not turned into a finding, so no scaler_misorder"))
 def test_a2_accelerate_loss_backward_instead_of_accelerator_backward(acc16):
     rep, raised, *_ = acc_run(acc16(), a2_body(False))
     assert raised and "_scale is None" in raised, raised  # real: the scaler never scaled, torch asserts at unscale_
@@ -422,8 +421,6 @@ def test_l1_twin_lightning_clip_in_on_before_optimizer_step_is_quiet(tmp_path):
 
 
 # -- L2 ------------------------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor reported nothing (an empty report) from the Lightning callback, the unscale_ inside opt.step(): the `unscale_` that raised 'Attempted unscale_ but _scale is None' (the loss never went through scaler.scale) is not turned into a finding, so no scaler_misorder"))
 def test_l2_lightning_manual_loss_backward_instead_of_manual_backward(tmp_path):
     rep, raised = lit_fit(tmp_path, lit_module("manual_loss_backward"))
     assert raised and "_scale is None" in raised, raised  # real: never scaled, torch asserts in opt.step()'s unscale_
@@ -545,8 +542,6 @@ def hf_run(tmp_path, monkeypatch, mode="plain", steps=6, optimizers=None, callba
     return rep, tr, raised
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor reported nothing (an empty report) from diagnose(run_dir) of the crashed Trainer run, the unscale_ in the Trainer's clip: the `unscale_` that raised 'Attempted unscale_ but _scale is None' (the loss never went through scaler.scale) is not turned into a finding, so no scaler_misorder"))
 def test_h1_hf_training_step_override_with_loss_backward(tmp_path, monkeypatch):
     rep, tr, raised = hf_run(tmp_path, monkeypatch, "loss_backward")
     assert raised and "_scale is None" in raised, raised  # real: never scaled, torch asserts at the Trainer's unscale_

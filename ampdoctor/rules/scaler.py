@@ -201,6 +201,7 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
 _UNSCALE_TWICE = "unscale_() has already been called"
 _STEP_TWICE = "step() has already been called since the last update()"
 _NO_INF = "No inf checks were recorded"
+_NO_SCALE = "but _scale is None"  # GradScaler's unscale_/step/update before any scale() of this scaler
 _ITER_START = ("zero_grad", "step", "optimizer.step")  # between two unscale_s: a new iteration (a `scale` alone is
 #                                                       another micro-batch of the same one: gradient accumulation)
 
@@ -234,7 +235,14 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue
             since_update.append(p)
         since_update.reverse()
-        if e.kind == "update" and (_NO_INF in (e.error or "") or not any(p.kind == "step" for p in since_update)):
+        if _NO_SCALE in (e.error or ""):
+            add("scaler_misorder", e, f"`scaler.{e.kind}()` at {_loc(e)} found no loss scale (GradScaler asserts "
+                "'_scale is None'): the loss was backpropagated without `scaler.scale(loss)` (e.g. `loss.backward()` "
+                "where the framework expects `accelerator.backward(loss)` / `self.manual_backward(loss)`), so the "
+                "fp16 gradients had no protection from underflow and the scaler cannot unscale or skip them.",
+                "Backpropagate the scaled loss — `scaler.scale(loss).backward()`, or the framework's own "
+                "backward (`accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`):\n" + ORDER)
+        elif e.kind == "update" and (_NO_INF in (e.error or "") or not any(p.kind == "step" for p in since_update)):
             # unscale_ recorded this iteration's inf checks and no step follows: the loop skipped the step itself
             # (a non-finite gradient norm) and lets the scaler back off, which GradScaler supports
             skipped_on_purpose = any(p.kind == "unscale_" for p in since_update) and not _stepped_later(events, i)
