@@ -149,13 +149,9 @@ def _cmd_report(args) -> int:
     from .rundir import find_rank_dirs
     ranks = find_rank_dirs(args.run_dir)
     _check_outputs(args, args.run_dir)
-    from .analysis import build_report, diagnose_run_dir
+    from .analysis import diagnose_run_dir
     from .rundir import read_run
-    if cfg is not None:
-        meta, steps = read_run(ranks[0][1])
-        report = build_report(meta, steps, run_dir=args.run_dir, config=cfg)
-    else:
-        report = diagnose_run_dir(args.run_dir, saved_replay=not args.model)  # --model: replayed afresh below
+    report = diagnose_run_dir(args.run_dir, saved_replay=not args.model)  # --model: replayed afresh below
     if args.model:
         from .analysis import merge_capture_replay
         from .replay.modelio import build_model, resolve
@@ -179,6 +175,9 @@ def _cmd_report(args) -> int:
         except OSError as e:
             raise BadInput(f"--tensorboard {args.tensorboard}: cannot write ({e.strerror or e})") from None
         _say(f"tensorboard: {args.tensorboard}")
+    if cfg is not None:  # the whole diagnosis (every rank, the saved or fresh replay), then only these rules' findings
+        from .summary import only_rules
+        report = only_rules(report, cfg.only)
     _write(report, args, args.run_dir)
     return report.exit_code
 

@@ -91,3 +91,44 @@ def deprecated_amp_in_use(scaler=None, source: str | None = None) -> list[str]:
         if name not in found and pat.search(source):
             found.append(name)
     return found
+
+
+def _start_time(pid: int):
+    """The kernel's start time of process `pid` (Linux: /proc/<pid>/stat field 22, in clock ticks since boot), or
+    None where unknown; with the pid it names one process, never a later one that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rindex(b")") + 2:].split()
+        return int(fields[19]), fields[0].decode()  # (starttime, state)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_info() -> dict:
+    """Who writes the run: pid, host, and the process's start time (see `alive`)."""
+    import os
+    import socket
+    st = _start_time(os.getpid())
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": st[0] if st else None}
+
+
+def alive(process: dict) -> bool | None:
+    """Whether the process `process_info()` described still runs: None when it cannot be told (another host, no
+    pid); a zombie or a pid now held by a later process counts as ended."""
+    import os
+    import socket
+    pid, host = process.get("pid"), process.get("host")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or host != socket.gethostname():
+        return None
+    st = _start_time(pid)
+    if st is not None:
+        start = process.get("start")
+        return st[1] != "Z" and (not isinstance(start, int) or st[0] == start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (a permission error: it exists, another user's)
+        return True
+    return True

@@ -391,9 +391,17 @@ class RunMeta:
     every: int = 0
     rank: int | None = None
     world_size: int | None = None
+    process: dict = field(default_factory=dict)
+    """The writing process: {"pid", "host", "start"} (start: the kernel's start time of the process where known, so
+    that a reused pid is not taken for it). Absent in runs written before it existed."""
+    closed: bool | None = None
+    """Not stored: set by rundir.read_run — True when the run's end line is there (the watch was closed, by
+    close() or at interpreter exit), False when it is missing, None for a run written before end lines existed."""
 
     def to_dict(self) -> dict:
-        return plain(self)
+        d = plain(self)
+        d.pop("closed", None)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunMeta":

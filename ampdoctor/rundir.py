@@ -4,8 +4,10 @@ Layout (format "ampdoctor-run", version 1)::
 
     run_dir/
       manifest.json     {"format": "ampdoctor-run", "format_version": 1, "runs": [{"run": 0, "meta": RunMeta}, ...]}
-      steps.jsonl       one StepRecord per line, tagged {"run": i, ...}; appended and flushed after every step
-      captures/<step>/  batch captures written at the first bad step (ampdoctor/capture.py)
+      steps.jsonl       one StepRecord per line, tagged {"run": i, ...}; appended and flushed after every step;
+                        `{"run": i, "end": true}` when the watch closed (a run without it was killed or still runs)
+      captures/<step>/  batch captures written at the first bad step (ampdoctor/capture.py); a later run that
+                        captures the same step writes `captures/<step>.run<i>/`
       replay-<run>.json the in-process op-level replay of run <run>'s capture, as the watch folded it into its report
                         ({"format": "ampdoctor-replay", "run": i, "capture": "<step>", "report": Report})
       rank-<r>/         the same layout per rank in a distributed run
@@ -86,6 +88,16 @@ class RunDirWriter:
         except OSError as e:
             self.close()
             self._degrade(e)
+
+    def end(self) -> None:
+        """The run's end line (`{"run": i, "end": true}`): the watch was closed, by close() or at interpreter exit. A
+        run without it ended some other way (killed), or is still running (rundir.read_run, RunMeta.closed)."""
+        if not self.ok or self._fd is None:
+            return
+        try:
+            os.write(self._fd, (json.dumps({"run": self.run, "end": True}) + "\n").encode())
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self._fd is not None:
@@ -223,6 +235,8 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
     except TypeError as e:
         raise BadInput(f"{man_path}: malformed run metadata ({e})") from None
     steps: list[StepRecord] = []
+    closed = False
+    meta.closed = None
     sp = os.path.join(run_dir, "steps.jsonl")
     f = _open_records(sp)
     if f is None:
@@ -252,6 +266,9 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
                 good += 1
                 if d.get("run", 0) != run_id:
                     continue
+                if d.get("end") is True and "step" not in d:
+                    closed = True
+                    continue
                 try:
                     steps.append(StepRecord.from_dict(d))
                 except (TypeError, ValueError, AttributeError, KeyError) as e:
@@ -262,6 +279,7 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
             progress.close()
     if bad and not good:
         raise BadInput(f"{sp}: no readable record ({bad} corrupt line(s)); not written by ampdoctor.watch?")
+    meta.closed = closed if isinstance(meta.process, dict) and meta.process else None  # (older runs: unknown)
     return meta, steps
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from .findings import Finding
 from .records import RunMeta, StepRecord
-from .rules.steps import absorbed_modules, benign_backoff, crash as crash_of, real_bad
+from .rules.steps import absorbed_modules, benign_backoff, crash as crash_of, real_bad, unfinished
 
-__all__ = ["summarize", "verdict", "crash_covered"]
+__all__ = ["summarize", "verdict", "crash_covered", "only_rules"]
 
 
 def _where(f: Finding, rank: int | None = None) -> str:
@@ -65,6 +65,9 @@ def summarize(meta: RunMeta, steps: list[StepRecord], findings: list[Finding], r
     mods = absorbed_modules(steps)
     bad = [r for r in steps if real_bad(r, benign, mods)]
     crash = crash_of(steps)
+    if crash is None and getattr(meta, "closed", None) is False:  # read back from a run dir without its end line
+        from .env import alive
+        crash = unfinished(meta, steps, alive(meta.process) if isinstance(meta.process, dict) else None)
     errors = sum(f.severity == "error" for f in findings) + (crash is not None and not crash_covered(crash, findings))
     internal = next(({"step": r.step, **r.internal_error} for r in steps if r.internal_error), None)
     return {"verdict": verdict(findings, len(steps), crash, benign=sorted(benign), internal=internal),
@@ -76,3 +79,23 @@ def summarize(meta: RunMeta, steps: list[StepRecord], findings: list[Finding], r
             "infos": sum(f.severity == "info" for f in findings), "run_dir": run_dir,
             "model_class": meta.model_class, "every": meta.every,
             "captures": [r.capture for r in steps if r.capture]}
+
+
+def only_rules(report, ids):
+    """The report narrowed to the findings of rule ids `ids` (`ampdoctor report --rules`): the diagnosis is the
+    whole one (a filter does not change what a rule finds), the counts and the verdict are the kept findings'; the
+    crash that ended the run stays."""
+    from .findings import Report
+    kept = [f for f in report.findings if f.rule in ids]
+    s = dict(report.summary)
+    crash = s.get("crash")
+    s.update(errors=sum(f.severity == "error" for f in kept) + (crash is not None and not crash_covered(crash, kept)),
+             warnings=sum(f.severity == "warning" for f in kept), infos=sum(f.severity == "info" for f in kept),
+             rules=list(ids))
+    v = verdict(kept, s.get("steps") or 0, crash, benign=s.get("benign_backoff_steps"),
+                internal=s.get("internal_error"))
+    if not any(f.severity in ("error", "warning") for f in kept) and crash is None and s.get("steps"):
+        v = (f"No {', '.join(ids)} warning or error in {s['steps']} step(s) (only these rules were asked for, "
+             "--rules).")
+    s["verdict"] = v
+    return Report(kept, s, report.data)

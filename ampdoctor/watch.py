@@ -17,7 +17,8 @@ from torch import nn
 
 from . import __version__
 from .config import WatchConfig
-from .env import collect_env, deprecated_amp_in_use
+from .env import collect_env, deprecated_amp_in_use, process_info
+from .record.monitor import caller_location
 from .errors import WatchError
 from .integrations import deepspeed as _deepspeed
 from .record.hooks import ModuleHook, hookable
@@ -45,6 +46,30 @@ def _close_at_exit() -> None:
 
 
 atexit.register(_close_at_exit)
+
+_SYS_EXIT: list = []  # the sys.exit that _exit_hook stands in for while a watch is open
+
+
+def _exit_hook(status=None):
+    """`sys.exit` while a watch is open: a non-zero status (a failed run, which no exception hook sees) is recorded
+    on the open step, like an uncaught exception, before the process goes on to exit."""
+    if status is not None and status != 0:
+        for w in list(_OPEN):
+            try:
+                w._record_exit(status)
+            except Exception:
+                pass
+    return _SYS_EXIT[0](status)
+
+
+def _hook_exit(on: bool) -> None:
+    if on and not _SYS_EXIT:
+        _SYS_EXIT.append(sys.exit)
+        sys.exit = _exit_hook
+    elif not on and _SYS_EXIT and not _OPEN:
+        if sys.exit is _exit_hook:  # (left alone when something else replaced it since)
+            sys.exit = _SYS_EXIT[0]
+        _SYS_EXIT.clear()
 
 
 def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None = None,
@@ -139,6 +164,7 @@ class Watch:
                              "is left as it was.") from e
         _WATCHED[model] = self
         _OPEN.add(self)
+        _hook_exit(True)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @property
@@ -178,6 +204,7 @@ class Watch:
             if _WATCHED.get(self.model) is self:
                 del _WATCHED[self.model]
             _OPEN.discard(self)
+            _hook_exit(False)
         # not in a distributed run: a replay's forward may need a collective that the ranks without a capture
         # would never join (w.report() on such a rank still replays, as it always did); and only when a capture
         # was taken (a healthy run's close reads no records and builds no report)
@@ -202,6 +229,17 @@ class Watch:
             return
         if m.st.exception is None:
             m.st.exception = m.exception_info(exc, None)
+        m.st.exception["fatal"] = True
+
+    def _record_exit(self, status) -> None:
+        """The script called sys.exit(status) with a failure status while watching: mark the open step with it."""
+        m = self.machine
+        if self._closed or m.disabled:
+            return
+        if m.st.exception is None:
+            f, ln = caller_location(3)
+            m.st.exception = {"module": None, "type": "SystemExit", "message": f"the script called sys.exit({status!r})",
+                              "file": f, "line": ln, "autocast": None}
         m.st.exception["fatal"] = True
 
     def __del__(self):  # pragma: no cover - best effort when a user forgets close()
@@ -316,7 +354,7 @@ class Watch:
                                                                          deprecated_amp=deprecated_amp_in_use(
                                                                              self.scaler)),
                        every=self.config.every,
-                       rank=rank, world_size=world)
+                       rank=rank, world_size=world, process=process_info())
 
     def _install(self) -> None:
         m = self.machine

@@ -49,15 +49,16 @@ Checks:
 Bad input is always checked the same way: exit 2, exactly one `ampdoctor: ...` line on stderr, no traceback, and
 the run dir's files hashed before and after.
 
-Strict xfails (what ampdoctor does instead):
- - 9:  a run SIGKILLed after 3 healthy steps: "healthy: Healthy: no problems found in 3 step(s).", exit 0.
- - 11: a script ended by sys.exit(1) after 4 healthy steps: "healthy: Healthy: no problems found in 4 step(s).",
-       exit 0; the SystemExit(1) that ended it is not recorded.
- - 14: the second process in the same run_dir rewrote run 0's captures/4/{manifest.json,state.safetensors,
-       tensors.safetensors}; run 0's step-4 record still names captures/4.
- - 15: `report RUN --rules overflow` prints "healthy: Healthy: no problems found in 8 step(s)." (JSON findings [])
-       and exits 0 on the run whose unfiltered report is "[error] overflow at 0 aten::_to_copy step 4" (exit 1):
-       the filtered path ignores the saved replay, and the records alone call it nan_origin, which is filtered out.
+Found here and fixed (each a strict xfail first):
+ - 9:  a run SIGKILLed after 3 healthy steps was "healthy", exit 0: the watch now writes an end line when it closes
+       (close() or interpreter exit) and records its process; a run without the end line whose process is gone is
+       reported as killed after its last step (exit 1).
+ - 11: a script ended by sys.exit(1) after healthy steps was "healthy", exit 0: a non-zero sys.exit while watching
+       is recorded on the open step like an uncaught exception.
+ - 14: a second process in the same run_dir rewrote run 0's captures/4: a later run's capture of the same step goes
+       to captures/4.run<i>.
+ - 15: `report RUN --rules overflow` dropped the overflow the full report names: the filter now narrows the whole
+       diagnosis (every rank, the saved replay) instead of re-running only those rules on the step records.
 """
 from __future__ import annotations
 
@@ -550,8 +551,6 @@ def _not_reported_healthy(p, d):
     assert p.returncode == rc_for(d) == 1, (p.returncode, p.stdout)
 
 
-@pytest.mark.xfail(strict=True, reason="a run SIGKILLed after 3 healthy steps is reported 'healthy: Healthy: no "
-                                       "problems found in 3 step(s).' with exit 0; nothing says it did not finish")
 def test_09_sigkill_on_healthy_steps_is_not_a_healthy_run(wf):
     # Contract silent on how to tell; a professional tool records that the run was closed (w.close()/atexit) and
     # treats a run dir without that mark like a crash: "the run did not finish (killed?) after step N".
@@ -568,9 +567,6 @@ def test_10_sys_exit_after_the_nan_step_names_the_overflow(wf):
     assert top3_has(findings, "overflow", "0", 4), findings[:3]
 
 
-@pytest.mark.xfail(strict=True, reason="a script ended by sys.exit(1) after 4 healthy steps (no w.close()) is "
-                                       "reported 'healthy: Healthy: no problems found in 4 step(s).' with exit 0: "
-                                       "the SystemExit(1) that ended it is not recorded")
 def test_11_sys_exit_1_on_healthy_steps_is_not_a_healthy_run(wf):
     # README: a script that ends without w.close() has its last step written "with the exception that ended it";
     # SystemExit(1) is that exception and a non-zero status is a failed run, so it must not read as healthy.
@@ -608,9 +604,6 @@ def test_13_reused_run_dir_appends_keeps_the_earlier_run_and_reports_the_last(wf
     assert wf.settled("reuse") == s1
 
 
-@pytest.mark.xfail(strict=True, reason="the second run in the same run_dir rewrote the first run's captures/4 "
-                                       "(manifest.json, state.safetensors, tensors.safetensors changed) while run "
-                                       "0's step-4 record still names captures/4")
 def test_14_a_later_run_never_overwrites_an_earlier_runs_capture(wf):
     trained(wf, "reuse")
     s0, s1 = wf.snaps["reuse"]
@@ -620,9 +613,6 @@ def test_14_a_later_run_never_overwrites_an_earlier_runs_capture(wf):
 
 
 # ========================================================================================== 15-16: --rules
-@pytest.mark.xfail(strict=True, reason="`report RUN --rules overflow` prints 'healthy: Healthy: no problems found in "
-                                       "8 step(s).' and exits 0 on the run whose unfiltered report is '[error] "
-                                       "overflow at 0 aten::_to_copy step 4' (exit 1)")
 def test_15_rules_filter_keeps_the_overflow_the_full_report_names(wf):
     # Contract silent on --rules (README only); a filter narrows the list, it does not change what a rule finds.
     trained(wf, "bad")

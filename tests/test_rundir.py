@@ -57,9 +57,12 @@ def test_sigkill_mid_run_leaves_finished_steps_readable(tmp_path):
     assert p.returncode == -signal.SIGKILL
     rep = ampdoctor.diagnose(rd)
     assert rep.summary["steps"] == 5  # steps 0..4 finished (step 4 is written when step 5 begins)
+    # the run never wrote its end line and its process is gone: killed after step 4, never "healthy"
+    assert rep.summary["crash"]["type"] == "Killed" and rep.summary["crash"]["step"] == 4, rep.summary
+    assert not rep.summary["verdict"].startswith("Healthy"), rep.summary["verdict"]
     out = subprocess.run([sys.executable, "-m", "ampdoctor", "report", str(rd), "--no-html"], capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1 and "Killed" in out.stdout, out.stdout + out.stderr
 
 
 def test_torn_last_line_is_ignored(tmp_path):

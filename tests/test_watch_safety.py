@@ -228,8 +228,10 @@ def test_a_run_that_dies_on_an_exception_is_recorded(tmp_path):
     rep = ampdoctor.diagnose(str(run))
     assert rep.summary["steps"] == 3
     assert not rep.summary["verdict"].startswith("Healthy")
-    last = json.loads(open(next(os.path.join(dp, f) for dp, _, fs in os.walk(run) for f in fs
-                                if f == "steps.jsonl")).read().strip().splitlines()[-1])
+    lines = [json.loads(ln) for ln in open(next(os.path.join(dp, f) for dp, _, fs in os.walk(run) for f in fs
+                                                if f == "steps.jsonl")).read().strip().splitlines()]
+    assert lines[-1] == {"run": 0, "end": True}  # closed at interpreter exit: the end line follows the last step
+    last = lines[-2]
     assert last["step"] == 2 and last["exception"]["type"] == "RuntimeError"
     cli = subprocess.run([sys.executable, "-m", "ampdoctor", "report", str(run), "--no-html"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
@@ -254,3 +256,28 @@ def test_watch_on_a_meta_device_model_then_materialised_trains_and_sees_its_buff
     w.close()
     assert w.machine.buffers.live, "the BatchNorm's running statistics are written: read every step"
     assert not [f for f in w.report().findings if f.severity in ("warning", "error")]
+
+
+def test_sys_exit_is_stood_in_for_only_while_a_watch_is_open(tmp_path):
+    """A non-zero sys.exit while watching is recorded on the open step; the stand-in goes away with the last watch
+    and never swallows the exit."""
+    orig = sys.exit
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w1 = ampdoctor.watch(m, optimizer=opt, run_dir=str(tmp_path / "r"))
+    w2 = ampdoctor.watch(nn.Linear(2, 2))
+    assert sys.exit is not orig
+    opt.zero_grad()
+    m(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(SystemExit) as e:
+        sys.exit(3)
+    assert e.value.code == 3
+    w1.close()
+    assert sys.exit is not orig  # w2 still open
+    w2.close()
+    assert sys.exit is orig
+    last = [r for r in w1.steps][-1]
+    assert last.exception["type"] == "SystemExit" and "sys.exit(3)" in last.exception["message"], last.exception
+    assert last.exception["file"] == __file__
+    rep = ampdoctor.diagnose(str(tmp_path / "r"))
+    assert rep.summary["crash"]["type"] == "SystemExit" and rep.exit_code == 1

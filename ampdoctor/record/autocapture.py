@@ -107,8 +107,9 @@ def maybe_capture(m, st) -> None:
     try:
         from ..capture import write_capture
         if w.run_dir:
-            path = os.path.join(w.run_dir, *([f"rank-{w.meta.rank}"] if w.meta.rank is not None and
-                                             (w.meta.world_size or 1) > 1 else []), "captures", str(st.step))
+            path = _fresh_dir(os.path.join(w.run_dir, *([f"rank-{w.meta.rank}"] if w.meta.rank is not None and
+                                                        (w.meta.world_size or 1) > 1 else []), "captures"),
+                              str(st.step), getattr(m.writer, "run", None))
         else:  # no run directory: a temporary capture, so that w.report() can still replay it
             path = os.path.join(_tmp_root(), f"{id(w):x}-{st.step}")
         k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else -1  # else the last micro-batch
@@ -125,6 +126,22 @@ def maybe_capture(m, st) -> None:
     except Exception as e:  # a capture must never break training
         warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=4)
+
+
+def _fresh_dir(base: str, name: str, run: int | None) -> str:
+    """A new, empty `base/<name>` directory; when an earlier run in the same run directory captured the same step,
+    `<name>.run<run>` (then `<name>.pid<pid>`): a capture is never written over another run's."""
+    os.makedirs(base, exist_ok=True)
+    for cand in (name, f"{name}.run{run}" if run is not None else None, f"{name}.pid{os.getpid()}"):
+        if cand is None:
+            continue
+        path = os.path.join(base, cand)
+        try:
+            os.mkdir(path)  # atomic: two writers never get the same one
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"captures of step {name} already exist under {base}")
 
 
 _TMP: list[str] = []

@@ -141,6 +141,7 @@ class StepMachine(MonitorCallbacks):
 
     def close(self) -> None:
         if self.writer is not None:
+            self.writer.end()
             self.writer.close()
         for s in self.sinks:
             try:

@@ -219,6 +219,22 @@ def first_unlocated_skip(steps: list[StepRecord], located: int, benign: set[int]
     return first if first is not None else located
 
 
+def unfinished(meta, steps: list[StepRecord], running: bool | None) -> dict | None:
+    """A run read back from its directory whose watch never closed (`RunMeta.closed` False: no end line) and whose
+    process is not running (`running`: False, or None when that cannot be told, e.g. another host): it was killed
+    (SIGKILL, the OOM killer, a lost node, os._exit) after its last recorded step. Described like a crash."""
+    if getattr(meta, "closed", None) is not False or running is True:
+        return None
+    last = steps[-1].step if steps else 0
+    host = (meta.process or {}).get("host") if isinstance(meta.process, dict) else None
+    msg = ("the training process ended without closing the watch (killed: SIGKILL, the OOM killer, a lost node, "
+           f"os._exit) after step {last}; nothing after it was recorded" if running is False else
+           f"the watch was never closed: the run was killed after step {last}, or it is still running "
+           f"on {host or 'another host'}")
+    return {"step": last, "type": "Killed" if running is False else "Unfinished", "message": msg, "module": None,
+            "file": None, "line": None}
+
+
 def crash(steps: list[StepRecord]) -> dict | None:
     """The exception that ended the run: the last recorded step carries one."""
     if not steps or not steps[-1].exception:
