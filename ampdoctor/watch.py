@@ -6,9 +6,7 @@ come from the optimizer / GradScaler themselves; the user's loop needs no extra 
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import sys
 import weakref
 
 import torch
@@ -20,6 +18,7 @@ from .config import WatchConfig
 from .env import collect_env, deprecated_amp_in_use, process_info
 from .record.monitor import caller_location
 from .errors import WatchError
+from .exits import OPEN, hook_exit
 from .integrations import deepspeed as _deepspeed
 from .record.hooks import ModuleHook, hookable
 from .record.monitor import ClipPatch, OptimizerPatch, ScalerPatch
@@ -30,48 +29,6 @@ from .tensors import module_type
 __all__ = ["Watch", "watch"]
 
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, Watch]" = weakref.WeakKeyDictionary()
-_OPEN: "weakref.WeakSet[Watch]" = weakref.WeakSet()  # closed at interpreter exit (see _close_at_exit)
-
-
-def _close_at_exit() -> None:
-    """A script that ends without w.close() — or dies on an uncaught exception — still leaves its last step in
-    the run directory; the exception that ended the process is recorded on that step."""
-    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    for w in list(_OPEN):
-        try:
-            w._record_fatal(exc)
-            w._close(replay=True)
-        except Exception:
-            pass
-
-
-atexit.register(_close_at_exit)
-
-_SYS_EXIT: list = []  # the sys.exit that _exit_hook stands in for while a watch is open
-
-
-def _exit_hook(status=None):
-    """`sys.exit` while a watch is open: a non-zero status (a failed run, which no exception hook sees) is recorded
-    on the open step, like an uncaught exception, before the process goes on to exit."""
-    if status is not None and status != 0:
-        for w in list(_OPEN):
-            try:
-                w._record_exit(status)
-            except Exception:
-                pass
-    return _SYS_EXIT[0](status)
-
-
-def _hook_exit(on: bool) -> None:
-    if on and not _SYS_EXIT:
-        _SYS_EXIT.append(sys.exit)
-        sys.exit = _exit_hook
-    elif not on and _SYS_EXIT and not _OPEN:
-        if sys.exit is _exit_hook:  # (left alone when something else replaced it since)
-            sys.exit = _SYS_EXIT[0]
-        _SYS_EXIT.clear()
-
-
 def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None = None,
           config: WatchConfig | None = None, tensorboard_dir=None, writer=None,
           headroom: bool | None = None) -> "Watch":
@@ -163,8 +120,8 @@ class Watch:
             raise WatchError(f"ampdoctor.watch could not install its hooks ({type(e).__name__}: {e}); the model "
                              "is left as it was.") from e
         _WATCHED[model] = self
-        _OPEN.add(self)
-        _hook_exit(True)
+        OPEN.add(self)
+        hook_exit(True)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @property
@@ -203,8 +160,8 @@ class Watch:
             self.machine.close()
             if _WATCHED.get(self.model) is self:
                 del _WATCHED[self.model]
-            _OPEN.discard(self)
-            _hook_exit(False)
+            OPEN.discard(self)
+            hook_exit(False)
         # not in a distributed run: a replay's forward may need a collective that the ranks without a capture
         # would never join (w.report() on such a rank still replays, as it always did); and only when a capture
         # was taken (a healthy run's close reads no records and builds no report)
