@@ -16,3 +16,21 @@ def test_norms_equal_vector_norm_with_nan_inf_and_mixed_dtypes():
         for g, w in zip(got, want):
             assert (math.isnan(g) and math.isnan(w)) or math.isclose(g, w, rel_tol=1e-3), (ord, got, want)
     assert norms(ts, math.inf).dtype == torch.float64
+
+
+def test_norms_of_fp16_values_inside_a_bf16_autocast_region():
+    """A hook flushes fp16 values while a bf16 autocast region is active (Lightning's bf16-mixed with an fp16 block):
+    stacking them must not go through autocast's dtype promotion, which knows only its own dtype."""
+    from ampdoctor.record import cpustats
+    g = torch.Generator().manual_seed(0)
+    small = [torch.randn(10, generator=g).half(), torch.randn(100, generator=g).half()]
+    big = torch.randn(1 << 17, generator=g).half()
+    big[7] = float("-inf")
+    ts = small + [big]
+    want = [t.float().abs().max().item() for t in ts]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_inf = norms(ts, math.inf).tolist()
+        got_l2 = norms(small, 2).tolist()
+        got_cpu = cpustats.absmax(ts).tolist()
+    assert got_inf == want and got_cpu == want, (got_inf, got_cpu, want)
+    assert got_l2 == [torch.linalg.vector_norm(t.float()).item() for t in small]

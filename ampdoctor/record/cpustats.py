@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import torch
 from .fused import is_dense
 from .stats import _F64, _THR
 
-__all__ = ["available", "supports", "stats"]
+__all__ = ["available", "supports", "stats", "absmax"]
 
 _SRC = r"""
 #include <stdint.h>
@@ -212,3 +213,36 @@ def stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
 
 def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and available()
+
+
+SMALL = 1 << 16        # elements: a smaller tensor is cheaper in one multi-tensor call with the others than in a C call
+CHUNK_BYTES = 64 << 20  # of small tensors one multi-tensor call takes (their absolute values are copies)
+_foreach_max = getattr(torch, "_foreach_max", None)
+
+
+def absmax(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The abs-max of each CPU tensor, NaN-propagating (NaN when any value is, else inf when any is ±inf; 0 for an
+    empty one), as a float64 vector: a tensor of SMALL elements or more by the one-pass C statistics (no copy,
+    ~3x faster there), the small ones together by `_foreach_max(_foreach_abs(...))` (~1.7x faster than a C call or
+    an abs().amax() each)."""
+    out = torch.zeros(len(ts), dtype=_F64)
+    small, size, chunks = [], 0, []
+    for i, t in enumerate(ts):
+        n = t.numel()
+        if n >= SMALL and supports(t):
+            r = stats(t, t.dtype).tolist()  # records.STAT_FIELDS order
+            out[i] = math.nan if r[1] else math.inf if r[2] + r[3] else r[5]
+        elif n:
+            small.append(i)
+            size += t.nbytes
+            if size >= CHUNK_BYTES:
+                chunks.append(small)
+                small, size = [], 0
+    if small:
+        chunks.append(small)
+    with torch.autocast("cpu", enabled=False):  # (stacking fp16 values inside a bf16 autocast region fails)
+        for idx in chunks:
+            sub = [ts[i] for i in idx]
+            vals = _foreach_max(torch._foreach_abs(sub)) if _foreach_max is not None else [t.abs().amax() for t in sub]
+            out[torch.tensor(idx)] = torch.stack(vals).to(_F64)
+    return out

@@ -42,8 +42,8 @@ _F32 = torch.float32
 class Headroom:
     """The pending tensors and reduced abs-maxes of the open step (owned by the StepMachine)."""
 
-    __slots__ = ("clean", "on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias", "last",
-                 "last_slot", "staged", "tables", "reads", "observing", "called", "read", "last_pass",
+    __slots__ = ("clean", "on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias",
+                 "last", "last_slot", "staged", "tables", "reads", "observing", "called", "read", "last_pass",
                  "static_alias", "seen_alias")
 
     def __init__(self, n_slots: int):
@@ -218,7 +218,7 @@ class Headroom:
             for (dev, dt), (gt, gs) in groups.items():
                 code = DTYPE_CODES.get(dt, "f")
                 if dev.type == "cpu" and cpustats.available() and all(cpustats.supports(t) for t in gt):
-                    self.vecs.setdefault(dev, []).append(_cpu_absmax(gt))
+                    self.vecs.setdefault(dev, []).append(cpustats.absmax(gt))
                     self.done.append((phase, code, gs, ("v", dev)))
                     continue
                 # one multi-tensor kernel (NaN and inf propagate into the abs-max), fp32 results
@@ -325,16 +325,6 @@ def _lead(t: torch.Tensor) -> torch.Tensor:
     row = t.shape[-1]
     n = max(row, READ_BYTES // t.element_size() // row * row)
     return t.view(-1)[:n]
-
-
-def _cpu_absmax(ts: list) -> torch.Tensor:
-    """On the CPU, `_foreach_norm(ord=inf)` is a slow per-tensor loop (several times a plain pass): the one-pass C
-    statistics (ampdoctor/record/cpustats.py) give the finite abs-max and the NaN/inf counts, folded into one number."""
-    rows = torch.stack([cpustats.stats(t, t.dtype) for t in ts])   # records.STAT_FIELDS order
-    v = rows[:, 5].clone()
-    v[(rows[:, 2] + rows[:, 3]) > 0] = _INF
-    v[rows[:, 1] > 0] = math.nan
-    return v
 
 
 def _merge(a, b):
