@@ -5,11 +5,11 @@ What counts as bad, benign or a crash is decided once, in ampdoctor/rules/steps.
 """
 from __future__ import annotations
 
-from .findings import Finding
+from .findings import Finding, Report
 from .records import RunMeta, StepRecord
 from .rules.steps import absorbed_modules, benign_backoff, crash as crash_of, real_bad, unfinished
 
-__all__ = ["summarize", "verdict", "crash_covered", "only_rules"]
+__all__ = ["summarize", "verdict", "crash_covered", "counts", "only_rules"]
 
 
 def _where(f: Finding, rank: int | None = None) -> str:
@@ -68,30 +68,32 @@ def summarize(meta: RunMeta, steps: list[StepRecord], findings: list[Finding], r
     if crash is None and getattr(meta, "closed", None) is False:  # read back from a run dir without its end line
         from .env import alive
         crash = unfinished(meta, steps, alive(meta.process) if isinstance(meta.process, dict) else None)
-    errors = sum(f.severity == "error" for f in findings) + (crash is not None and not crash_covered(crash, findings))
     internal = next(({"step": r.step, **r.internal_error} for r in steps if r.internal_error), None)
     return {"verdict": verdict(findings, len(steps), crash, benign=sorted(benign), internal=internal),
             "steps": len(steps), "internal_error": internal,
             "bad_steps": len(bad), "skipped_steps": sum(r.skipped for r in steps),
             "first_bad_step": bad[0].step if bad else None, "benign_backoff_steps": sorted(benign),
-            "crash": crash, "errors": errors,
-            "warnings": sum(f.severity == "warning" for f in findings),
-            "infos": sum(f.severity == "info" for f in findings), "run_dir": run_dir,
+            "crash": crash, **counts(findings, crash), "run_dir": run_dir,
             "model_class": meta.model_class, "every": meta.every,
             "captures": [r.capture for r in steps if r.capture]}
+
+
+def counts(findings: list[Finding], crash: dict | None) -> dict:
+    """Errors (a crash no error finding explains counts as one), warnings and infos."""
+    return {"errors": sum(f.severity == "error" for f in findings) + (crash is not None and
+                                                                      not crash_covered(crash, findings)),
+            "warnings": sum(f.severity == "warning" for f in findings),
+            "infos": sum(f.severity == "info" for f in findings)}
 
 
 def only_rules(report, ids):
     """The report narrowed to the findings of rule ids `ids` (`ampdoctor report --rules`): the diagnosis is the
     whole one (a filter does not change what a rule finds), the counts and the verdict are the kept findings'; the
     crash that ended the run stays."""
-    from .findings import Report
     kept = [f for f in report.findings if f.rule in ids]
     s = dict(report.summary)
     crash = s.get("crash")
-    s.update(errors=sum(f.severity == "error" for f in kept) + (crash is not None and not crash_covered(crash, kept)),
-             warnings=sum(f.severity == "warning" for f in kept), infos=sum(f.severity == "info" for f in kept),
-             rules=list(ids))
+    s.update(counts(kept, crash), rules=list(ids))
     v = verdict(kept, s.get("steps") or 0, crash, benign=s.get("benign_backoff_steps"),
                 internal=s.get("internal_error"))
     if not any(f.severity in ("error", "warning") for f in kept) and crash is None and s.get("steps"):

@@ -16,12 +16,11 @@ from torch import nn
 from . import __version__
 from .config import WatchConfig
 from .env import collect_env, deprecated_amp_in_use, process_info
-from .record.monitor import caller_location
 from .errors import WatchError
 from .exits import OPEN, hook_exit
 from .integrations import deepspeed as _deepspeed
 from .record.hooks import ModuleHook, hookable
-from .record.monitor import ClipPatch, OptimizerPatch, ScalerPatch
+from .record.monitor import ClipPatch, OptimizerPatch, ScalerPatch, caller_location
 from .records import RunMeta
 from .record.step import StepMachine
 from .tensors import module_type
@@ -29,6 +28,8 @@ from .tensors import module_type
 __all__ = ["Watch", "watch"]
 
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, Watch]" = weakref.WeakKeyDictionary()
+
+
 def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None = None,
           config: WatchConfig | None = None, tensorboard_dir=None, writer=None,
           headroom: bool | None = None) -> "Watch":
@@ -195,8 +196,8 @@ class Watch:
             return
         if m.st.exception is None:
             f, ln = caller_location(3)
-            m.st.exception = {"module": None, "type": "SystemExit", "message": f"the script called sys.exit({status!r})",
-                              "file": f, "line": ln, "autocast": None}
+            m.st.exception = {"module": None, "type": "SystemExit", "file": f, "line": ln, "autocast": None,
+                              "message": f"the script called sys.exit({status!r})"}
         m.st.exception["fatal"] = True
 
     def __del__(self):  # pragma: no cover - best effort when a user forgets close()

@@ -10,7 +10,7 @@ from ..errors import BadInput
 from ..findings import Finding, Report
 from ..records import ParamStat, StepRecord
 from ..rules.scaler import ranks_diverged
-from ..summary import crash_covered, verdict
+from ..summary import counts, verdict
 from .ranking import build_report, rank
 
 __all__ = ["diagnose_run_dir"]
@@ -113,11 +113,7 @@ def _merge_ranks(run_dir, reports) -> Report:
     crash = next((rep.summary.get("crash") for _, rep, _ in reports if rep.summary.get("crash")), None)
     firsts = [rep.summary.get("first_bad_step") for _, rep, _ in reports if rep.summary.get("first_bad_step") is not None]
     summ.update({"run_dir": run_dir, "ranks": [r for r, _, _ in reports], "crash": crash,
-                 "first_bad_step": min(firsts) if firsts else None,
-                 "errors": sum(f.severity == "error" for f in findings) + (crash is not None and
-                                                                          not crash_covered(crash, findings)),
-                 "warnings": sum(f.severity == "warning" for f in findings),
-                 "infos": sum(f.severity == "info" for f in findings)})
+                 "first_bad_step": min(firsts) if firsts else None, **counts(findings, crash)})
     top = next((f for f in findings if f.severity in ("error", "warning")), None)
     if top is not None or crash is not None:
         summ["verdict"] = verdict(findings, summ.get("steps", 0), crash,

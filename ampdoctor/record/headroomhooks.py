@@ -65,8 +65,9 @@ class HeadroomHooks:
             elif not hr.on and not self.parked and self.wanted and budget.stride > 1:
                 t = time.perf_counter()
                 self.park()
-                budget.t0 += time.perf_counter() - t  # (the series' own cost, not this step's)
-                budget.tail(time.perf_counter() - t)
+                t = time.perf_counter() - t
+                budget.t0 += t  # (the series' own cost, not this step's)
+                budget.tail(t)
 
     def ended(self) -> None:
         """The open step reached its optimizer step (the budget times it)."""

@@ -249,9 +249,11 @@ def finalize(m) -> None:
     bad_param_modules = set()
     dtypes = m.param_info
     names, g_amax, g_l2 = st.param_names, s["g_amax"], s["g_l2"]
-    # a routine step keeps the parameters whose gradient was non-finite only (none when all were finite)
-    kept = range(len(names)) if st.sampled else () if s["grad_finite"] is not False else [
-        i for i, v in enumerate(g_amax) if not math.isfinite(v)]
+    # a sampled step keeps every parameter, a routine step only those whose gradient was non-finite
+    if st.sampled:
+        kept = range(len(names))
+    else:
+        kept = [i for i, v in enumerate(g_amax) if not math.isfinite(v)] if s["grad_finite"] is False else []
     for i in kept:
         name = names[i]
         amax = g_amax[i] if i < len(g_amax) else None
@@ -260,8 +262,6 @@ def finalize(m) -> None:
         mod = name.rpartition(".")[0]
         if nonfin:
             bad_param_modules.add(mod)
-        if not st.sampled and not nonfin:
-            continue
         dt, n = dtypes.get(name, ("?", 0))
         u = upd.get(name)
         params.append(ParamStat(name=name, module=mod, dtype=dt, numel=n, grad_norm=l2, grad_absmax=amax,

@@ -10,7 +10,8 @@ from ..records import BACKOFF_MAX_STREAK, ModuleCall, StepRecord
 
 __all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "scaled_loss_steps", "absorbed_modules",
            "absorbed",
-           "real_bad", "first_bad_step", "onset_step", "first_unlocated_skip", "crash", "parents", "descendants"]
+           "real_bad", "first_bad_step", "onset_step", "first_unlocated_skip", "crash", "unfinished", "parents",
+           "descendants"]
 
 BACKOFF_MIN_SCALE = 1.0
 """Below this loss scale a skipped step is no longer the scaler searching: gradients overflow unscaled."""
@@ -226,7 +227,7 @@ def unfinished(meta, steps: list[StepRecord], running: bool | None) -> dict | No
     if getattr(meta, "closed", None) is not False or running is True:
         return None
     last = steps[-1].step if steps else 0
-    host = (meta.process or {}).get("host") if isinstance(meta.process, dict) else None
+    host = meta.process.get("host") if isinstance(meta.process, dict) else None
     msg = ("the training process ended without closing the watch (killed: SIGKILL, the OOM killer, a lost node, "
            f"os._exit) after step {last}; nothing after it was recorded" if running is False else
            f"the watch was never closed: the run was killed after step {last}, or it is still running "
