@@ -52,6 +52,40 @@ def test_c_cpu_path_equals_eager(x, ref):
     assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0)), (got, want)
 
 
+def _mixed_chunks(dt: torch.dtype, n: int = 200_000) -> list[torch.Tensor]:
+    """Tensors whose chunks (2^14 / 2^16 values) take different paths of the C pass: clean chunks next to a chunk
+    with one near-max value, one with a cast overflow only, one with -0.0 and subnormals, one with a lone inf."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(n, generator=g).to(dt)
+    near = base.clone()
+    near[70_000] = 40_000.0 if dt != torch.float16 else 40_000.0
+    ovf = base.clone()
+    ovf[140_000] = 70_000.0 if dt != torch.float16 else 60_000.0
+    small = base.clone()
+    small[20_000:20_100] = -0.0
+    small[20_100:20_110] = 1e-6
+    small[150_000] = 2.0 ** -20
+    lone = base.clone()
+    lone[199_999] = -float("inf")
+    relu = base.float().relu().to(dt)
+    zeros = torch.zeros(n, dtype=dt)
+    negzeros = -torch.zeros(n, dtype=dt)
+    return [base, near, ovf, small, lone, relu, zeros, negzeros, base[: (1 << 14) + 1], base[: (1 << 16) - 1]]
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("ref", [torch.float16, torch.bfloat16])
+def test_c_cpu_path_equals_eager_across_chunks(dt, ref):
+    """The C pass takes a cheap route through chunks without large or non-finite values and passes the others
+    again: every mix of such chunks gives the eager reference's numbers."""
+    from ampdoctor.record import cpustats
+    if not cpustats.available():
+        pytest.skip("no C compiler here")
+    for i, x in enumerate(_mixed_chunks(dt)):
+        got, want = cpustats.stats(x, ref), full_stats(x, ref)
+        assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0)), (i, got, want)
+
+
 def test_without_a_c_compiler_the_watch_falls_back(tmp_path):
     """No usable `cc` (CC=false, empty cache): cpustats is unavailable and a watched step still gets its
     statistics (eager here: every=20 does not compile)."""

@@ -2,13 +2,16 @@
 
 On the CPU a watched step with `every=1` measures a few hundred tensors; what costs is not the arithmetic but
 the per-call work around it (an eager `full_stats` is a dozen ATen ops, a torch.compile'd one pays the
-compiled-function wrapper each call). This module compiles ~80 lines of C once per machine with the system C
+compiled-function wrapper each call). This module compiles ~100 lines of C once per machine with the system C
 compiler (`cc -O3 -fopenmp-simd`: vectorised, single-threaded, no OpenMP runtime; an AVX2 clone where
 supported; well under a second), loads it with ctypes and calls it on the tensor's memory: one
 pass, a few microseconds of call overhead, the result written straight into a float64 row laid out like
-`records.STAT_FIELDS`. The numbers equal the eager reference exactly (`tests/test_stats.py`): comparisons use
-the thresholds rounded to the tensor's own dtype, as the eager ops do. Without a C compiler, `available()` is
-False and callers use the compiled or eager path.
+`records.STAT_FIELDS`. The pass works on the values' bit patterns (integer compares, fp16/bf16 in 16-bit lanes),
+and a chunk without large or non-finite values takes a cheaper route: about the cost of a `sum` (1M values:
+fp32 0.32 ms, fp16 0.15 ms on one core, against 0.73 / 1.39 ms for the float version before). The numbers equal
+the eager reference exactly (`tests/test_stats.py`): comparisons use the thresholds rounded to the tensor's own
+dtype, as the eager ops do. Without a C compiler, `available()` is False and callers use the compiled or eager
+path.
 """
 from __future__ import annotations
 
@@ -33,90 +36,90 @@ _SRC = r"""
 #include <string.h>
 #include <math.h>
 
-static float h2f_table[65536];
-static int table_ready = 0;
-
-static float half_to_float(uint16_t h) {
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
-    if (e == 0) {
-        if (m == 0) { bits = s; }
-        else { int k = -1; do { k++; m <<= 1; } while (!(m & 0x400)); m &= 0x3ff;
-               bits = s | ((uint32_t)(127 - 15 - k) << 23) | (m << 13); }
-    } else if (e == 31) { bits = s | 0x7f800000u | (m << 13); }
-    else { bits = s | ((e + 127 - 15) << 23) | (m << 13); }
-    float f; memcpy(&f, &bits, 4); return f;
-}
-
-void ad_init(void) {
-    if (table_ready) return;
-    for (uint32_t i = 0; i < 65536; i++) h2f_table[i] = half_to_float((uint16_t)i);
-    table_ready = 1;
-}
-
-/* One pass, branch-free so the inner loop vectorises (omp simd); chunks of 2^16 values with int32 counters,
-   summed in int64. Single-threaded (threads cost more than they save at these sizes, measured) and no OpenMP
-   runtime next to torch's own.
+/* One pass over the values' bit patterns: with the sign bit cleared, a non-negative float orders like its bits
+   read as a signed integer, so every comparison, the abs-max and the smallest nonzero are integer operations on
+   the stored width (16-bit lanes for fp16/bf16: no conversion at all), branch-free so the loop vectorises
+   (omp simd). Thresholds come as bit patterns of values already rounded to the tensor's dtype (what the eager
+   ops compare with), so the counts are those of float comparisons exactly. Chunks small enough for the lane
+   counters' width, summed in int64. Single-threaded, no OpenMP runtime next to torch's own.
    out: numel nan posinf neginf zeros absmax min_nonzero near_max subnormal overflow_as_ref (as full_stats) */
-#define CHUNK 65536
 #ifdef AD_CLONES  /* an AVX2 build next to the baseline one, picked at load time */
 #define CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define CLONES
 #endif
 
-typedef struct { int64_t c[7]; double mx, mn; } part_t;
-typedef struct { const void *p; int64_t lo, hi; double near, tiny, ovf; part_t r; void (*fn)(void *); } job_t;
+typedef struct { int64_t c[7]; int64_t mx, mn; } part_t;
 
-#define KERNEL(NAME, T, ARG, LOAD)                                                                          \
-CLONES static void NAME##_range(void *arg) {                                                              \
-    job_t *j = (job_t *)arg;                                                                               \
-    const ARG *p = (const ARG *)j->p;                                                                      \
-    T near = (T)j->near, tiny = (T)j->tiny, ovf = (T)j->ovf;                                              \
-    int64_t c_nan = 0, c_pinf = 0, c_ninf = 0, c_zero = 0, c_near = 0, c_below = 0, c_ovf = 0;              \
-    T amax = 0, amin = (T)INFINITY;                                                                        \
-    for (int64_t lo = j->lo; lo < j->hi; lo += CHUNK) {                                                    \
-        int64_t hi = lo + CHUNK < j->hi ? lo + CHUNK : j->hi;                                              \
-        int32_t k_nan = 0, k_pinf = 0, k_ninf = 0, k_zero = 0, k_near = 0, k_below = 0, k_ovf = 0;         \
-        T mx = 0, mn = (T)INFINITY;                                                                        \
-        _Pragma("omp simd reduction(+:k_nan,k_pinf,k_ninf,k_zero,k_near,k_below,k_ovf) reduction(max:mx) reduction(min:mn)") \
-        for (int64_t i = lo; i < hi; i++) {                                                                \
-            T x = LOAD;                                                                                    \
-            T a = x < 0 ? -x : x;                                                                          \
-            int isnan_ = x != x, isinf_ = a == (T)INFINITY;                                                \
-            k_nan += isnan_; k_pinf += isinf_ & (x > 0); k_ninf += isinf_ & (x < 0);                       \
-            T af = (isnan_ | isinf_) ? (T)0 : a;                                                           \
-            k_zero += af == 0; k_near += af >= near; k_below += af < tiny; k_ovf += af >= ovf;             \
-            mx = af > mx ? af : mx;                                                                        \
-            T m = af > 0 ? af : (T)INFINITY;                                                               \
-            mn = m < mn ? m : mn;                                                                          \
-        }                                                                                                  \
-        c_nan += k_nan; c_pinf += k_pinf; c_ninf += k_ninf; c_zero += k_zero; c_near += k_near;            \
-        c_below += k_below; c_ovf += k_ovf;                                                                \
-        amax = mx > amax ? mx : amax; amin = mn < amin ? mn : amin;                                        \
+/* Per chunk, first the common case's pass: the raw abs-max (nan and inf bits are the largest), the smallest nonzero
+   (unsigned a - 1 wraps a zero to the top), zeros and values below the smallest normal. Only a chunk whose
+   abs-max reaches a threshold (near-max, cast overflow, inf, nan) is passed again with every count. */
+#define KERNEL(NAME, S, U, C, CHUNK, MASK, INF, DECODE)                                                     \
+static inline void NAME##_full(const S *p, int64_t lo, int64_t hi, S near, S tiny, S ovf, part_t *r) {   \
+    C k_nan = 0, k_inf = 0, k_ninf = 0, k_zero = 0, k_near = 0, k_below = 0, k_ovf = 0;                    \
+    S mx = 0, mn = INF;                                                                                    \
+    _Pragma("omp simd reduction(+:k_nan,k_inf,k_ninf,k_zero,k_near,k_below,k_ovf) reduction(max:mx) reduction(min:mn)") \
+    for (int64_t i = lo; i < hi; i++) {                                                                    \
+        S x = p[i];                                                                                        \
+        S a = x & (S)MASK;                                                                                 \
+        C isinf_ = a == (S)INF;                                                                            \
+        k_nan += a > (S)INF; k_inf += isinf_; k_ninf += isinf_ & (x < 0);                                  \
+        S af = a >= (S)INF ? (S)0 : a;                                                                     \
+        k_zero += af == 0; k_near += af >= near; k_below += af < tiny; k_ovf += af >= ovf;                 \
+        mx = af > mx ? af : mx;                                                                            \
+        S m = af > 0 ? af : (S)INF;                                                                        \
+        mn = m < mn ? m : mn;                                                                              \
     }                                                                                                      \
-    part_t r = {{c_nan, c_pinf, c_ninf, c_zero, c_near, c_below, c_ovf}, (double)amax, (double)amin};      \
-    j->r = r;                                                                                              \
+    r->c[0] += k_nan; r->c[1] += k_inf - k_ninf; r->c[2] += k_ninf; r->c[3] += k_zero; r->c[4] += k_near;  \
+    r->c[5] += k_below; r->c[6] += k_ovf;                                                                  \
+    if (mx > r->mx) r->mx = mx;                                                                            \
+    if (mn < r->mn) r->mn = mn;                                                                            \
 }                                                                                                          \
-void NAME(const ARG *p, int64_t n, double near, double tiny, double ovf, double *out) {                   \
-    run(NAME##_range, p, n, near, tiny, ovf, out);                                                         \
+CLONES static part_t NAME##_pass(const S *p, int64_t n, S near, S tiny, S ovf) {                          \
+    part_t r = {{0}, 0, INF};                                                                              \
+    S high = near < ovf ? near : ovf;                                                                      \
+    if ((S)INF < high) high = INF;                                                                         \
+    for (int64_t lo = 0; lo < n; lo += CHUNK) {                                                            \
+        int64_t hi = lo + CHUNK < n ? lo + CHUNK : n;                                                      \
+        C k_zero = 0, k_below = 0;                                                                         \
+        S mx = 0; U mn = (U)-1;                                                                            \
+        _Pragma("omp simd reduction(+:k_zero,k_below) reduction(max:mx) reduction(min:mn)")               \
+        for (int64_t i = lo; i < hi; i++) {                                                                \
+            S a = p[i] & (S)MASK;                                                                          \
+            mx = a > mx ? a : mx;                                                                          \
+            U m = (U)a - 1;                                                                                \
+            mn = m < mn ? m : mn;                                                                          \
+            k_zero += a == 0; k_below += a < tiny;                                                         \
+        }                                                                                                  \
+        if (mx >= high) { NAME##_full(p, lo, hi, near, tiny, ovf, &r); continue; }                        \
+        r.c[3] += k_zero; r.c[5] += k_below;                                                               \
+        if (mx > r.mx) r.mx = mx;                                                                          \
+        if (mn != (U)-1 && (S)(mn + 1) < r.mn) r.mn = (S)(mn + 1);                                         \
+    }                                                                                                      \
+    return r;                                                                                              \
+}                                                                                                          \
+void NAME(const S *p, int64_t n, int64_t near, int64_t tiny, int64_t ovf, double *out) {                 \
+    part_t r = NAME##_pass(p, n, (S)near, (S)tiny, (S)ovf);                                                \
+    const int64_t *c = r.c;                                                                                \
+    double nonfin = (double)(c[0] + c[1] + c[2]);                                                          \
+    out[0] = (double)n; out[1] = (double)c[0]; out[2] = (double)c[1]; out[3] = (double)c[2];               \
+    out[4] = (double)c[3] - nonfin; out[5] = DECODE(r.mx); out[6] = DECODE(r.mn);                          \
+    out[7] = (double)c[4]; out[8] = (double)(c[5] - c[3]); out[9] = (double)c[6];                          \
 }
 
-static void run(void (*fn)(void *), const void *p, int64_t n, double near, double tiny, double ovf, double *out) {
-    job_t j = {p, 0, n, near, tiny, ovf, {{0}, 0, 0}, fn};
-    fn(&j);
-    const int64_t *c = j.r.c;
-    double nonfin = (double)(c[0] + c[1] + c[2]);
-    out[0] = (double)n; out[1] = (double)c[0]; out[2] = (double)c[1]; out[3] = (double)c[2];
-    out[4] = (double)c[3] - nonfin; out[5] = j.r.mx; out[6] = j.r.mn;
-    out[7] = (double)c[4]; out[8] = (double)(c[5] - c[3]); out[9] = (double)c[6];
+static double f16_value(int64_t b) {  /* a non-negative fp16 bit pattern (finite or +inf) */
+    int e = (int)(b >> 10), m = (int)(b & 0x3ff);
+    return e == 31 ? (double)INFINITY : e == 0 ? ldexp((double)m, -24) : ldexp((double)(m | 0x400), e - 25);
 }
+static double bf16_value(int64_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static double f32_value(int64_t b) { uint32_t u = (uint32_t)b; float f; memcpy(&f, &u, 4); return f; }
+static double f64_value(int64_t b) { double f; memcpy(&f, &b, 8); return f; }
 
-static inline float bf16_to_float(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
-
-KERNEL(ad_stats_f32, float, float, p[i])
-KERNEL(ad_stats_f16, float, uint16_t, h2f_table[p[i]])
-KERNEL(ad_stats_bf16, float, uint16_t, bf16_to_float(p[i]))
-KERNEL(ad_stats_f64, double, double, p[i])
+/* 16-bit lanes count at most CHUNK / lanes per lane and at most CHUNK in the reduction: 16384 fits int16 */
+KERNEL(ad_stats_f16, int16_t, uint16_t, int16_t, 16384, 0x7fff, 0x7c00, f16_value)
+KERNEL(ad_stats_bf16, int16_t, uint16_t, int16_t, 16384, 0x7fff, 0x7f80, bf16_value)
+KERNEL(ad_stats_f32, int32_t, uint32_t, int32_t, 65536, 0x7fffffff, 0x7f800000, f32_value)
+KERNEL(ad_stats_f64, int64_t, uint64_t, int64_t, 65536, 0x7fffffffffffffffLL, 0x7ff0000000000000LL, f64_value)
 """
 
 _LIB = None
@@ -159,13 +162,12 @@ def _build():
     if so is None:
         raise err
     lib = ctypes.CDLL(so)
-    lib.ad_init()
-    vp, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
     fns = {}
     for dt, name in ((torch.float32, "ad_stats_f32"), (torch.float16, "ad_stats_f16"),
                      (torch.bfloat16, "ad_stats_bf16"), (torch.float64, "ad_stats_f64")):
         fn = getattr(lib, name)
-        fn.argtypes = [vp, i64, f64, f64, f64, vp]
+        fn.argtypes = [vp, i64, i64, i64, i64, vp]
         fn.restype = None
         fns[dt] = fn
     lib.fns = fns
@@ -184,29 +186,32 @@ def available() -> bool:
     return bool(_LIB)
 
 
-def _thresholds(dt: torch.dtype, ref: torch.dtype) -> tuple[float, float, float]:
-    """The eager ops compare |x| with Python floats in x's own dtype: round the thresholds the same way."""
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _thresholds(dt: torch.dtype, ref: torch.dtype) -> tuple[int, int, int]:
+    """The eager ops compare |x| with Python floats in x's own dtype: the thresholds rounded the same way, as the
+    bit patterns the C pass compares with."""
     key = (dt, ref)
     if key not in _THRESH:
         near, tiny, ovf = _THR.get(ref, _THR[torch.float32])
         if not (dt.itemsize > ref.itemsize or (dt == torch.float32 and ref == torch.float16)):
             ovf = float("inf")  # full_stats counts cast overflow only for a wider tensor measured against ref
-        _THRESH[key] = tuple(torch.tensor(v, dtype=dt).item() for v in (near, tiny, ovf))
+        _THRESH[key] = tuple(torch.tensor(v, dtype=dt).view(_BITS[dt]).item() for v in (near, tiny, ovf))
     return _THRESH[key]
 
 
 def stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
     """All of STAT_FIELDS for one CPU tensor (float16/bfloat16/float32/float64), as a float64 row."""
     x = x.detach()
-    out = torch.empty(10, dtype=_F64)
     n = x.numel()
     if n == 0:
-        out.copy_(torch.tensor([0.0, 0, 0, 0, 0, 0.0, float("inf"), 0, 0, 0], dtype=_F64))
-        return out
+        return torch.tensor([0.0, 0, 0, 0, 0, 0.0, float("inf"), 0, 0, 0], dtype=_F64)
     # order does not matter for these statistics: read a dense (e.g. permuted) tensor's memory as it lies
     flat = x if x.is_contiguous() else (x.as_strided((n,), (1,), x.storage_offset()) if is_dense(x)
                                         else x.contiguous())
     near, tiny, ovf = _thresholds(x.dtype, ref)
+    out = torch.empty(10, dtype=_F64)
     _LIB.fns[x.dtype](flat.data_ptr(), n, near, tiny, ovf, out.data_ptr())
     return out
 
@@ -223,7 +228,7 @@ _foreach_max = getattr(torch, "_foreach_max", None)
 def absmax(ts: list[torch.Tensor]) -> torch.Tensor:
     """The abs-max of each CPU tensor, NaN-propagating (NaN when any value is, else inf when any is ±inf; 0 for an
     empty one), as a float64 vector: a tensor of SMALL elements or more by the one-pass C statistics (no copy,
-    ~3x faster there), the small ones together by `_foreach_max(_foreach_abs(...))` (~1.7x faster than a C call or
+    several times faster there), the small ones together by `_foreach_max(_foreach_abs(...))` (~1.7x faster than a C call or
     an abs().amax() each)."""
     out = torch.zeros(len(ts), dtype=_F64)
     small, size, chunks = [], 0, []
