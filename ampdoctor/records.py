@@ -323,7 +323,7 @@ class StepRecord:
     """Frozen fp16/bf16 parameters (no gradient) that the user's code wrote in place since the last sampled step (an
     EMA teacher, a momentum encoder): `{name: [unchanged, sampled]}` over their first elements."""
     headroom: dict | None = None
-    """Every step, every module (ampdoctor/record/headroom.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
+    """Every step, every module (ampdoctor/record/series.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it
     (scaled, as autograd saw it), 3 significant digits, Infinity/NaN when not finite, null when not measured;
     `dtype` one character per module (h float16, b bfloat16, f float32, d float64, - none)."""

@@ -8,7 +8,8 @@ references never hold much memory alive; gradients, which nothing else keeps, so
 per (device, dtype) group, `torch._foreach_norm(ord=inf, dtype=float32)`, turns the pending tensors into 0-d
 abs-maxes on the device (NaN and inf propagate, so "not finite" falls out of the same number). At the step's
 one transfer (ampdoctor/record/transfer.py `presync`) they are stacked into one vector per device and go to the host with
-the step's other values; `host_series` folds them into one value per module.
+the step's other values; `host_series` folds them into one value per module, in the record format of
+ampdoctor/record/series.py.
 
 Only fp16/bf16 values are read: an fp32 value has no low-precision range to lose (when an op casts it down,
 that op's own low-precision output shows it), and the `headroom_trend` rule reads nothing else. On sampled
@@ -22,16 +23,16 @@ import math
 import torch
 
 from . import cpustats, fused
+from .series import encode, merge
 from ..tensors import flatten_tensors
 
-__all__ = ["Headroom", "DTYPE_CODES", "from_calls", "encode"]
+__all__ = ["Headroom", "DTYPE_CODES"]
 
 FLUSH_TENSORS = 128                 # pending tensors that trigger one batched reduction
 FLUSH_BYTES_FORWARD = 256 << 20     # ... or pending bytes of forward outputs (most are saved for the backward anyway)
 FLUSH_BYTES_BACKWARD = 128 << 20    # ... or of gradients, which only these references keep alive
 READ_BYTES = 64 << 20               # of a larger value, its leading whole rows up to this size are read (see _lead)
 DTYPE_CODES = {torch.float16: "h", torch.bfloat16: "b", torch.float32: "f", torch.float64: "d"}
-_CODE_OF_NAME = {"float16": "h", "bfloat16": "b", "float32": "f", "float64": "d"}
 _Tensor = torch.Tensor
 _INF = math.inf
 _LOW = (torch.float16, torch.bfloat16)
@@ -301,12 +302,12 @@ class Headroom:
                 continue
             dst = fwd if phase == "f" else bwd
             for s, v in zip(slots, got[k:k + len(slots)]):
-                dst[s] = _merge(dst[s], v)
+                dst[s] = merge(dst[s], v)
                 if dtypes[s] == "-":
                     dtypes[s] = code
         for slot, src in self.alias + self.static_alias:
-            fwd[slot] = _merge(fwd[slot], fwd[src])
-            bwd[slot] = _merge(bwd[slot], bwd[src])
+            fwd[slot] = merge(fwd[slot], fwd[src])
+            bwd[slot] = merge(bwd[slot], bwd[src])
             if dtypes[slot] == "-":
                 dtypes[slot] = dtypes[src]
         out = encode(fwd, bwd, "".join(dtypes))
@@ -325,50 +326,3 @@ def _lead(t: torch.Tensor) -> torch.Tensor:
     row = t.shape[-1]
     n = max(row, READ_BYTES // t.element_size() // row * row)
     return t.view(-1)[:n]
-
-
-def _merge(a, b):
-    """The larger abs-max of two calls; NaN wins over inf wins over finite; None is 'not measured'."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if a != a or b != b:
-        return math.nan
-    return a if a >= b else b
-
-
-def _round(v):
-    if v is None or v != v or v in (_INF, -_INF) or v == 0:
-        return v
-    return float(f"{v:.3g}")
-
-
-def encode(fwd: list, bwd: list, dtype: str) -> dict:
-    """The compact per-step record (StepRecord.headroom): per module, in `RunMeta.modules` order, the forward
-    output's abs-max and the abs-max of the gradient into it (as autograd saw it: scaled by the step's loss
-    scale), 3 significant digits; `Infinity`/`NaN` when the values were not finite; null when not measured.
-    `dtype`: one character per module, the output's dtype (h float16, b bfloat16, f float32, d float64, - none)."""
-    return {"fwd": [_round(v) for v in fwd], "bwd": [_round(v) for v in bwd], "dtype": dtype}
-
-
-def from_calls(calls, slots: dict[str, int], n: int, skip=frozenset()) -> dict | None:
-    """The same series on a sampled step, from its ModuleCall records (the full statistics); `skip`: the slots
-    of modules that pass their input's range on (`passes_on`), not read on routine steps either."""
-    if not calls:
-        return None
-    fwd: list = [None] * n
-    bwd: list = [None] * n
-    dts = ["-"] * n
-    for c in calls:
-        s = slots.get(c.module)
-        if s is None or s in skip or c.out is None or c.out.dtype not in ("float16", "bfloat16"):
-            continue  # as on routine steps: only low-precision values
-        for dst, st in ((fwd, c.out), (bwd, c.gout)):
-            if st is None:
-                continue
-            v = math.nan if st.nan else _INF if (st.posinf or st.neginf) else st.absmax
-            dst[s] = _merge(dst[s], v)
-        if c.out is not None and dts[s] == "-":
-            dts[s] = _CODE_OF_NAME.get(c.out.dtype, "f")
-    return encode(fwd, bwd, "".join(dts))

@@ -15,7 +15,7 @@ import torch
 
 from .autocapture import maybe_capture
 from .gradexits import loss_ops
-from .headroom import from_calls
+from .series import from_calls
 from .hostcopy import Pending
 from .openstep import StepPhase
 from .params import checked_weights, model_grads, norms, weight_amax
