@@ -447,8 +447,8 @@ def _sp_batch(i):
 
 
 @pytest.mark.xfail(strict=True, reason="ampdoctor reports only `[info] skipped_steps at (run) step 4` (a normal rate): "
-                   "no nan_origin/overflow at `act` for the NaN its custom Function's backward makes at step 4 (found only with "
-                   "every=1)")
+                   "no nan_origin/overflow at `act` for the NaN its custom Function's backward makes at step 4 "
+                   "(found only with every=1)")
 def test_custom_function_softplus_with_the_textbook_backward_is_nan_in_its_backward_only():
     torch.manual_seed(0)
     m = SoftplusMLP()
