@@ -170,11 +170,12 @@ class Watch:
                 and self.machine.policy.captures:
             try:
                 from .analysis import build_report
-                from .analysis.replayfold import pick_capture
+                from .analysis.replayfold import alarming, pick_capture
                 steps = list(self.machine.records)
-                cap = pick_capture(build_report(self.meta, steps, run_dir=self.run_dir), steps)
-                if cap is not None:
-                    self.replayed(cap)
+                rep = build_report(self.meta, steps, run_dir=self.run_dir)
+                cap = pick_capture(rep, steps)
+                if cap is not None:  # (of a healthy-looking report, only a replay that finds an error is kept)
+                    self.replayed(cap, save_any=alarming(rep))
             except Exception as e:  # the run directory stands without it; diagnose() then reports module-level
                 import warnings
                 warnings.warn(f"ampdoctor: could not save the replay of the run's capture ({type(e).__name__}: "
@@ -225,11 +226,12 @@ class Watch:
             rep = merge_replay(rep, self)
         return rep
 
-    def replayed(self, capture: str):
+    def replayed(self, capture: str, *, save_any: bool = True):
         """The op-level replay (a Report) of one of this run's captures, as `report()` folds it in: run once
         in-process on the watched model (the watch's own hooks suspended; weights, gradients and RNG restored),
-        then kept, and written into the run directory (`replay-<run>.json`) for `diagnose(run_dir)`. None when
-        the replay could not run."""
+        then kept, and written into the run directory (`replay-<run>.json`) for `diagnose(run_dir)` (without
+        `save_any`, only when it found an error: what `fold_replay` takes from it into a report without one). None
+        when the replay could not run."""
         if self._replay is not None and self._replay[0] == capture:
             return self._replay[1]
         from .analysis.replayfold import run_replay
@@ -241,7 +243,8 @@ class Watch:
             m.suspended = False
         self._replay = (capture, rr)
         writer = m.writer
-        if rr is not None and writer is not None and getattr(writer, "run", None) is not None:
+        if rr is not None and writer is not None and getattr(writer, "run", None) is not None and (
+                save_any or any(f.severity == "error" for f in rr.findings)):
             from .rundir import capture_name, write_replay
             try:
                 write_replay(writer.path, writer.run, capture_name(capture), rr.to_dict())

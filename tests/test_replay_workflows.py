@@ -50,7 +50,7 @@ Scenarios:
 15. bad input, Python API: the same captures raise `BadInput` with a one-line message, and the user's model passed
     to a mismatching replay is left unchanged.
 
-What ampdoctor got wrong (strict xfails):
+What ampdoctor got wrong (fixed since: `replayfold.unexplained_skip`):
  - 3: the sqrt-at-0 backward NaN. The watch took the capture of step 4 but its report has no error: its only
    finding is `[info] skipped_steps ... a normal rate for dynamic loss scaling`, and it never replays the capture
    it took (analysis/replayfold.pick_capture replays only when the report already has an error or a warning).
@@ -589,15 +589,20 @@ def test_backward_only_nan_is_named_by_the_replay(runs):
     assert rep.exit_code == 1
 
 
-@pytest.mark.xfail(strict=True, reason="the watch captured step 4 but reports only '[info] skipped_steps ... a "
-                   "normal rate for dynamic loss scaling' and never replays its capture (pick_capture needs an "
-                   "error/warning first); replay of the same capture says [error] overflow at norm (SqrtBackward0)")
 def test_backward_only_nan_watch_agrees_with_replay(runs):
     r = runs["pole"]
     rep = ampdoctor.replay(r.cap, model=r.model)
     wf = first_error(r.report.findings)
     rf = first_error(rep.findings)
     assert (wf.module, wf.phase, wf.step) == (rf.module, rf.phase, rf.step) == ("norm", "backward", POLE_BAD)
+
+
+def test_backward_only_nan_run_dir_diagnosis_agrees(runs):
+    """The watch saved its replay of that capture (it found an error), so the run directory alone says the same."""
+    r = runs["pole"]
+    assert any(n.startswith("replay-") for n in os.listdir(r.run_dir)), os.listdir(r.run_dir)
+    f = first_error(ampdoctor.diagnose(r.run_dir).findings)
+    assert (f.module, f.phase, f.step) == ("norm", "backward", POLE_BAD)
 
 
 # ------------------------------------------------------------------------------------------------ 4-5

@@ -11,7 +11,7 @@ from ..records import StepRecord
 from ..summary import verdict
 from .ranking import rank
 
-__all__ = ["merge_capture_replay", "merge_replay", "pick_capture", "run_replay", "fold_replay"]
+__all__ = ["merge_capture_replay", "merge_replay", "pick_capture", "unexplained_skip", "alarming", "run_replay", "fold_replay"]
 
 
 _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow", "underflow")
@@ -24,21 +24,39 @@ def merge_replay(rep: Report, watch) -> Report:
     picked = pick_capture(rep, watch.steps)
     if picked is None:
         return rep
-    rr = watch.replayed(picked)
+    rr = watch.replayed(picked, save_any=alarming(rep))
     return rep if rr is None else fold_replay(rep, watch.steps, picked, rr)
 
 
+def alarming(rep: Report) -> bool:
+    """The report has a warning or an error."""
+    return any(f.severity in ("error", "warning") for f in rep.findings)
+
+
 def pick_capture(rep: Report, steps: list[StepRecord]) -> str | None:
-    """The capture a report's replay re-runs: the one of its top error's step, else the first; None when the
-    report has nothing wrong (e.g. GradScaler's normal backoff: a replay could only add advisory constants to a
-    healthy run)."""
+    """The capture a report's replay re-runs: the one of its top error's step, else the first; when the report has
+    nothing wrong, the capture of a skipped step that its loss scale does not explain (`unexplained_skip`), whose
+    replay then adds only an error it proves (`fold_replay`); None otherwise (e.g. GradScaler's normal backoff: a
+    replay could only add advisory constants to a healthy run)."""
+    if not alarming(rep):
+        return unexplained_skip(steps)
     caps = rep.summary.get("captures") or []
     top = next((f for f in rep.findings if f.severity == "error"), None)
     by_step = {r.step: r.capture for r in steps if r.capture}
-    cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
-    if cap is None or not any(f.severity in ("error", "warning") for f in rep.findings):
-        return None
-    return cap
+    return by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
+
+
+def unexplained_skip(steps: list[StepRecord]) -> str | None:
+    """The capture of a step the scaler skipped at a loss scale that an earlier step already stepped with: the
+    scale had not grown past what works, so the inf/NaN came from the batch or the model (e.g. a sqrt at 0 in the
+    backward on one batch), which only a replay of the step tells apart from a gradient spike."""
+    worked = None  # the largest scale an applied update has used so far
+    for r in steps:
+        if r.skipped and r.capture and r.scale is not None and worked is not None and r.scale <= worked:
+            return r.capture
+        if not r.skipped and r.scale is not None and r.grad_finite is not False:
+            worked = r.scale if worked is None else max(worked, r.scale)
+    return None
 
 
 def run_replay(cap: str, model, loss_fn=None, *, strict: bool = False) -> Report | None:
@@ -89,8 +107,14 @@ def _follow_refined(findings: list[Finding], refined: set[int], before: list[str
 
 
 def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> Report:
-    """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied)."""
+    """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied).
+    Into a report with nothing wrong (the replay of an `unexplained_skip`) only the replay's errors go: a step that
+    no loss scale makes finite; a gradient spike the scaler handles leaves the report as it was."""
     rr = Report.from_dict(rr.to_dict())
+    if not alarming(rep):
+        rr.findings = [f for f in rr.findings if f.severity == "error"]
+        if not rr.findings:
+            return rep
     by_step = {r.step: r.capture for r in steps if r.capture}
     findings = list(rep.findings)
     before = [f.module for f in findings]
