@@ -72,6 +72,13 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
     return list(seen.values())
 
 
+# An output whose abs-max is at least this large (2^-14 * 2^11: fp16's smallest normal over its relative precision)
+# holds its subnormal values more than 2^-11 below its largest: whatever mixes them with the large ones (a matmul,
+# a sum, a norm) rounds them away in fp16 whether they are subnormal or not (a Gaussian kernel's far centres, the
+# sigmoid probabilities of absent tags); a forward underflow that loses information has a small abs-max too.
+_NEGLIGIBLE_BELOW = 2.0 ** -3
+
+
 @register("underflow", emits=("underflow",))
 def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Gradients (or activations) whose nonzero values mostly fall below the normal range of fp16."""
@@ -93,6 +100,8 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 if nz < cfg.underflow_min_nonzero or s.subnormal < 0:
                     continue
                 share = s.subnormal / nz
+                if phase == "forward" and s.absmax >= _NEGLIGIBLE_BELOW:
+                    continue  # next to values this large the subnormal ones are below fp16's resolution anyway
                 if share >= (cfg.underflow_share if phase == "backward" else 0.5):
                     flagged.append((phase, c, s, share))
         for phase in ("backward", "forward"):
