@@ -75,17 +75,36 @@ def _scalars(func, args, kwargs):
     return out
 
 
-def _record(tr, rule: str, func, dtype, name: str, value, rounded, detail: str) -> None:
+def _record(tr, rule: str, func, dtype, name: str, value, rounded, detail: str, reached: int | None = None) -> None:
     from .optrace import source_line
     mod = tr.module()
     key = (rule, mod, func._schema.name, value)
     for c in tr.constants:
         if c["key"] == key:
             c["count"] += 1
+            if reached is not None:
+                c["reached"] = (c["reached"] or 0) + reached
             return
     tr.constants.append({"key": key, "rule": rule, "module": mod, "op": func._schema.name, "arg": name,
                          "value": value, "rounded": rounded, "dtype": str(dtype).replace("torch.", ""),
-                         "line": source_line(), "seq": tr.seq, "phase": tr.phase, "detail": detail, "count": 1})
+                         "line": source_line(), "seq": tr.seq, "phase": tr.phase, "detail": detail, "count": 1,
+                         "reached": reached})
+
+
+_GUARDED = ("clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "add", "add_", "sub", "sub_",
+            "rsub")
+
+
+def _reached(short: str, args, bound: bool, rounded: float) -> int | None:
+    """How many values of the guarded tensor sit where the guard was meant to act but its rounded constant does not:
+    zeros (|x| <= the eps that became 0) or, for a 1 - eps bound that became 1, |x| >= 1. None where the op has
+    no guarded tensor (a fill, a where)."""
+    x = args[0] if args else None
+    if short not in _GUARDED or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    with torch.no_grad():
+        a = x.detach().abs()
+        return int((a >= 1.0).sum() if bound else (a <= abs(rounded)).sum())
 
 
 def check_op(tr, func, args, kwargs) -> None:
@@ -110,8 +129,10 @@ def check_op(tr, func, args, kwargs) -> None:
             r = torch.tensor(v, dtype=dtype).item()
             if abs(r) == 1.0:
                 _record(tr, "eps_underflow", func, dtype, name, v, r,
-                        f"{v!r} rounds to exactly {r:g} in {dname} (its spacing near 1 is {fi.eps:g})")
+                        f"{v!r} rounds to exactly {r:g} in {dname} (its spacing near 1 is {fi.eps:g})",
+                        _reached(short, args, True, r))
         elif short in EPS_OPS and abs(v) < 1e-3:
             r = torch.tensor(v, dtype=dtype).item()
             if r == 0.0:
-                _record(tr, "eps_underflow", func, dtype, name, v, r, f"{v:g} rounds to 0 in {dname}")
+                _record(tr, "eps_underflow", func, dtype, name, v, r, f"{v:g} rounds to 0 in {dname}",
+                        _reached(short, args, False, r))

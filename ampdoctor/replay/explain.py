@@ -182,7 +182,10 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
     for c in consts:
         later = [e for e in events if e.seq >= c["seq"] and (_related(e.module, c["module"]) or e.phase == "backward")]
         raised = bool(forward_error and "overflow" in forward_error and c["rule"] == "mask_value_overflow")
-        contributed = step_bad and (raised or bool(later) or c["rule"] == "mask_value_overflow")
+        # (an eps guard whose values never reached it, e.g. F.normalize's 1e-12 on rows none of which is zero,
+        # did nothing wrong on this step, whatever failed after it in the same module)
+        contributed = step_bad and (raised or c["rule"] == "mask_value_overflow" or (
+            bool(later) and c.get("reached") != 0))
         where = f"`{c['module']}`" if c["module"] else "the model"
         if c["rule"] == "mask_value_overflow":
             msg = (f"{c['op']} in {where} uses the constant {c['value']:g}, outside the {c['dtype']} range: "
@@ -195,7 +198,7 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
             msg = f"{c['op']} in {where} uses {what}, which {c['detail'].split(' ', 1)[1]}: the guard does nothing"
             fx = ("use an eps that exists in the working dtype (e.g. `torch.finfo(x.dtype).eps`, or ≥ 6.1e-5 for "
                   "fp16), or compute this in fp32 (e.g. `F.normalize(x.float(), dim=-1).to(x.dtype)`)")
-        ev = {k: c[k] for k in ("value", "rounded", "dtype", "arg", "line", "count", "detail")}
+        ev = {k: c.get(k) for k in ("value", "rounded", "dtype", "arg", "line", "count", "detail", "reached")}
         ev.update(rank_hint=next(rank) if contributed else 500 + next(rank))
         found.append(Finding(c["rule"], "error" if contributed else "warning", "forward", c["module"], c["op"], step,
                              msg, fx, ev))
