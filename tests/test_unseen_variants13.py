@@ -21,7 +21,7 @@ Scenarios (each first checked to be real in the test itself):
     (clip_before_unscale at step 0).
  8. a Trainer class with gradient accumulation (4 micro-batches) whose boundary test is off by one
     (`micro % accum == 0`): unscale_ + clip run after the first micro-batch, the other three add scaled gradients,
-    scaler.step sees the optimizer already "unscaled" and SGD steps on them (~770x too large); torch says nothing
+    scaler.step sees the optimizer already "unscaled" and SGD steps on them (~800x too large); torch says nothing
     (scaler_misorder at step 0).
  9. a Trainer with an OOM guard (`except RuntimeError: skip the batch`) and `scaler.update()` inside
     `if (i + 1) % log_every == 0` after the step: the update never runs, every later `scaler.step` raises and the
