@@ -41,7 +41,7 @@ the producing module at step 12 among the first three findings of w.report() and
     in fp16 -> `crit`.
  c. l2norm_padding_row: x / ||x|| without eps on a batch with a padding row of zeros -> `l2n`.
 
-What ampdoctor got wrong (strict xfails):
+What ampdoctor got wrong (fixed since: the replay's outputs check takes -inf alone as a mask, as the watch does):
  - 10, 11 (masked policy logits): the replay of the skipped step 17 reports `[error] overflow at (root)
    aten::_to_copy step 17: the backward of ToCopyBackward0 in `(root)` (aten::_to_copy) produced -inf from finite
    gradients` although half the loss scale makes that step finite. ampdoctor/replay/__init__.py runs the scaler
@@ -700,21 +700,9 @@ TWINS = {
 
 # --- the tests ---------------------------------------------------------------------------------------------------
 
-FALSE_ERROR = ("masked policy: the replay of the skipped step 17 says `[error] overflow at (root) aten::_to_copy step "
-               "17: the backward of ToCopyBackward0 in (root) produced -inf from finite gradients` -- a gradient "
-               "spike that half the scale makes finite (replay/__init__.py runs the scaler search only when the "
-               "outputs are finite, and these logits hold the -inf action mask, which the watch itself counts as "
-               "finite)")
-XFAIL = {
-    "masked_policy_advantage": FALSE_ERROR + "; the report stays quiet only because the watch's [info] overflow "
-    "at (root) (the -inf mask) shares the rule and module, but close() saves that replay as replay-0.json",
-    "masked_policy_mask_module": FALSE_ERROR + "; with the mask in its own submodule the error is folded into "
-    "w.report(), and replay-0.json is saved",
-}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
-                                  if n in XFAIL else n for n in SPECS])
+@pytest.mark.parametrize("name", list(SPECS))
 def test_settled_scale_skip_of_a_healthy_run_is_quiet(name, tmp_path):
     torch.manual_seed(0)
     model, batch, loss_fn, kw = SPECS[name]()

@@ -105,7 +105,9 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     if forward_error and tracer.exception_module is not None:
         for c in tracer.constants:
             c.setdefault("raised_here", c["module"] == tracer.exception_module)
-    out_ok = out is None or all(bool(torch.isfinite(t).all()) for t in shadow_mod.floats(out))
+    # as the watch counts outputs (record/transfer.py): -inf alone is a mask (an RL policy's illegal actions)
+    out_ok = out is None or not any(bool(torch.isnan(t).any() or torch.isposinf(t).any())
+                                    for t in shadow_mod.floats(out))
     loss_finite = None if loss is None else bool(torch.isfinite(loss).all())
     grads_bad = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
     step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad)
