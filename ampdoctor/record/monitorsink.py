@@ -33,6 +33,13 @@ def _ran(flag: list, grads):
     flag[0] = True
 
 
+def _grad_versions(opt) -> list:
+    """Which gradient tensors the optimizer's parameters hold, and their version counters (an in-place
+    accumulation bumps it)."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version)
+            for g in opt.param_groups for p in g["params"]]
+
+
 def _found_inf(scaler, opts: list):
     """The inf checks `scaler.unscale_` recorded for these optimizers this iteration, summed (a 0-d float64 tensor),
     or None when there are none."""
@@ -70,6 +77,11 @@ class MonitorCallbacks:
                 if out.grad_fn is not None and st.out_seq is not None:  # made inside the model's forward?
                     st.loss_in_model = out.grad_fn._sequence_nr() < st.out_seq
             st.scaled_since_update = True
+            if st.unscaled_opts and st.unscaled_grads is None:
+                # a scaled loss after this iteration's unscale_: did its backward write into those gradients?
+                # (a GAN backpropagates the generator's loss into its own parameters only; an accumulation
+                # boundary off by one writes scaled gradients into the ones unscale_ already divided)
+                st.unscaled_grads = {id(o): _grad_versions(o) for o in st.unscaled_opts}
         elif kind == "update":
             st.scaled_since_update = False
             if st.phase is StepPhase.OPEN and st.scale_t is not None and st.scale_t is getattr(
@@ -87,6 +99,9 @@ class MonitorCallbacks:
         elif kind == "step":
             if st.in_scaler_step == 0:
                 self.hr.stage()  # queue the headroom reductions before the scaler's synchronisation
+                before = (st.unscaled_grads or {}).get(id(opt))
+                if before is not None and _grad_versions(opt) != before:
+                    ev.extra["grads_after_unscale"] = True  # rules/scaler.py call_order: scaler_misorder
             st.in_scaler_step += 1
             if opt is not None and id(opt) not in self.known_optimizers and self.owns(opt):
                 self.known_optimizers.add(id(opt))
@@ -139,6 +154,12 @@ class MonitorCallbacks:
             return
         ev = tok[0] if isinstance(tok, tuple) else tok
         ev.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        opt = tok[1] if isinstance(tok, tuple) else None
+        if opt is not None and "unscale FP16 gradients" in ev.error:
+            # which fp16 parameters it refused (e.g. a group added by add_param_group after the watch began)
+            names = {id(p): n for n, p in self.params}
+            ev.extra["fp16_params"] = [names.get(id(p), "?") for g in opt.param_groups for p in g["params"]
+                                       if p.grad is not None and p.grad.dtype == torch.float16][:50]
         if ev.kind == "step":
             self.st.in_scaler_step = max(self.st.in_scaler_step - 1, 0)
 

@@ -274,6 +274,15 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
             add("missing_scaler_update", e, f"`scaler.step()` at {_loc(e)} ran again without `scaler.update()` "
                 "since the previous step: the scale never adapts and GradScaler raises.",
                 "Call `scaler.update()` after every `scaler.step()`:\n" + ORDER)
+        elif e.kind == "step" and e.extra.get("grads_after_unscale") and _backward_after_unscale(
+                since_update, e.opt) is not None:
+            u = _backward_after_unscale(since_update, e.opt)
+            add("scaler_misorder", u, f"`scaler.unscale_()` at {_loc(u)} ran before the iteration's last "
+                f"`scaler.scale(loss).backward()` (a gradient-accumulation boundary off by one?): the gradients "
+                f"accumulated after it are still multiplied by the loss scale, and `scaler.step()` at {_loc(e)} "
+                "applies them without dividing: the update is up to scale x too large, and the inf check ran "
+                "before those gradients existed.",
+                "Unscale once per optimizer step, after the last micro-batch's backward:\n" + ORDER)
         elif e.kind == "unscale_" and any(p.kind == "step" for p in since_update):
             add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()`.",
                 "Unscale before step:\n" + ORDER)
@@ -305,6 +314,19 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     + ORDER)
                 break
     return out
+
+
+def _backward_after_unscale(since_update: list[CallEvent], opt) -> CallEvent | None:
+    """This optimizer's `unscale_` among the events since the last update, when a scaled loss was backpropagated
+    after it (a `scale` whose backward ran; the step found the optimizer's gradients written since, see
+    record/monitorsink.py): the unscale_ that came too early; None otherwise."""
+    u = None
+    for p in since_update:
+        if p.kind == "unscale_" and p.opt == opt:
+            u = p
+        elif p.kind == "scale" and u is not None and p.extra.get("backward") is not False:
+            return u
+    return None
 
 
 def _stepped_later(events: list[CallEvent], i: int) -> bool:

@@ -59,6 +59,10 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
            "GradScaler. For pure low-precision training keep an fp32 master copy (apex O2, DeepSpeed fp16).")
     if err_ev is not None:
         r, e = err_ev
+        if not names and e.extra.get("fp16_params"):  # held by a group added after the watch began
+            names = [n for n in e.extra["fp16_params"] if n != "?"]
+            module = _common_module(names) if names else None
+            ev.update(params=names, n_params=len(names))
         ev.update({"file": e.file, "line": e.line, "error": e.error})
         return [Finding("fp16_master_weights", "error", "optimizer", module, "GradScaler.unscale_", r.step,
                         f"GradScaler refused to unscale fp16 gradients at {e.file}:{e.line}: the optimizer holds "
