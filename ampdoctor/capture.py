@@ -5,7 +5,8 @@ A capture is a directory:
     manifest.json          format "ampdoctor-capture", format_version 1, versions, model class, HF config,
                            autocast {device, dtype, enabled}, scaler state, step, the structure of args/kwargs
                            (JSON, tensors as {"__tensor__": key}), and per file its size and sha256
-    tensors.safetensors    the batch tensors ("a/…", "k/…") and RNG states taken before the forward ("rng/…")
+    tensors.safetensors    the batch tensors ("a/…", "k/…"), RNG states taken before the forward ("rng/…") and,
+                           from a watch, the gradient that reached the model's outputs ("g/…", manifest grad_out)
     state.safetensors      the model's weights and buffers (state_dict)
 
 The checks a capture passes before it is read are ampdoctor/capturecheck.py. Nothing is pickled, and loading
@@ -52,6 +53,7 @@ class Capture:
     autocast: dict = field(default_factory=dict)
     scaler_state: dict | None = None
     step: int | None = None
+    grad_out: list | None = None  # the gradient into each of the step's first floating outputs (see write_capture)
 
     @property
     def model_class(self) -> str:
@@ -159,9 +161,12 @@ def _sha256(path: str) -> str:
 
 def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple | list, kwargs: dict | None, *,
                   state_dict: dict | None = None, rng: dict | None = None, autocast: dict | None = None,
-                  scaler_state: dict | None = None, step: int | None = None, extra: dict | None = None) -> str:
+                  scaler_state: dict | None = None, step: int | None = None, extra: dict | None = None,
+                  grad_out: list | None = None) -> str:
     """Write a capture directory at `path` and return it. `state_dict`/`rng` default to the model's weights and
-    the RNG states now; a watch passes the ones it took before the bad step's forward."""
+    the RNG states now; a watch passes the ones it took before the bad step's forward, and `grad_out`: the
+    gradient that reached each of the model's first floating outputs (None where none did), so that a replay
+    without the user's loss function still runs the step's own backward."""
     from safetensors.torch import save as st_save
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
@@ -170,6 +175,12 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
                  "kwargs": _encode(dict(kwargs or {}), "k", tensors, "kwargs")}
     for name, s in _norm_rng(rng if rng is not None else _rng_now()).items():
         tensors[f"rng/{name}"] = s.detach().to("cpu", copy=True).contiguous()
+    gkeys = None
+    if grad_out:
+        gkeys = [None if g is None else f"g/{i}" for i, g in enumerate(grad_out)]
+        for k, g in zip(gkeys, grad_out):
+            if k is not None:
+                tensors[k] = g.detach().to("cpu", copy=True).contiguous()
     sd = state_dict if state_dict is not None else model.state_dict()
     state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items() if isinstance(v, torch.Tensor)}
     files = {}
@@ -189,7 +200,7 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
         "training": bool(model.training),
         "eval_modules": [n for n, m in model.named_modules() if not m.training and model.training],
         "structure": structure, "rng": sorted(k[4:] for k in tensors if k.startswith("rng/")),
-        "files": files, "extra": _plain(extra or {}),
+        "files": files, "extra": _plain(extra or {}), "grad_out": gkeys,
     }
     atomic_write_text(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=1))
     return path
@@ -261,6 +272,11 @@ def load_capture(path: str | os.PathLike) -> Capture:
     rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng/")}
     for k, v in rng.items():
         _need(v.dtype == torch.uint8 and v.dim() == 1, f"RNG state {k} is not a 1-D uint8 tensor", cap)
+    gkeys = manifest.get("grad_out")
+    _need(gkeys is None or isinstance(gkeys, list) and len(gkeys) <= 16 and all(
+        k is None or isinstance(k, str) and k in tensors and tensors[k].is_floating_point() for k in gkeys),
+        "manifest grad_out must list stored floating tensors", cap)
     return Capture(path=cap, manifest=manifest, args=args, kwargs=kwargs, state_dict=loaded["state"], rng=rng,
                    autocast=dict(manifest["autocast"]), scaler_state=manifest.get("scaler"),
-                   step=manifest.get("step"))
+                   step=manifest.get("step"), grad_out=[None if k is None else tensors[k] for k in gkeys]
+                   if gkeys else None)

@@ -29,7 +29,9 @@ the test is a strict xfail whose reason says what it reported instead.
 
 ampdoctor got wrong:
 - the custom softplus Function's backward NaN at `act`, step 4: only `[info] skipped_steps at (run) step 4` (found
-  with every=1, missed at the default sampling);
+  with every=1, missed at the default sampling). Fixed since: a skip at a scale that already worked is replayed, and
+  a capture keeps the gradient that reached the model's outputs, so the replay runs the step's own backward
+  without the user's loss function;
 - the GradScaler stuck at 1.0 with the head's gradient 94% subnormal from step 5: an empty report (every=1 too);
 - the pure-fp16 model's underflow at body.3 from step 4: only `[warning] fp16_master_weights at (root) step 0`
   (found with every=1, missed at the default sampling).
@@ -446,9 +448,6 @@ def _sp_batch(i):
     return x, y
 
 
-@pytest.mark.xfail(strict=True, reason="ampdoctor reports only `[info] skipped_steps at (run) step 4` (a normal rate): "
-                   "no nan_origin/overflow at `act` for the NaN its custom Function's backward makes at step 4 "
-                   "(found only with every=1)")
 def test_custom_function_softplus_with_the_textbook_backward_is_nan_in_its_backward_only():
     torch.manual_seed(0)
     m = SoftplusMLP()

@@ -114,12 +114,13 @@ def maybe_capture(m, st) -> None:
             path = os.path.join(_tmp_root(), f"{id(w):x}-{st.step}")
         k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else -1  # else the last micro-batch
         args, kwargs, rng = st.batches[k]
+        grad_out = st.grad_outs.get(id(st.batches[k]))
         m.suspended = True
         hr_on, m.hr.on = m.hr.on, False  # the capture's own forward is not the step's
         try:
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
-                                       step=st.step)
+                                       step=st.step, grad_out=grad_out)
         finally:
             m.suspended = False
             m.hr.on = hr_on

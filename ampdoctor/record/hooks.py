@@ -24,7 +24,18 @@ if TYPE_CHECKING:  # annotations only: headroom.py imports nothing from here at 
     from .headroom import Headroom
 
 __all__ = ["ModuleHook", "InertHook", "CopiesInert", "HeadroomHook", "PassHook", "GradTap", "passes_on", "hookable",
-           "in_compiled_frame"]
+           "in_compiled_frame", "keep_grad", "GRAD_OUT_BYTES"]
+
+# the gradient into a root output up to this size is kept by reference until the step ends, for a capture: a
+# replay without the user's loss function then runs the step's own backward (replay/modelio.captured_grad_loss)
+GRAD_OUT_BYTES = 1 << 20
+
+
+def keep_grad(slot: list, j: int, g):
+    """A tensor hook on the model's j-th output: keeps a reference to the gradient that reached it, changes
+    nothing."""
+    slot[j] = g
+    return None
 
 # the hook dictionaries of nn.Module that hold one registration, per kind of hook
 _DICTS = {"pre": ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),

@@ -104,6 +104,7 @@ class _Step:
     in_scaler_step: int = 0     # nesting depth of scaler.step() calls (its own unscale_ and optimizer.step inside)
     scaled_since_update: bool = False  # scaler.scale() ran and scaler.update() not yet: the gradients are scaled
     unscaled_opts: list = field(default_factory=list)  # the optimizers scaler.unscale_ ran for (clip_before)
+    grad_outs: dict = field(default_factory=dict)  # id(batch entry) -> gradients into the root's outputs
     unscaled_grads: dict | None = None  # their gradients' versions when a scaled loss came after (monitorsink)
     clip_pending: list = field(default_factory=list)  # (clip event, ids of its gradients still scaled)
     capture: str | None = None

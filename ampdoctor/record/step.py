@@ -8,6 +8,7 @@ everything crosses to the host in one transfer; the record is finished when the 
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -24,7 +25,7 @@ from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Call, _Step
 from .headroom import Headroom
 from .headroomhooks import HeadroomHooks
-from .hooks import GradTap, passes_on
+from .hooks import GRAD_OUT_BYTES, GradTap, keep_grad, passes_on
 from .hostcopy import HostSlots
 from .transfer import finalize
 from .params import checked_weights, outside_compare, outside_snapshot, weight_amax
@@ -284,6 +285,11 @@ class StepMachine(MonitorCallbacks):
                         t.detach().sum(dtype=torch.float32 if t.dtype in _HALF else torch.float64).reshape(1)
                         for t in outs]
                 st.out_ok.append((sums, len(st.batches) - 1))  # concatenated with the step's other values
+                if st.batches:  # the gradient that reaches each small output, kept for a capture (see keep_grad)
+                    slot = st.grad_outs.setdefault(id(st.batches[-1]), [None] * len(outs))
+                    for j, t in enumerate(outs):
+                        if t.requires_grad and t.numel() * t.element_size() <= GRAD_OUT_BYTES:
+                            t.register_hook(functools.partial(keep_grad, slot, j))
         if module is self.root and self.hr.on and exc is None:
             self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
             self.hr.forward_done()

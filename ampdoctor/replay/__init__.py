@@ -85,6 +85,11 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         (p.dtype for p in m.parameters() if p.is_floating_point()), torch.float16)).replace("torch.", "")
     args, kwargs = modelio.to_device((cap.args, cap.kwargs), dev)
     scale = _scale(cap)
+    # the step's own backward, from the gradient its outputs received (a non-finite one came from the loss
+    # computation outside the model: what the model's backward does with it is a consequence)
+    grad_out = [g if g is not None and bool(torch.isfinite(g).all()) else None for g in cap.grad_out or ()]
+    if loss_fn is None and any(g is not None for g in grad_out):
+        loss_fn = modelio.captured_grad_loss(grad_out, scale or 1.0)
 
     say("replay: traced forward/backward")
     tracer = OpTracer(m)

@@ -13,6 +13,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import BadInput
+from ..record.stats import is_measurable
+from ..tensors import flatten_tensors
 
 __all__ = ["resolve", "build_model", "match_capture_dtype", "load_weights", "preserved", "set_rng", "autocast_ctx", "to_device",
            "get_loss", "run_step", "floating_params"]
@@ -170,6 +172,28 @@ def get_loss(output, args, kwargs, loss_fn) -> torch.Tensor | None:
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def captured_grad_loss(grad_out: list, scale: float) -> Callable:
+    """A loss function for a capture whose model output is not a loss and whose user gave none: the dot product
+    of the outputs with the gradient that reached them in training (capture grad_out, scaled by the step's loss
+    scale `scale`), divided by that scale. Its gradient with respect to the outputs is the captured one, so
+    the replay's backward (times the replay's own loss scale) is the step's own; its value is no loss of the
+    user's. Where the captured gradient is 0 (e.g. a -inf mask) the output does not enter."""
+    def captured_output_gradient(out, *args, **kwargs):
+        own = get_loss(out, args, kwargs, None)
+        if own is not None:
+            return own
+        outs = [t for t in flatten_tensors(out, []) if is_measurable(t) and t.numel()][:len(grad_out)]
+        total = None
+        for o, g in zip(outs, grad_out):
+            if g is None or tuple(g.shape) != tuple(o.shape):
+                continue
+            g = g.to(o.device).float()
+            term = torch.where(g != 0, o.float() * g, 0.0).sum() / scale
+            total = term if total is None else total + term
+        return total if total is not None else torch.zeros(())
+    return captured_output_gradient
 
 
 def floating_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
