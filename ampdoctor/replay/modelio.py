@@ -213,6 +213,13 @@ def run_step(model, args, kwargs, *, device: str, dtype, rng: dict, loss_fn=None
         root = loss.float() * scale if scale else loss
         if on_backward is not None:
             on_backward(root)
-        gs = torch.autograd.grad(root, [p for _, p in params], allow_unused=True)
+        try:
+            gs = torch.autograd.grad(root, [p for _, p in params], allow_unused=True)
+        except RuntimeError as e:
+            if "use_reentrant" not in str(e):
+                raise
+            # reentrant activation checkpointing refuses autograd.grad, and .backward() would write the model's
+            # .grad: the replay then has the forward only, as without a loss
+            return out, loss, {}
         grads = {n: g for (n, _), g in zip(params, gs) if g is not None}
     return out, loss, grads
