@@ -20,7 +20,7 @@ from .errors import WatchError
 from .exits import OPEN, hook_exit
 from .integrations import deepspeed as _deepspeed
 from .record.hooks import ModuleHook, hookable
-from .record.monitor import ClipPatch, OptimizerPatch, ScalerPatch, caller_location
+from .record.monitor import ClipPatch, OptimizerPatch, ScalerFinder, ScalerPatch, caller_location
 from .records import RunMeta
 from .record.step import StepMachine
 from .tensors import module_type
@@ -93,6 +93,7 @@ class Watch:
         if scaler is not None and not all(hasattr(scaler, k) for k in ("scale", "unscale_", "step", "update")):
             raise WatchError(f"scaler= expects a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.optimizer, self.scaler = optimizer, scaler
+        self._scaler_found = False  # self.scaler was adopted (ScalerFinder), not given
         self._closed = False
         self._replay: tuple | None = None  # (capture, its replay Report or None): see replayed()
         self._handles: list = []
@@ -158,6 +159,7 @@ class Watch:
                 p.remove() if not isinstance(p, type) else p.discard(self.machine)
             self._patches.clear()
             ClipPatch.discard(self.machine)
+            ScalerFinder.discard(self)
             self.machine.close()
             if _WATCHED.get(self.model) is self:
                 del _WATCHED[self.model]
@@ -295,16 +297,7 @@ class Watch:
                           for p in g["params"]})
             opt = {"class": type(self.optimizer).__name__, "param_dtypes": dts,
                    "groups": _groups(self.optimizer, model)}
-        sc = {}
-        if self.scaler is not None:
-            s = self.scaler
-            sc = {"class": f"{type(s).__module__}.{type(s).__qualname__}",
-                  "enabled": bool(getattr(s, "_enabled", True)),
-                  "init_scale": float(getattr(s, "_init_scale", 0) or 0),
-                  "growth_factor": float(getattr(s, "_growth_factor", 2.0)),
-                  "backoff_factor": float(getattr(s, "_backoff_factor", 0.5)),
-                  "growth_interval": int(getattr(s, "_growth_interval", 2000)),
-                  "device": str(getattr(s, "_device", ""))}
+        sc = _scaler_meta(self.scaler) if self.scaler is not None else {}
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         rank = world = None
         if dist.is_available() and dist.is_initialized():
@@ -334,6 +327,8 @@ class Watch:
             m.known_optimizers.add(id(self.optimizer))
         if self.scaler is not None:
             self._patches.append(ScalerPatch(self.scaler, m))
+        else:  # the loop's GradScaler, wherever it is made, is found at its first unscale_/step
+            ScalerFinder.add(self)
         ClipPatch.add(m)
 
     def adopt_optimizer(self, optimizer) -> None:
@@ -347,11 +342,28 @@ class Watch:
             self.meta.optimizer = {"class": type(optimizer).__name__, "param_dtypes": dts,
                                    "groups": _groups(optimizer, self.model)}
 
-    def adopt_scaler(self, scaler) -> None:
-        if self._closed or self.scaler is not None:
-            return
-        self.scaler = scaler
+    def adopt_scaler(self, scaler, optimizer) -> bool:
+        """Start monitoring a GradScaler seen unscaling or stepping an optimizer on the model's parameters
+        (`scaler=` not given; record/monitor.ScalerFinder). A later, different scaler doing so replaces an adopted
+        one (a scaler made anew each epoch). True when adopted."""
+        if self._closed or self.machine.disabled or scaler is self.scaler or not self._scaler_found and \
+                self.scaler is not None or not self.machine.owns(optimizer):
+            return False
+        self.scaler, self._scaler_found = scaler, True
+        self.meta.scaler = _scaler_meta(scaler)
         self._patches.append(ScalerPatch(scaler, self.machine))
+        st = self.machine.st
+        if getattr(scaler, "_scale", None) is not None:  # its scale() of this iteration ran before it was found
+            st.scale_t, st.scaled_since_update = scaler._scale, True
+        return True
+
+
+def _scaler_meta(s) -> dict:
+    return {"class": f"{type(s).__module__}.{type(s).__qualname__}", "enabled": bool(getattr(s, "_enabled", True)),
+            "init_scale": float(getattr(s, "_init_scale", 0) or 0),
+            "growth_factor": float(getattr(s, "_growth_factor", 2.0)),
+            "backoff_factor": float(getattr(s, "_backoff_factor", 0.5)),
+            "growth_interval": int(getattr(s, "_growth_interval", 2000)), "device": str(getattr(s, "_device", ""))}
 
 
 def _groups(optimizer, model) -> list[dict]:

@@ -42,7 +42,9 @@ What ampdoctor got wrong (strict xfails, 7 of 12):
  4. fp16 adapter added by add_param_group: fp16_master_weights at the run (module None, "holds fp16 parameters ()"),
     not at `adapter`. (Fixed since: the refused unscale_ records which fp16 parameters the optimizer held.)
  6. a GradScaler per epoch, not given to watch: only step 0 of 32 recorded; "[error] overflow at 2 step 0" (the
-    ordinary backoff from 65536) instead of skipped_steps.
+    ordinary backoff from 65536) instead of skipped_steps. (Since: a scaler not given to watch is adopted at its
+    first unscale_/step, each epoch's anew; all 32 steps are recorded and the run is a loss_scale_collapse, every
+    step skipped; still not skipped_steps.)
  7. clamp hooks on scaled gradients: an empty report.
  8. unscale_ after the first of four micro-batches: update_spike / overflow / skipped_steps (consequences), no
     scaler_misorder. (Fixed since: a scaled backward after this optimizer's unscale_ and before its step is
@@ -406,8 +408,9 @@ def train_one_epoch(model, opt, epoch, steps=4, log=None):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor records only step 0 of 32 (w.steps has one record) and reports '[error] overflow at 2 step 0' "
-    "(the backward inf at scale 65536 that any fresh scaler backs off from), no skipped_steps"))
+    "the watch now adopts each epoch's new scaler and records all 32 steps (was: only step 0), but reports "
+    "'[error] overflow at (run) step 0' (the loss's backward overflows at 65536), '[error] overflow at 2 step 1' and "
+    "'[error] loss_scale_collapse at 2' (32 skips in a row), not skipped_steps"))
 def test_grad_scaler_created_inside_each_epoch_skips_most_steps_every_epoch():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "caller_location", "scaler_stage"]
+__all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "ScalerFinder", "caller_location", "scaler_stage"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ampdoctor package (this file is in record/)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -115,6 +115,56 @@ class ScalerPatch(_InstancePatch):
                 raise
             sink.after(tok, args, kwargs, out)
             return out
+        wrapper.__wrapped__ = orig
+        return wrapper
+
+
+class ScalerFinder:
+    """Process-wide, for watches given no `scaler=`: a GradScaler that unscales or steps an optimizer on a watched
+    model's parameters is adopted by that watch (`Watch.adopt_scaler`: a ScalerPatch on the instance, so from then
+    on its calls are recorded like a given scaler's). A scaler made anew each epoch is adopted anew. Wraps
+    `GradScaler.unscale_` / `step` on the class; a patched instance's own attributes shadow them, so only the
+    calls of scalers no watch knows pass through here."""
+
+    _lock = threading.Lock()
+    _watches: list = []
+    _saved: list[tuple[Any, str, Any]] = []
+
+    @classmethod
+    def add(cls, watch) -> None:
+        with cls._lock:
+            if not cls._watches:
+                cls._install()
+            cls._watches.append(watch)
+
+    @classmethod
+    def discard(cls, watch) -> None:
+        with cls._lock:
+            if watch in cls._watches:
+                cls._watches.remove(watch)
+            if not cls._watches:
+                for owner, name, orig in reversed(cls._saved):
+                    setattr(owner, name, orig)
+                cls._saved.clear()
+
+    @classmethod
+    def _install(cls) -> None:
+        from torch.amp.grad_scaler import GradScaler
+        for name in ("unscale_", "step"):
+            orig = GradScaler.__dict__[name]
+            cls._saved.append((GradScaler, name, orig))
+            setattr(GradScaler, name, cls._wrapper(name, orig))
+
+    @classmethod
+    def _wrapper(cls, name: str, orig: Callable) -> Callable:
+        def wrapper(scaler, optimizer, *args, **kwargs):
+            for w in list(cls._watches):
+                try:
+                    if w.adopt_scaler(scaler, optimizer):
+                        return getattr(scaler, name)(optimizer, *args, **kwargs)  # through its new patch
+                except Exception:  # finding a scaler must never break the user's call
+                    pass
+            return orig(scaler, optimizer, *args, **kwargs)
         wrapper.__wrapped__ = orig
         return wrapper
 

@@ -29,7 +29,10 @@ class RunData:
 
     @property
     def has_scaler(self) -> bool:
-        return bool(self.meta.scaler) and self.meta.scaler.get("enabled", True)
+        # (a GradScaler the watch adopted after the run directory's manifest was written shows in the records)
+        if self.meta.scaler:
+            return bool(self.meta.scaler.get("enabled", True))
+        return any(r.scale is not None for r in self.steps)
 
 
 @dataclass(kw_only=True)
