@@ -221,10 +221,16 @@ def cli_report(run_dir: Path):
     return p, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def judged_quiet(r: Run):
+# the CLI reads the same run directory as diagnose() (plus the HTML report): run it on one scenario of each kind
+# (loss outside the model, loss inside it, an -inf-masked output) to keep the file's time down
+CLI_SCENARIOS = {"mlp_outlier_target", "dropout_hf_outlier", "masked_policy_mask_module"}
+
+
+def judged_quiet(r: Run, cli: bool = True):
     """What this file holds a healthy run with settled-scale skips to: close() returns in < 20 s, changes neither
     the model (weights, buffers, grads, train flags: bitwise) nor the global RNG; so does report(); report(),
-    diagnose(run_dir) and the CLI say nothing above info (CLI exit 0); no replay-*.json in the run dir."""
+    diagnose(run_dir) and (with `cli`) the CLI say nothing above info (CLI exit 0); no replay-*.json in the run
+    dir."""
     before, rng = state_of(r.model), torch.get_rng_state()
     t0 = time.perf_counter()
     r.w.close()
@@ -240,9 +246,10 @@ def judged_quiet(r: Run):
     diag = ampdoctor.diagnose(r.run_dir)
     assert not alarms(diag.findings), lines(diag)
     assert not glob.glob(str(r.run_dir / "**" / "replay-*.json"), recursive=True), os.listdir(r.run_dir)
-    p, js = cli_report(r.run_dir)
-    assert p.returncode == 0, (p.returncode, p.stderr[-2000:], js and alarms(js["findings"]))
-    assert js is not None and not alarms(js["findings"])
+    if cli:
+        p, js = cli_report(r.run_dir)
+        assert p.returncode == 0, (p.returncode, p.stderr[-2000:], js and alarms(js["findings"]))
+        assert js is not None and not alarms(js["findings"])
     return rep
 
 
@@ -708,7 +715,7 @@ def test_settled_scale_skip_of_a_healthy_run_is_quiet(name, tmp_path):
     model, batch, loss_fn, kw = SPECS[name]()
     r = train(model, batch, loss_fn, tmp_path / name, **kw)
     assert_healthy(r)
-    judged_quiet(r)
+    judged_quiet(r, cli=name in CLI_SCENARIOS)
 
 
 @pytest.mark.parametrize("name", list(TWINS))
