@@ -49,7 +49,6 @@ ampdoctor got wrong (strict xfails; expected vs what happened):
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
