@@ -34,12 +34,14 @@ Misuse loops (the rule among the first three findings; scaler never given to wat
 ampdoctor got wrong (strict xfails; expected vs what happened):
  -  7 GAN, G watched: one record per iteration expected; scaler.step(optD) on the unwatched discriminator's
       optimizer ends a step of G's watch too (19 records for 10 iterations; 20 with the scaler given), and G's records
-      are marked skipped when only D's found_inf made the scale back off.
+      are marked skipped when only D's found_inf made the scale back off. (Step count fixed since: a scaler.step on
+      another model's optimizer does not end the watched step; the skipped flags remain.)
  -  8 GAN, both watched, one shared adopted scaler, D's watch closed first: G's instance patches are deleted and D's
       put back, so after both close the scaler still carries a closed watch's wrappers, which keeps recording
       (closing G first leaves nothing). Each watch also counts the other's scaler.step: 15 and 16 records for 8.
  - 10 subclass overriding unscale_/step via super(): adoption inside super() re-enters the instance patch that wraps
       the subclass's method, so its unscale_ body runs twice in the first iteration (9 calls for 8 iterations).
+      (Fixed since: that first call is recorded around torch's method, the subclass's body runs once.)
  - 18 clip before unscale_: the rule is found (error, top 3) but from step 1 ('seen on 5 step(s)' of 6): the clip of
       iteration 0, before the first step adopted the scaler, is not judged.
  - 20 update() before step() with no unscale_: torch raises at iteration 0 before the scaler is adopted (update is
@@ -273,9 +275,9 @@ def _gan_loop(t, G, D, oG, oD, n, sc):
         t.skips.append(g_inf)
 
 
-@pytest.mark.xfail(strict=True, reason="scaler.step(optD) on the discriminator's optimizer (not the watched model's) "
-                   "ends a step too: 19 records for 10 iterations (20 when the scaler is given), and G's records are "
-                   "marked skipped when only D's found_inf made the scale back off")
+@pytest.mark.xfail(strict=True, reason="G's records are marked skipped when only D's found_inf made the shared "
+                   "scale back off (the step count is right since scaler.step(optD) on another model's optimizer "
+                   "no longer ends G's step: it was 19-20 records for 10 iterations)")
 def test_gan_two_optimizers_one_scaler_only_generator_watched():
     G0, D0, oG0, oD0 = _gan()
     t0 = Trace()
@@ -370,9 +372,6 @@ class CountingScaler(GradScaler):
         return super().step(optimizer, *a, **k)
 
 
-@pytest.mark.xfail(strict=True, reason="adoption happens inside the subclass's super() call: the class wrapper "
-                   "re-enters through the new instance patch, which wraps the subclass's own method, so the "
-                   "overriding unscale_ body runs twice on the first iteration (n_unscale == iterations + 1)")
 def test_subclass_overriding_unscale_and_step_runs_its_methods_once_per_iteration():
     def loop(t, m, opt, n):
         sc = CountingScaler("cpu", init_scale=2.0 ** 20)

@@ -7,6 +7,7 @@ the exception propagates, so a report after a crashed script still names the mis
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import sys
 import threading
@@ -160,10 +161,16 @@ class ScalerFinder:
         def wrapper(scaler, optimizer, *args, **kwargs):
             for w in list(cls._watches):
                 try:
-                    if w.adopt_scaler(scaler, optimizer):
-                        return getattr(scaler, name)(optimizer, *args, **kwargs)  # through its new patch
+                    adopted = w.adopt_scaler(scaler, optimizer)
                 except Exception:  # finding a scaler must never break the user's call
-                    pass
+                    adopted = False
+                if adopted:
+                    # this call is recorded through the new patch; a subclass's own method that reached here
+                    # through super() would run its body a second time that way: recorded here, around torch's
+                    if getattr(type(scaler), name, None) is wrapper:
+                        return getattr(scaler, name)(optimizer, *args, **kwargs)
+                    return ScalerPatch._make(name, functools.partial(orig, scaler), w.machine)(
+                        optimizer, *args, **kwargs)
             return orig(scaler, optimizer, *args, **kwargs)
         wrapper.__wrapped__ = orig
         return wrapper

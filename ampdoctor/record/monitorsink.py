@@ -135,6 +135,8 @@ class MonitorCallbacks:
             self.hr_hooks.ended()
         if ev.kind == "step":
             st.in_scaler_step -= 1
+            if opt is not None and id(opt) not in self.known_optimizers and not self.owns(opt):
+                return  # another model's optimizer on the shared scaler (a GAN's discriminator): not this step's end
             if st.clip_pending and opt is not None:
                 self._clip_was_scaled(opt)
             try:
