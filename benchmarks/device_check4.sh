@@ -5,7 +5,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 O=${OUT:-/tmp}
 python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-python benchmarks/realworld/run.py --device cuda --size small --compiled no --budget-s 170 > $O/corpus.txt 2>&1
+python benchmarks/realworld/run.py --device cuda --size small --compiled no --budget-s 230 > $O/corpus.txt 2>&1
 python benchmarks/realworld/run.py --device cuda --size small --compiled yes --cases nanogpt --budget-s 70 > $O/compiled.txt 2>&1
 timeout 90 python -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_headroom.py tests/test_headroom_prune.py \
   tests/test_headroom_budget.py tests/test_identity.py tests/test_step_phase.py tests/test_gradexits.py tests/test_bad_data.py > $O/tests.txt 2>&1
