@@ -130,6 +130,20 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
             "Fix the forward inf/NaN (see the overflow/nan_origin finding); those steps train nothing.",
             dict(ev, rank_hint=70)))
         return out
+    # a scale that rises right after a skip (or by more than one growth step) is a GradScaler started again: made
+    # anew (e.g. each epoch) or reloaded; each restart searches from init_scale again and skips those steps
+    gf = (run.meta.scaler or {}).get("growth_factor") or 2.0
+    resets = sum(1 for a, b in zip(steps, steps[1:]) if a.scale and b.scale and b.scale > a.scale
+                 and (a.skipped or b.scale > a.scale * gf))
+    if resets >= 2 and len(skipped) >= cfg.skipped_min and len(skipped) >= 0.5 * len(steps):
+        out.append(Finding(
+            "skipped_steps", "warning", "scaler", None, None, skipped[0],
+            f"GradScaler skipped {len(skipped)} of {len(steps)} steps, and its scale went back up to where it started "
+            f"{resets} times: the GradScaler is created anew (e.g. inside the epoch loop) or its state reloaded, so "
+            "every restart searches for a working scale again and skips those steps.",
+            "Create the GradScaler once, outside the epoch loop, and save/restore `scaler.state_dict()` with your "
+            "checkpoints.", dict(ev, resets=resets, rank_hint=70)))
+        return out
     if set(skipped) <= benign:
         out.append(Finding(
             "skipped_steps", "info", "scaler", None, None, skipped[0],
