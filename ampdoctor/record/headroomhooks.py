@@ -85,8 +85,8 @@ class HeadroomHooks:
         for mod in m.w.model.modules():
             if mod is m.root or mod is m.w.model or not hookable(mod):
                 continue
-            slot = m.slot_of[id(mod)]
-            if slot in self.handles or slot in skip:
+            slot = m.slot_of.get(id(mod))  # (None: a module added after the watch began has no series)
+            if slot is None or slot in self.handles or slot in skip:
                 continue
             hook = PassHook(m.hr, slot) if slot in m.hr_skip else HeadroomHook(m.hr, slot, m.fail)
             self.handles[slot] = hook.register(mod)
