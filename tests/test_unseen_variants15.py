@@ -41,7 +41,8 @@ eps_underflow/overflow or nan_origin for a vanished 1e-8). Where ampdoctor is wr
 reason says what it reported instead.
 
 ampdoctor got wrong: none of the twelve attributions, nor the four twins (all quiet); two spurious error findings
-beside right ones, each a strict xfail of its own:
+beside right ones, each a strict xfail of its own (both fixed since: a bound of exactly -1 is no vanished guard, and
+pow's zero input is a singular point only with a negative exponent, replay/optrace._has_pole):
 - KoLeo (11): '[error] eps_underflow at koleo aten::fill_ step 4 ... uses the bound -1.0 (1 - 0e+00), which rounds
   to exactly -1 in float16' for the diagonal's fill_(-1), which is exact and no guard
   (ampdoctor/replay/constants.py check_op: `v != 1.0 and abs(abs(v) - 1.0) < 1e-2` lets v = -1.0 through, so any
@@ -997,12 +998,6 @@ def test_koleo_of_an_exact_duplicate_descriptor_is_log_0_with_both_1e_8_guards_v
     no_error_at(rep, ("net", "net.4", "rank", ""))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ampdoctor reports '[error] eps_underflow at koleo aten::fill_ step 4: aten::fill_ in "
-                   "`koleo` uses the bound -1.0 (1 - 0e+00), which rounds to exactly -1 in float16 ... the guard does "
-                   "nothing' (2nd finding): the diagonal's fill_(-1) is exact and no guard, and it takes the one "
-                   "eps_underflow slot at `koleo`, so the real vanished guard there, log(distances + 1e-8) (aten::add),"
-                   " is not shown")
 def test_koleo_eps_finding_names_the_log_guard_not_the_diagonal_fill_of_minus_1():
     r, rep = _koleo_run()
     real(r, "koleo", 4)
@@ -1085,10 +1080,6 @@ def test_energy_margin_of_a_raw_pixel_outlier_image_overflows_its_square_in_the_
     no_error_at(rep, ("features", "features.3", "fc", ""))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ampdoctor adds '[error] underflow at energy aten::pow step 4: the zeros that "
-                   "aten::pow in `energy` turned into +inf are not zero in fp32 ... (in float16: 15 zero inputs)' (2nd "
-                   "finding): x ** 2 has no pole at 0; the zeros are relu's, the inf is 1270 ** 2")
 def test_energy_margin_square_overflow_is_not_blamed_on_underflowed_zeros():
     r, rep = _energy_run()
     real(r, "energy", 4)

@@ -125,7 +125,7 @@ def check_op(tr, func, args, kwargs) -> None:
             what = "raises or becomes -inf" if v < 0 else "raises or becomes inf"
             _record(tr, "mask_value_overflow", func, dtype, name, v, math.copysign(math.inf, v),
                     f"{v:g} is outside the {dname} range (max {fi.max:g}): it {what}")
-        elif short in EPS_OPS and v != 1.0 and abs(abs(v) - 1.0) < 1e-2:
+        elif short in EPS_OPS and abs(v) != 1.0 and abs(abs(v) - 1.0) < 1e-2:  # (±1 itself is exact)
             r = torch.tensor(v, dtype=dtype).item()
             if abs(r) == 1.0:
                 _record(tr, "eps_underflow", func, dtype, name, v, r,

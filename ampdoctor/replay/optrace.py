@@ -56,6 +56,19 @@ def source_line() -> str | None:
     return _fmt(_user_frame())
 
 
+def _has_pole(func, args) -> bool:
+    """Whether a zero input is the op's singular point: always for log/div/rsqrt (explain._POLES), for pow only
+    with a negative exponent (x ** 2 at 0 is 0, not inf)."""
+    if func._schema.name not in ("aten::pow", "aten::pow_"):
+        return True
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor):
+        return False
+    e = args[1]
+    if isinstance(e, torch.Tensor):
+        return bool((e < 0).any()) if e.numel() else False
+    return isinstance(e, (int, float)) and e < 0
+
+
 @dataclass
 class OpEvent:
     """One op whose output held inf/NaN that its inputs did not (`kind`: overflow or nan_origin)."""
@@ -322,7 +335,8 @@ class OpTracer:
             out_posinf=sum(int(torch.isposinf(t).sum()) for t in bad),
             out_neginf=sum(int(torch.isneginf(t).sum()) for t in bad), out_numel=sum(t.numel() for t in bad),
             absmax_in=absmax, in_dtypes=sorted({str(t.dtype).replace("torch.", "") for t in ins}),
-            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins), out_shape=list(bad[0].shape),
+            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins) if _has_pole(func, args) else 0,
+            out_shape=list(bad[0].shape),
             in_sdpa=self.sdpa_depth > 0,
             mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None
             and constants.mask_operand(args, kwargs), grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
