@@ -2,13 +2,14 @@
 APIs in use (`torch.cuda.amp.*`, apex `amp.initialize`) with their modern equivalents."""
 from __future__ import annotations
 
+import importlib
 import platform
 import re
 import sys
 
 import torch
 
-__all__ = ["collect_env", "deprecated_amp_in_use", "MODERN"]
+__all__ = ["collect_env", "deprecated_amp_in_use", "deprecated_scaler", "MODERN"]
 
 
 def collect_env(device: torch.device | str | None = None) -> dict:
@@ -39,6 +40,7 @@ MODERN = {
     "torch.cuda.amp.GradScaler": "torch.amp.GradScaler(\"cuda\")",
     "torch.cuda.amp.autocast": "torch.autocast(\"cuda\", dtype=torch.float16)",
     "torch.cpu.amp.autocast": "torch.autocast(\"cpu\", dtype=torch.bfloat16)",
+    "torch.cpu.amp.GradScaler": "torch.amp.GradScaler(\"cpu\")",
     "apex.amp.initialize": "torch.autocast(\"cuda\", dtype=torch.float16) + torch.amp.GradScaler(\"cuda\") "
                            "(apex.amp is deprecated; O2's fp32 master weights = parameters kept in fp32)",
 }
@@ -47,6 +49,8 @@ _SOURCE = [(re.compile(r"\bcuda\.amp\.autocast\b|\bfrom\s+torch\.cuda\.amp\s+imp
            (re.compile(r"\bcpu\.amp\.autocast\b"), "torch.cpu.amp.autocast"),
            (re.compile(r"\bcuda\.amp\.GradScaler\b|\bfrom\s+torch\.cuda\.amp\s+import\s+[^#\n]*\bGradScaler\b"),
             "torch.cuda.amp.GradScaler"),
+           (re.compile(r"\bcpu\.amp\.GradScaler\b|\bfrom\s+torch\.cpu\.amp\s+import\s+[^#\n]*\bGradScaler\b"),
+            "torch.cpu.amp.GradScaler"),
            (re.compile(r"\bamp\.initialize\s*\("), "apex.amp.initialize")]
 
 
@@ -67,17 +71,26 @@ def _user_source() -> str:
     return ""
 
 
+def deprecated_scaler(scaler) -> list[str]:
+    """The deprecated alias a GradScaler was made by (`torch.cuda.amp.GradScaler`, `torch.cpu.amp.GradScaler`), as a
+    one-item list, or []."""
+    if scaler is None:
+        return []
+    for dev in ("cuda", "cpu"):
+        try:
+            old = getattr(importlib.import_module(f"torch.{dev}.amp"), "GradScaler", None)
+        except ImportError:
+            continue
+        if old is not None and type(scaler) is old:
+            return [f"torch.{dev}.amp.GradScaler"]
+    return []
+
+
 def deprecated_amp_in_use(scaler=None, source: str | None = None) -> list[str]:
     """Deprecated AMP APIs in use: a `torch.cuda.amp.GradScaler` passed in, apex's `amp.initialize` already
     called, and `torch.cuda.amp.autocast`/`GradScaler` or `amp.initialize` written in the training script
     (`source`, by default the calling script's text)."""
-    found = []
-    try:
-        import torch.cuda.amp as old_amp
-        if scaler is not None and type(scaler) is getattr(old_amp, "GradScaler", None):
-            found.append("torch.cuda.amp.GradScaler")
-    except ImportError:
-        pass
+    found = deprecated_scaler(scaler)
     apex_amp = sys.modules.get("apex.amp")
     if apex_amp is not None and getattr(getattr(apex_amp, "_amp_state", None), "handle", None) is not None:
         found.append("apex.amp.initialize")

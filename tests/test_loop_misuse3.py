@@ -53,7 +53,10 @@ test_unseen_variants5), update()/unscale_ per micro-batch (test_unseen_variants5
 (test_loop_misuse2 11), the scaled loss discarded (test_unseen_variants5), the CUDA GradScaler alias
 (test_loop_misuse2 18), an epoch-end optimizer.step() flush (test_unseen_variants5).
 
-ampdoctor got wrong (strict xfails, 8 of 23; each reason says what it reported instead):
+ampdoctor got wrong (strict xfails, 8 of 23; each reason says what it reported instead). Fixed since: M5 keyword,
+both M6 (call_order reads the step's errors, and a zero_grad of the stepped optimizer between the last scaled
+backward and its unscale_/step), M10 (a clip with max_norm=inf is a norm read: a warning), M11 (the CPU alias, also
+when the scaler is found rather than given); strict xfails left: M5 positional, M7, M8.
  - M5 positional closure: only "[warning] update_spike at head step 0 (x14.2)" and "[info] skipped_steps step 3";
    the closure's scale() inside scaler.step is recorded as internal and its optimizer.step as via_scaler
    (scaled=False), so no scaler_misorder (record/monitorsink.py _opt_pre / before; rules/scaler.py call_order).
@@ -342,9 +345,6 @@ def test_m5_scaler_step_with_a_positional_closure_steps_on_rescaled_gradients():
     expect(rep, "scaler_misorder", ("error",), step=0, tag="closure-positional")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "GradScaler's RuntimeError 'Closure use is not currently supported if GradScaler is enabled.' on scaler.step is "
-    "recorded (step!) but no rule reads it: an empty report (rep.findings == [])"))
 def test_m5_scaler_step_with_a_closure_keyword_raises_and_is_named():
     m, opt, sc = setup(opt="sgd", lr=1e-3)
     rep, raised = run(m, opt, sc, closure_body(m, opt, sc, "keyword", []), steps=4)
@@ -362,10 +362,6 @@ def test_t5_twin_closure_evaluated_then_scaler_step_without_it_is_quiet():
 # ======================================================================================================================
 # M6. optimizer.zero_grad() moved between the backward and the step (the gradients are lost)
 # ======================================================================================================================
-@pytest.mark.xfail(strict=True, reason=(
-    "GradScaler's AssertionError 'No inf checks were recorded for this optimizer.' on scaler.step (the gradients "
-    "zero_grad() set to None) is recorded (step!) but call_order only reads 'No inf checks' on update(): an empty "
-    "report (rep.findings == [])"))
 def test_m6_zero_grad_between_backward_and_scaler_step_set_to_none(tmp_path):
     m, opt, sc = setup()
 
@@ -383,9 +379,6 @@ def test_m6_zero_grad_between_backward_and_scaler_step_set_to_none(tmp_path):
     assert code == 1, (code, findings[:3])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a zero_grad() between the scaled backward and unscale_/step is not checked: the weights never move in 8 steps "
-    "and the report is empty (rep.findings == [])"))
 def test_m6_zero_grad_set_to_none_false_between_backward_and_step_trains_nothing():
     m, opt, sc = setup(opt="sgd", lr=1e-2)
     w0 = [p.detach().clone() for p in m.parameters()]
@@ -552,10 +545,6 @@ def lognorm_body(m, opt, sc, ok, logged):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reported '[error] clip_before_unscale ... step 0: ... the scaled norm was clipped, so the real update is shrunk "
-    "by ~the scale factor' although max_norm=inf multiplies the gradients by 1: any clip_grad_* call counts as "
-    "clipping (rules/scaler.py clip_before_unscale), so a norm only read is an error, not a warning"))
 def test_m10_norm_logged_with_an_infinite_max_norm_before_unscale_is_a_warning():
     """max_norm=inf: clip_grad_norm_ returns the norm and multiplies the gradients by 1 (clip_coef clamped at 1):
     only the logged number is wrong (x1024), training is not. CONTRACT.md: clip_before_unscale covers a norm
@@ -581,9 +570,6 @@ def test_t10_twin_norm_logged_after_unscale_is_quiet():
 # ======================================================================================================================
 # M11. the deprecated CPU GradScaler alias, which still works on the CPU
 # ======================================================================================================================
-@pytest.mark.xfail(strict=True, reason=(
-    "the deprecated CPU GradScaler alias (FutureWarning at construction) is not recognised: env.deprecated_amp_in_use "
-    "checks only for the CUDA alias's type and source spellings; an empty report (rep.findings == [])"))
 def test_m11_deprecated_cpu_grad_scaler_alias_is_deprecated_api_info(tmp_path):
     m = net()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)

@@ -243,7 +243,10 @@ class ClipPatch:
 
     @classmethod
     def _fan_out(cls, kind: str, parameters, orig: Callable, args, kwargs, norm_arg: int | None = None):
-        toks = [(s, s.clip_before(kind, parameters)) for s in list(cls._sinks)]
+        # max_norm / clip_value (the first argument after the parameters; get_total_norm's is its norm type)
+        limit = None if kind == "get_total_norm" else (args[0] if args else kwargs.get("max_norm",
+                                                                                     kwargs.get("clip_value")))
+        toks = [(s, s.clip_before(kind, parameters, limit)) for s in list(cls._sinks)]
         d = cls._depth
         d.n = getattr(d, "n", 0) + 1
         try:

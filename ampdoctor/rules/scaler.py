@@ -2,6 +2,8 @@
 skipped_steps, clip_before_unscale, scaler_misorder, missing_scaler_update."""
 from __future__ import annotations
 
+import math
+
 from ..findings import Finding
 from ..records import CallEvent, StepRecord
 from .registry import RuleConfig, RunData, register
@@ -196,8 +198,8 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
     r, e = hits[0]
     # the first call on scaled gradients is where unscale_ belongs; a clip in the same step makes it an error
     # (get_total_norm, then clip_grads_with_norm_ with that norm)
-    clip = e if e.kind.startswith("clip_grad") else next(
-        (h for rr, h in hits if rr.step == r.step and h.kind.startswith("clip_grad")), None)
+    # (a clip_grad_norm_ with max_norm=inf clips nothing: a norm read for the logs, as get_total_norm)
+    clip = e if _clips(e) else next((h for rr, h in hits if rr.step == r.step and _clips(h)), None)
     clipping = clip is not None
     norm = e.total_norm
     then = f"; `{clip.kind}` at {_loc(clip)} then clipped with it" if clipping and clip is not e else ""
@@ -212,9 +214,14 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     "Call `scaler.unscale_(optimizer)` before clipping:\n" + ORDER, ev)]
 
 
+def _clips(e: CallEvent) -> bool:
+    return e.kind.startswith("clip_grad") and e.extra.get("max_norm") != math.inf
+
+
 _UNSCALE_TWICE = "unscale_() has already been called"
 _STEP_TWICE = "step() has already been called since the last update()"
 _NO_INF = "No inf checks were recorded"
+_CLOSURE = "Closure use is not currently supported"
 _NO_SCALE = "but _scale is None"  # GradScaler's unscale_/step/update before any scale() of this scaler
 _ITER_START = ("zero_grad", "step", "optimizer.step")  # between two unscale_s: a new iteration (a `scale` alone is
 #                                                       another micro-batch of the same one: gradient accumulation)
@@ -256,6 +263,26 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "fp16 gradients had no protection from underflow and the scaler cannot unscale or skip them.",
                 "Backpropagate the scaled loss — `scaler.scale(loss).backward()`, or the framework's own "
                 "backward (`accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`):\n" + ORDER)
+        elif e.kind == "step" and _CLOSURE in (e.error or ""):
+            add("scaler_misorder", e, f"`scaler.step(optimizer, closure)` at {_loc(e)}: GradScaler does not support "
+                "closures (it raises 'Closure use is not currently supported'); the closure's backward would run "
+                "after unscale_ and its inf check.",
+                "Run the forward and `scaler.scale(loss).backward()` yourself, then `scaler.step(optimizer)` "
+                "without the closure:\n" + ORDER)
+        elif e.kind in ("unscale_", "step") and _zeroed_after_backward(since_update, e) is not None:
+            z = _zeroed_after_backward(since_update, e)
+            lost = _NO_INF in (e.error or "")
+            add("scaler_misorder", z, f"`zero_grad()` at {_loc(z)} ran between the scaled backward and "
+                f"`scaler.{e.kind}()` at {_loc(e)}: the iteration's gradients are discarded before the step"
+                f"{' (set to None: GradScaler asserts No inf checks were recorded for this optimizer)' if lost else ', so it applies zero gradients and the model does not learn'}.",
+                "Zero the gradients at the start of the iteration (or after `scaler.update()`), never between "
+                "the backward and the step:\n" + ORDER)
+        elif e.kind == "step" and _NO_INF in (e.error or ""):
+            add("scaler_misorder", e, f"`scaler.step()` at {_loc(e)} found no gradients to check (GradScaler "
+                "asserts 'No inf checks were recorded for this optimizer'): no scaled backward reached this "
+                "optimizer's parameters in this iteration, or their gradients were cleared before the step.",
+                "Backpropagate `scaler.scale(loss)` into the optimizer's parameters before `scaler.step()`, and zero "
+                "the gradients only at the start of an iteration:\n" + ORDER)
         elif e.kind == "update" and (_NO_INF in (e.error or "") or not any(p.kind == "step" for p in since_update)):
             # unscale_ recorded this iteration's inf checks and no step follows: the loop skipped the step itself
             # (a non-finite gradient norm) and lets the scaler back off, which GradScaler supports
@@ -328,6 +355,20 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     + ORDER)
                 break
     return out
+
+
+def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallEvent | None:
+    """This optimizer's `zero_grad` after the iteration's last scaled backward and before `e` (its unscale_ or
+    step), when one came after a `scale`: the gradients the step was to apply were cleared."""
+    last_scale = max((i for i, p in enumerate(since_update) if p.kind == "scale"), default=None)
+    if last_scale is None:
+        return None
+    for p in since_update[last_scale + 1:]:
+        if p.kind == "zero_grad" and (p.opt is None or e.opt is None or p.opt == e.opt):
+            return p
+        if p.kind in ("unscale_", "step") and p.opt == e.opt:
+            return None  # (this optimizer's own unscale_ came first: the zero_grad is judged from there)
+    return None
 
 
 def _backward_after_unscale(since_update: list[CallEvent], opt) -> CallEvent | None:
