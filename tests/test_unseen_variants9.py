@@ -661,7 +661,7 @@ def test_charbonnier_eps_squared_vanishing_in_fp16_is_a_backward_failure_at_the_
     assert all(torch.isfinite(p.grad).all() for p in m.parameters())  # fp32: eps**2 keeps sqrt' finite
     m.zero_grad()
     w, skipped, losses = fp16_loop(m, batch, loss_fn, 16)
-    assert len(skipped) >= 10 and skipped[:3] == [0, 1, 2] and all(map(math.isfinite, losses)), (losses, skipped)  # most batches
+    assert len(skipped) >= 9 and skipped[:3] == [0, 1, 2] and all(map(math.isfinite, losses)), (losses, skipped)  # most batches
     rep = w.report()
     at(rep, ("loss_scale_collapse", "nan_origin", "eps_underflow", "overflow"), "smooth", step=0)
     no_error_at(rep, ("conv1", "conv2"))
