@@ -15,7 +15,7 @@ from torch import nn
 
 from . import __version__
 from .config import WatchConfig
-from .env import collect_env, deprecated_amp_in_use, process_info
+from .env import collect_env, deprecated_amp_in_use, deprecated_scaler, process_info
 from .errors import WatchError
 from .exits import OPEN, hook_exit
 from .integrations import deepspeed as _deepspeed
@@ -214,6 +214,7 @@ class Watch:
     @property
     def steps(self):
         """The StepRecords finished so far (in memory)."""
+        self.machine.flush()
         return self.machine.records
 
     def report(self, *, replay: bool = True):
@@ -351,6 +352,10 @@ class Watch:
             return False
         self.scaler, self._scaler_found = scaler, True
         self.meta.scaler = _scaler_meta(scaler)
+        env = self.meta.env
+        for name in deprecated_scaler(scaler):  # made by a deprecated alias (torch.cpu.amp.GradScaler)
+            if name not in env.setdefault("deprecated_amp", []):
+                env["deprecated_amp"].append(name)
         self._patches.append(ScalerPatch(scaler, self.machine))
         st = self.machine.st
         if getattr(scaler, "_scale", None) is not None:  # its scale() of this iteration ran before it was found

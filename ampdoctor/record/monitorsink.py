@@ -5,6 +5,7 @@ the watch off (StepMachine.fail) and never reaches the training loop."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -102,11 +103,38 @@ class MonitorCallbacks:
                 before = (st.unscaled_grads or {}).get(id(opt))
                 if before is not None and _grad_versions(opt) != before:
                     ev.extra["grads_after_unscale"] = True  # rules/scaler.py call_order: scaler_misorder
+                if stage == "UNSCALED" and not st.sampled and id(opt) in self.known_optimizers:
+                    self._stage_early(opt)
             st.in_scaler_step += 1
             if opt is not None and id(opt) not in self.known_optimizers and self.owns(opt):
                 self.known_optimizers.add(id(opt))
                 self.w.adopt_optimizer(opt)
         return (ev, opt)
+
+    def _stage_early(self, opt) -> None:
+        """A routine step's `scaler.step(opt)` after `unscale_(opt)`: stage the step's values now. On a GPU that
+        loop synchronises in GradScaler (found_inf) and at its loss.item(), so host work between the two holds the
+        GPU idle; here the GPU is still running the backward. A fused optimizer (GradScaler does not synchronise,
+        found_inf is the optimizer's) is staged inside its step, as before."""
+        st = self.st
+        if st.phase is not StepPhase.OPEN or getattr(opt, "_step_supports_amp_scaling", False):
+            return
+        fi = self._found_inf_of(opt)
+        if fi is None:
+            return
+        st.found_inf_t = fi
+        presync(self, opt, early=True)
+
+    def _found_inf_of(self, opt):
+        """What `unscale_(opt)` found this iteration, as a 1-value tensor (None when it has not run)."""
+        try:
+            fi = self.w.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+        except (AttributeError, KeyError, TypeError):
+            return None
+        if not fi:
+            return None
+        vs = [v.detach().reshape(-1) for v in fi.values()]  # fresh tensors per unscale_: no copy
+        return vs[0] if len(vs) == 1 else torch.cat([v.double() for v in vs]).sum()
 
     @_guarded
     def after(self, tok, args, kwargs, out):
@@ -139,13 +167,9 @@ class MonitorCallbacks:
                 return  # another model's optimizer on the shared scaler (a GAN's discriminator): not this step's end
             if st.clip_pending and opt is not None:
                 self._clip_was_scaled(opt)
-            try:
-                fi = self.w.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
-                if fi:
-                    vs = [v.detach().reshape(-1) for v in fi.values()]  # fresh tensors per unscale_: no copy
-                    st.found_inf_t = vs[0] if len(vs) == 1 else torch.cat([v.double() for v in vs]).sum()
-            except (AttributeError, KeyError, TypeError):
-                pass
+            fi = self._found_inf_of(opt)
+            if fi is not None:
+                st.found_inf_t = fi
             presync(self, opt)
             st.advance(StepPhase.ENDED)
             self.hr_hooks.ended()
@@ -170,10 +194,17 @@ class MonitorCallbacks:
         if self.disabled:
             return
         self.begin()
-        self.event("zero_grad", 5)
+        ev = self.event("zero_grad", 5)
+        ev.opt = self.opt_numbers.setdefault(id(optimizer), len(self.opt_numbers))
 
     @_guarded
-    def clip_before(self, kind, parameters):
+    def clip_before(self, kind, parameters, limit=None):
+        ev = self._clip_event(kind, parameters)
+        if ev is not None and isinstance(limit, (int, float)) and math.isinf(limit):
+            ev.extra["max_norm"] = math.inf  # clips nothing: the call only reads the norm (rules/scaler.py)
+        return ev
+
+    def _clip_event(self, kind, parameters):
         if self.disabled:
             return None
         ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

@@ -1,0 +1,148 @@
+"""Where the default watch's fixed per-step cost goes, by ablation: the plain step, the watch, and the watch with
+one of its pieces switched off, interleaved in one process (ratios of medians, the loop syncing every iteration
+with `loss.item()` as issue 15's nanoGPT step does). A diagnostic, not a configuration: a switched-off piece
+leaves the watch incomplete (e.g. `nostore` keeps no records), so only the timings mean anything.
+
+    python benchmarks/ablate_default.py --model nanogpt --device cuda [--watch hroff|default] [--steps 60]
+    python benchmarks/ablate_default.py --model tiny --device cpu --amp off
+
+Pieces (each a variant "<watch>-<piece>"):
+    loc      caller_location (the user's file:line of each scaler/optimizer/clip call)
+    event    CallEvent objects of the routine calls (one per call, then dropped as repeats)
+    store    storing the finished record (StepStore, spill file, run-dir line)
+    rng      the RNG state kept with each batch (for a capture's replay)
+    sums     the output trip-wire (one sum per root output)
+    keepgrad the tensor hooks that keep the gradient into small root outputs (for a capture)
+    pending  the step's one transfer (concatenation, copy, event) and its read-back
+    fwd      both root forward hooks
+    clip     the clipping functions' wrappers
+    early    (an addition, switched off = as before it) staging the step's values as scaler.step() begins
+    defer    (an addition, switched off = as before it) a routine record assembled after the next forward
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.overhead import Variant, build  # noqa: E402
+
+OFF: set = set()  # the pieces switched off for the variant now stepping
+PIECES = ("loc", "event", "store", "rng", "sums", "keepgrad", "pending", "fwd", "clip", "early", "defer")
+
+
+def _patch() -> None:
+    from ampdoctor.record import hostcopy, monitor, monitorsink, step as S, transfer as T
+    from ampdoctor.records import CallEvent
+
+    loc = S.caller_location
+    S.caller_location = lambda skip=2: (None, None) if "loc" in OFF else loc(skip + 1)
+
+    ev = S.StepMachine.event
+
+    def event(self, kind, skip=3, **kw):
+        if "event" in OFF and not self.st.sampled:
+            return CallEvent(kind=kind, step=0, index=0, **kw)  # not appended: the record holds none
+        return ev(self, kind, skip + 1, **kw)
+    S.StepMachine.event = event
+
+    store = T.store
+    T.store = lambda m, rec: None if "store" in OFF else store(m, rec)
+
+    rng = S.rng_state
+    S.rng_state = lambda: None if "rng" in OFF else rng()
+
+    flat = S.flatten_tensors
+
+    def flatten(x, out):  # _forward_post's output list: empty = no sums, no gradient hooks
+        if ("sums" in OFF or "keepgrad" in OFF) and sys._getframe(1).f_code.co_name == "_forward_post":
+            return [] if "sums" in OFF else flat(x, out)
+        return flat(x, out)
+    S.flatten_tensors = flatten
+    kg = S.keep_grad
+    S.GRAD_OUT_BYTES = S.GRAD_OUT_BYTES  # (the size test stays; the hook is what is switched off)
+    orig_reg = torch.Tensor.register_hook
+
+    def reg(self, hook):
+        if "keepgrad" in OFF and getattr(hook, "func", None) is kg:
+            return None
+        return orig_reg(self, hook)
+    torch.Tensor.register_hook = reg
+
+    class NoPending:
+        def __init__(self, parts, *a, **k):
+            self.via_scaler = k.get("via_scaler", a[1] if len(a) > 1 else False)
+            self.grads_scaled = k.get("grads_scaled", a[2] if len(a) > 2 else False)
+
+        def result(self):
+            return {}
+    P = hostcopy.Pending
+    T.Pending = lambda *a, **k: NoPending(*a, **k) if "pending" in OFF else P(*a, **k)
+
+    fpre, fpost = S.StepMachine.forward_pre, S.StepMachine.forward_post
+    S.StepMachine.forward_pre = lambda self, *a: None if "fwd" in OFF else fpre(self, *a)
+    S.StepMachine.forward_post = lambda self, *a: None if "fwd" in OFF else fpost(self, *a)
+
+    fan = monitor.ClipPatch._fan_out.__func__
+
+    def fan_out(cls, kind, parameters, orig, args, kwargs, norm_arg=None):
+        if "clip" in OFF:
+            return orig(parameters, *args, **kwargs)
+        return fan(cls, kind, parameters, orig, args, kwargs, norm_arg)
+    monitor.ClipPatch._fan_out = classmethod(fan_out)
+
+    early = monitorsink.MonitorCallbacks._stage_early
+    monitorsink.MonitorCallbacks._stage_early = lambda self, opt: None if "early" in OFF else early(self, opt)
+    defer = S.deferrable
+    S.deferrable = lambda st: False if "defer" in OFF else defer(st)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="nanogpt")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--amp", default="fp16", choices=["fp16", "bf16", "off"])
+    p.add_argument("--watch", default="hroff", choices=["hroff", "default"])
+    p.add_argument("--pieces", default=",".join(PIECES))
+    p.add_argument("--steps", type=int, default=60)
+    a = p.parse_args()
+    _patch()
+    dev = torch.device(a.device)
+    base, batches, loss_of = build(a.model, dev)
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[a.amp]
+    pieces = [x for x in a.pieces.split(",") if x]
+    runs = [("plain", "plain", ()), (a.watch, a.watch, ())] + [(f"{a.watch}-{x}", a.watch, (x,)) for x in pieces]
+    vs = []
+    for label, name, off in runs:
+        v = Variant(name, copy.deepcopy(base), dev, amp)
+        v.label, v.off = label, set(off)
+        v.install()
+        vs.append(v)
+    for i in range(a.steps + 10):
+        for v in vs:
+            OFF.clear()
+            OFF.update(v.off)
+            t = time.perf_counter()
+            v.step(batches[i % len(batches)], loss_of).item()
+            if i >= 10:
+                v.times.append(time.perf_counter() - t)
+    OFF.clear()
+    plain = statistics.median(vs[0].times)
+    watch = statistics.median(vs[1].times)
+    print(f"model={a.model} device={a.device} amp={a.amp} torch {torch.__version__} steps={a.steps}")
+    print("| variant | median ms | ratio | +ms over plain | saved vs watch (ms) |")
+    print("|---|---:|---:|---:|---:|")
+    for v in vs:
+        md = statistics.median(v.times)
+        print(f"| {v.label} | {md * 1e3:.3f} | {md / plain:.3f}x | {(md - plain) * 1e3:+.3f} | "
+              f"{(watch - md) * 1e3:+.3f} |")
+
+
+if __name__ == "__main__":
+    main()
