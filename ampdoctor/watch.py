@@ -214,7 +214,6 @@ class Watch:
     @property
     def steps(self):
         """The StepRecords finished so far (in memory)."""
-        self.machine.flush()
         return self.machine.records
 
     def report(self, *, replay: bool = True):

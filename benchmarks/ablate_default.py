@@ -16,8 +16,6 @@ Pieces (each a variant "<watch>-<piece>"):
     pending  the step's one transfer (concatenation, copy, event) and its read-back
     fwd      both root forward hooks
     clip     the clipping functions' wrappers
-    early    (an addition, switched off = as before it) staging the step's values as scaler.step() begins
-    defer    (an addition, switched off = as before it) a routine record assembled after the next forward
 """
 from __future__ import annotations
 
@@ -34,11 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.overhead import Variant, build  # noqa: E402
 
 OFF: set = set()  # the pieces switched off for the variant now stepping
-PIECES = ("loc", "event", "store", "rng", "sums", "keepgrad", "pending", "fwd", "clip", "early", "defer")
+PIECES = ("loc", "event", "store", "rng", "sums", "keepgrad", "pending", "fwd", "clip")
 
 
 def _patch() -> None:
-    from ampdoctor.record import hostcopy, monitor, monitorsink, step as S, transfer as T
+    from ampdoctor.record import hostcopy, monitor, step as S, transfer as T
     from ampdoctor.records import CallEvent
 
     loc = S.caller_location
@@ -96,11 +94,6 @@ def _patch() -> None:
             return orig(parameters, *args, **kwargs)
         return fan(cls, kind, parameters, orig, args, kwargs, norm_arg)
     monitor.ClipPatch._fan_out = classmethod(fan_out)
-
-    early = monitorsink.MonitorCallbacks._stage_early
-    monitorsink.MonitorCallbacks._stage_early = lambda self, opt: None if "early" in OFF else early(self, opt)
-    defer = S.deferrable
-    S.deferrable = lambda st: False if "defer" in OFF else defer(st)
 
 
 def main() -> None:

@@ -103,27 +103,11 @@ class MonitorCallbacks:
                 before = (st.unscaled_grads or {}).get(id(opt))
                 if before is not None and _grad_versions(opt) != before:
                     ev.extra["grads_after_unscale"] = True  # rules/scaler.py call_order: scaler_misorder
-                if stage == "UNSCALED" and not st.sampled and id(opt) in self.known_optimizers:
-                    self._stage_early(opt)
             st.in_scaler_step += 1
             if opt is not None and id(opt) not in self.known_optimizers and self.owns(opt):
                 self.known_optimizers.add(id(opt))
                 self.w.adopt_optimizer(opt)
         return (ev, opt)
-
-    def _stage_early(self, opt) -> None:
-        """A routine step's `scaler.step(opt)` after `unscale_(opt)`: stage the step's values now. On a GPU that
-        loop synchronises in GradScaler (found_inf) and at its loss.item(), so host work between the two holds the
-        GPU idle; here the GPU is still running the backward. A fused optimizer (GradScaler does not synchronise,
-        found_inf is the optimizer's) is staged inside its step, as before."""
-        st = self.st
-        if st.phase is not StepPhase.OPEN or getattr(opt, "_step_supports_amp_scaling", False):
-            return
-        fi = self._found_inf_of(opt)
-        if fi is None:
-            return
-        st.found_inf_t = fi
-        presync(self, opt, early=True)
 
     def _found_inf_of(self, opt):
         """What `unscale_(opt)` found this iteration, as a 1-value tensor (None when it has not run)."""

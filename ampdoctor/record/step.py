@@ -27,7 +27,7 @@ from .headroom import Headroom
 from .headroomhooks import HeadroomHooks
 from .hooks import GRAD_OUT_BYTES, GradTap, keep_grad, passes_on
 from .hostcopy import HostSlots
-from .transfer import assemble, deferrable, finalize, settle
+from .transfer import finalize
 from .params import checked_weights, outside_compare, outside_snapshot, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
@@ -89,7 +89,6 @@ class StepMachine(MonitorCallbacks):
             if meta.rank is not None and (meta.world_size or 1) > 1:
                 path = os.path.join(path, f"rank-{meta.rank}")
             self.writer = RunDirWriter(path, meta)
-        self._unrecorded = None  # a settled step whose record is not assembled yet (begin, flush)
         self.st = self._new_step(0)
 
     # -- step lifecycle -----------------------------------------------------------------------------
@@ -100,33 +99,12 @@ class StepMachine(MonitorCallbacks):
         return _Step(step=step, sampled=sampled)
 
     def begin(self) -> None:
-        """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step. Its values are
-        read now (what this step samples depends on them); a routine step's record is assembled once this step's
-        forward is queued (`flush`): a loop that synchronises every iteration leaves the GPU idle here, busy
-        there."""
+        """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step."""
         if self.st.phase is StepPhase.ENDED:
             t = time.perf_counter()
-            self.flush()
-            done = self.st
-            try:
-                settle(self)
-                if deferrable(done):
-                    self._unrecorded = done
-                else:
-                    assemble(self, done)
-            except Exception as e:
-                self.fail(e)
-            self.st = self._new_step(done.step + 1, time.perf_counter() - t)
+            self.finalize()
+            self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
             self.sync_module_hooks()
-
-    def flush(self) -> None:
-        """Store the record of a settled step whose assembly `begin` left for later."""
-        st, self._unrecorded = self._unrecorded, None
-        if st is not None:
-            try:
-                assemble(self, st)
-            except Exception as e:
-                self.fail(e)
 
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
     # with the root's two hooks alone (the cheapest watch is the one that is not there).
@@ -151,7 +129,6 @@ class StepMachine(MonitorCallbacks):
         self._mod_handles = []
 
     def finish_open_step(self) -> None:
-        self.flush()
         st = self.st
         # a zero_grad alone (nanoGPT's after scaler.update()) opens no step
         trained = st.phase is StepPhase.ENDED or any(e.kind != "zero_grad" for e in st.events) or st.losses \
@@ -182,12 +159,6 @@ class StepMachine(MonitorCallbacks):
         if self.disabled:
             return
         self.disabled = True
-        done, self._unrecorded = self._unrecorded, None
-        if done is not None:  # the step before keeps its record (unless its assembly is what failed)
-            try:
-                assemble(self, done)
-            except Exception:
-                pass
         self.hr.on = False
         self.remove_module_hooks()
         self.hr_hooks.remove()
@@ -325,8 +296,6 @@ class StepMachine(MonitorCallbacks):
         if module is self.root and self.hr.on and exc is None:
             self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
             self.hr.forward_done()
-        if module is self.root and not st.stack:
-            self.flush()  # the ended step's record, while the device runs this forward
         if c is None:
             return
         ins, c.grad_inputs = c.grad_inputs, None

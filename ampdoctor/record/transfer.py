@@ -25,7 +25,7 @@ from ..tensors import nonfinite_input
 from .stats import NSTAT, combine, integer_valued, vector_to_stats
 from .storage import store
 
-__all__ = ["presync", "resolve", "settle", "deferrable", "assemble", "finalize", "found_inf_all"]
+__all__ = ["presync", "resolve", "finalize", "found_inf_all"]
 
 
 def found_inf_all(m) -> None:
@@ -41,9 +41,7 @@ def found_inf_all(m) -> None:
                              slot=("late", m.st.step & 1))
 
 
-def presync(m, opt, grads_scaled: bool = False, early: bool = False) -> None:
-    """`early`: staged as `scaler.step(opt)` begins on a routine step, before GradScaler's own synchronisation
-    (StepMachine.before): found_inf is among the values (unscale_ already ran), so no gradient is read."""
+def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
     st.regions = None  # the backward is done: the walked autograd nodes need not stay referenced
     if st.phase is not StepPhase.OPEN:
@@ -64,7 +62,7 @@ def presync(m, opt, grads_scaled: bool = False, early: bool = False) -> None:
     if isinstance(st.found_inf_t, torch.Tensor):
         parts.append(("found_inf", st.found_inf_t))
     via_scaler = st.in_scaler_step > 0
-    need_grad_check = not early and (st.sampled or m.w.scaler is None or not via_scaler)
+    need_grad_check = st.sampled or m.w.scaler is None or not via_scaler
     if st.grad_parts is not None:  # measured right after unscale_ (already unscaled)
         st.param_names, amax, l2 = st.grad_parts
         parts += [("g_amax", amax), ("g_l2", l2)]
@@ -222,29 +220,12 @@ def _stats_for(c, slot, rows):
     return combine(lst)
 
 
-def settle(m) -> None:
-    """The open step's values read (staged first if they were not): whether it went bad, and its capture. What
-    the next step samples depends on it (autocapture.CapturePolicy)."""
+def finalize(m) -> None:
     st = m.st
     if st.phase is StepPhase.OPEN:
         presync(m, None)
     resolve(m)
     st.advance(StepPhase.FINAL)
-
-
-def deferrable(st) -> bool:
-    """Whether the settled step's record may be assembled later (StepMachine.flush): a routine step with nothing
-    left on the device to read (a sampled step's update results are read there, a synchronisation)."""
-    return not st.sampled and not st.upd and st.late is None
-
-
-def finalize(m) -> None:
-    settle(m)
-    assemble(m, m.st)
-
-
-def assemble(m, st) -> None:
-    """The settled step `st` as a StepRecord: stored, and handed to the sinks."""
     s = st.synced
     rows = s["rows"]
     w_bad = s.get("w_bad") or {}
