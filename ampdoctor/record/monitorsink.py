@@ -184,8 +184,13 @@ class MonitorCallbacks:
     @_guarded
     def clip_before(self, kind, parameters, limit=None):
         ev = self._clip_event(kind, parameters)
-        if ev is not None and isinstance(limit, (int, float)) and math.isinf(limit):
+        if ev is None:
+            return None
+        if isinstance(limit, (int, float)) and math.isinf(limit):
             ev.extra["max_norm"] = math.inf  # clips nothing: the call only reads the norm (rules/scaler.py)
+        if self.w.scaler is None and kind in ("clip_grad_norm_", "clip_grad_norm") and not isinstance(
+                parameters, torch.Tensor) and self._model_param_ids().issubset(map(id, parameters)):
+            self.st.full_clip = ev  # its total norm is finite iff every gradient of the model is (presync)
         return ev
 
     def _clip_event(self, kind, parameters):
@@ -253,6 +258,8 @@ class MonitorCallbacks:
             return
         if isinstance(out, torch.Tensor) and out.numel() == 1:  # read with the step's one transfer
             # (FSDP2: a replicated DTensor; any float dtype: the step's transfer concatenates into the widest)
+            if ev is self.st.full_clip:
+                self.st.full_norms.append(len(self.st.norms))
             self.st.norms.append((ev, local(out.detach()).reshape(())))
 
     def global_opt_pre(self, opt, args, kwargs):

@@ -81,6 +81,9 @@ class _Step:
     events: list = field(default_factory=list)
     norms: list = field(default_factory=list)  # (CallEvent, 0-d device tensor): a gradient norm a call returned,
     #                                            kept out of the event until the transfer fills its total_norm
+    full_clip: object = None  # without a scaler: the clip event whose parameters held all of the model's
+    full_norms: list = field(default_factory=list)  # indexes into norms of such clips' total norms (presync)
+    grad_by_norm: bool = False  # the routine gradient check reads those norms first (transfer.resolve)
     scale_t: object = None
     found_inf_t: object = None
     grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (params.grads_after_unscale)

@@ -66,6 +66,10 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     if st.grad_parts is not None:  # measured right after unscale_ (already unscaled)
         st.param_names, amax, l2 = st.grad_parts
         parts += [("g_amax", amax), ("g_l2", l2)]
+    elif need_grad_check and not st.sampled and st.full_norms and m.w.scaler is None:
+        # a clip over every parameter returned the total norm: it is read first, and the per-parameter abs-max only
+        # when it is not finite (resolve runs right after this, before the optimizer step: no scaler, no async)
+        st.grad_by_norm = True
     else:
         names, grads = model_grads(m) if need_grad_check else ([], [])
         st.param_names = names
@@ -137,10 +141,18 @@ def resolve(m) -> None:
         found_inf = 0.0  # GradScaler only calls a plain optimizer's step when no inf was found
     div = scale if (grads_scaled and scale and st.grad_parts is None) else 1.0
     g_amax, g_l2 = host.get("g_amax", []), host.get("g_l2", [])
-    if div != 1.0:
+    if st.grad_by_norm:  # (presync) the total norm of a clip over every parameter, read before any gradient
+        if all(math.isfinite(v) for j in st.full_norms for v in host.get(f"norm{j}", [math.nan])):
+            g_amax = None
+        else:
+            names, grads = model_grads(m)
+            st.param_names = names
+            g_amax = norms(grads, math.inf).tolist() if grads else []
+    if div != 1.0 and g_amax is not None:
         g_amax, g_l2 = [v / div for v in g_amax], [v / div for v in g_l2]
     losses = host.get("loss", [])
-    grad_finite = all(map(math.isfinite, g_amax)) if g_amax else None
+    grad_finite = True if g_amax is None else all(map(math.isfinite, g_amax)) if g_amax else None
+    g_amax = g_amax or []
     out_sums = host.get("out_ok", [])
     out_ok, i = [], 0  # per micro-batch: were all of its output sums finite?
     # an output whose sums are finite or -inf held no +inf or NaN: -inf only, a mask (an RL policy's illegal
