@@ -75,9 +75,11 @@ class RunDirWriter:
         warnings.warn(f"ampdoctor: cannot write the run directory {self.path!r} ({e}); records stay in memory "
                       "only. Training is not affected.", RuntimeWarning, stacklevel=3)
 
-    def append(self, rec: StepRecord) -> None:
+    def append(self, rec: StepRecord) -> bytes | None:
+        """Write `rec` as one line; returns that line (StepStore spills it as it is), or None when nothing was
+        written."""
         if not self.ok or self._fd is None:
-            return
+            return None
         try:
             d = rec.to_dict()
             d["run"] = self.run
@@ -85,9 +87,11 @@ class RunDirWriter:
             n = os.write(self._fd, data)   # one write on O_APPEND: lines of concurrent writers never interleave
             while n < len(data):           # a short write (disk full, signal): finish the line
                 n += os.write(self._fd, data[n:])
+            return data
         except OSError as e:
             self.close()
             self._degrade(e)
+            return None
 
     def end(self) -> None:
         """The run's end line (`{"run": i, "end": true}`): the watch was closed, by close() or at interpreter exit. A

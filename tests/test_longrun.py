@@ -76,3 +76,29 @@ def test_every1_detail_thinned_counts_kept():
     cold = len(st) - len(st._hot)   # spilled records are what the run directory got; newer ones keep detail
     assert [r.to_dict() for r in back[:cold]] == out.lines[:cold]
     assert [r.step for r in back[cold:]] == [d["step"] for d in out.lines[cold:]]
+
+
+def test_spilled_records_read_back_as_the_run_dir_holds_them(tmp_path):
+    """Older records spill to a temporary file (the run-dir line of the same record, written once): read back from
+    there they equal what the run directory holds, step by step."""
+    from ampdoctor.rundir import read_run
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu", init_scale=64.0)
+    x = torch.randn(2, 4)
+    rd = tmp_path / "spill"
+    with ampdoctor.watch(m, opt, sc, run_dir=rd, every=40) as w:
+        for i in range(MEMORY_STEPS + 10):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            sc.scale(loss).backward()
+            sc.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            sc.step(opt)
+            sc.update()
+    recs = w.steps
+    assert len(recs._offsets) > 0  # some did spill
+    _, on_disk = read_run(str(rd))
+    assert [r.to_dict() for r in recs] == [r.to_dict() for r in on_disk]

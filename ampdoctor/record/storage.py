@@ -58,6 +58,7 @@ class StepStore(Sequence):
     def __init__(self, initial=(), hot: int = MEMORY_STEPS):
         self._hot: list[StepRecord] = []
         self._slim: list = []                # per hot record: the thinned record to spill, or None (keep it)
+        self._lines: list = []               # per hot record: the run-dir line written for it (the same record), or None
         self._hot_max = max(int(hot), 1)
         self._offsets = array("q")
         self._spill = None
@@ -90,10 +91,10 @@ class StepStore(Sequence):
             keep = keeps_detail(self._sampled, self._since_bad, rec)
             self._sampled += bool(rec.sampled)
         slim = None if keep else _slim(rec, repeats)
-        if writer is not None:
-            writer.append(slim or rec)
+        line = writer.append(slim or rec) if writer is not None else None
         self._hot.append(rec)
         self._slim.append(slim)
+        self._lines.append(line)
         if len(self._hot) > self._hot_max:
             self._spill_oldest(max(self._hot_max // 4, 1))
 
@@ -104,10 +105,12 @@ class StepStore(Sequence):
             self._spill = tempfile.TemporaryFile(prefix="ampdoctor-steps-")
         f = self._spill
         f.seek(0, 2)
-        for rec, slim in zip(self._hot[:n], self._slim[:n]):
+        for rec, slim, line in zip(self._hot[:n], self._slim[:n], self._lines[:n]):
             self._offsets.append(f.tell())
-            f.write(json.dumps((slim or rec).to_dict(), separators=(",", ":")).encode() + b"\n")
-        del self._hot[:n], self._slim[:n]
+            # the run-dir line of the same record when there is one (its "run" key is ignored on reading)
+            f.write(line if line is not None else json.dumps((slim or rec).to_dict(), separators=(",", ":")).encode()
+                    + b"\n")
+        del self._hot[:n], self._slim[:n], self._lines[:n]
 
     # ---------------------------------------------------------------------------------------------- reading
     def __len__(self) -> int:
