@@ -133,10 +133,13 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             g.evidence.get("observed_step") not in (None, g.step) and by_step.get(g.step) == cap)
         if g.rule not in ("overflow", "nan_origin") or g.severity == "info" or (g.module is None and not unlocated):
             continue
-        ev = next((o for o in ops if (o.get("phase") == g.phase or unlocated) and o.get("kind") in ("overflow", "nan_origin")
-                   and o.get("module") is not None and (unlocated or o["module"] == g.module or
-                                                        o["module"].startswith(g.module + ".") or not g.module)),
-                  None)
+        # (an op whose inf a later op absorbed, e.g. a softcap's tanh, made nothing of the step's; an unlocated
+        # finding takes the replay's first op of its own phase, else of any)
+        cands = [o for o in ops if o.get("kind") in ("overflow", "nan_origin") and o.get("module") is not None
+                 and not o.get("absorbed") and (unlocated or o["module"] == g.module
+                                                or o["module"].startswith(g.module + ".") or not g.module)]
+        ev = next((o for o in cands if o.get("phase") == g.phase), None) or (
+            next(iter(cands), None) if unlocated else None)
         if ev is None:
             continue
         rule = "overflow" if ev["kind"] == "overflow" else "nan_origin"

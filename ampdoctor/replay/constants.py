@@ -65,7 +65,7 @@ def _scalars(func, args, kwargs):
     for i, a in enumerate(func._schema.arguments):
         v = args[i] if i < len(args) else kwargs.get(a.name)
         if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu" and v.is_floating_point() \
-                and v.dtype in (torch.float64, torch.float32):
+                and v.dtype in (torch.float64, torch.float32) and not v.requires_grad:  # (a Parameter is no constant)
             v = float(v)  # a Python number reaches dispatch as a 0-dim CPU tensor (a "wrapped number")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or a.name == "alpha":
             continue

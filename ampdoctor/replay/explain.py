@@ -143,7 +143,7 @@ def _pole_underflow(e: OpEvent, fix: dict | None, device: str, step, severity: s
     mods = ", ".join(f"`{module_label(m)}`" for m in fix.get("modules") or []) or _where(e.module)
     msg = (f"the zeros that {e.op} in {_where(e.module)} turned into {_inf_sign(e)} are not zero in fp32 (running "
            f"{mods} in fp32 keeps the step finite): they underflowed or rounded to exactly 0 in low precision — a "
-           f"saturated sigmoid gives 1 - p == 0 (fp16 sigmoid is exactly 1.0 above ~7.6), a softmax probability "
+           f"saturated sigmoid gives 1 - p == 0 (fp16 sigmoid is exactly 1.0 from ~8.3), a softmax probability "
            f"below 6e-8 becomes 0 (in {dt}: {e.in_zeros} zero input{'s' if e.in_zeros != 1 else ''})")
     fx = ("use the fused, stable form that never meets the zero: `F.logsigmoid(x)` / "
           "`F.binary_cross_entropy_with_logits(logits, y)` instead of log(sigmoid(x)) / log(1 - sigmoid(x)), "
@@ -194,7 +194,8 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
                   "finfo(float32).min), or do the masking in fp32: `scores.float().masked_fill(mask, -1e9)`")
         else:
             v = c["value"]
-            what = (f"the bound {v!r} (1 - {1 - abs(v):.0e})" if abs(abs(v) - 1) < 1e-2 else f"eps {v!r}")
+            d = abs(v) - 1
+            what = (f"the bound {v!r} (1 {'+' if d > 0 else '-'} {abs(d):.0e})" if abs(d) < 1e-2 else f"eps {v!r}")
             msg = f"{c['op']} in {where} uses {what}, which {c['detail'].split(' ', 1)[1]}: the guard does nothing"
             fx = ("use an eps that exists in the working dtype (e.g. `torch.finfo(x.dtype).eps`, or ≥ 6.1e-5 for "
                   "fp16), or compute this in fp32 (e.g. `F.normalize(x.float(), dim=-1).to(x.dtype)`)")

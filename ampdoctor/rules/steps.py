@@ -131,9 +131,13 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
             continue
         # (NaN made downstream of a gradient that reached the model's output already inf is the scaled loss
         # gradient overflowing, the search itself, not a NaN the model makes)
-        nan_made = sum(1 for r in s if r.backward_producer is not None and r.backward_producer.kind == "nan"
-                       and not _output_grad_overflowed(r))
-        if nan_made >= 3 and not ended:
+        made = [r.backward_producer is not None and r.backward_producer.kind == "nan"
+                and not _output_grad_overflowed(r) for r in s]
+        nan_made = sum(made)
+        # (a streak still running at the run's end whose every recorded step made NaN, twice or more: the steps
+        # between samples saw only the trip-wire, so three in a row may never all be recorded)
+        recorded = [k for k, r in zip(made, s) if r.sampled]
+        if not ended and (nan_made >= 3 or len(recorded) >= 2 and all(recorded)):
             continue
         if first_good is not None and s[0].step > first_good and not later_ok:
             continue
@@ -144,12 +148,26 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
 def absorbed(recs: list[StepRecord]) -> bool:
     """Non-finite forward values that never reached the loss or the outputs: no step of the group had a
     non-finite loss, output or crash, and either the values were only -inf (a mask: what the backward does is
-    the backward's business) or at least one step was stepped with finite gradients."""
+    the backward's business), or at least one step was stepped with finite gradients, or every step's skip had a
+    backward producer of its own elsewhere."""
     if any(r.loss_finite is False or r.output_finite is False or r.exception for r in recs):
         return False
     if all(not r.forward_bad for r in recs):  # only -inf (a mask), and the forward ended finite
         return True
-    return any(not r.skipped and r.grad_finite is not False and (r.loss_finite or r.output_finite) for r in recs)
+    if any(not r.skipped and r.grad_finite is not False and (r.loss_finite or r.output_finite) for r in recs):
+        return True
+    # every step was skipped, each for a backward producer elsewhere (a module the forward producer's gradient
+    # passed through finite: its own backward took the inf in stride), e.g. a softcap's tanh absorbing lm_head's inf
+    # while a norm's backward overflowed further down
+    return all(r.skipped and r.backward_producer is not None and r.forward_producer is not None
+               and not _related(r.backward_producer.module, r.forward_producer.module) for r in recs)
+
+
+def _related(a: str | None, b: str | None) -> bool:
+    """One module is the other or contains it (None: the whole model)."""
+    if a is None or b is None:
+        return True
+    return a == b or a == "" or b == "" or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def absorbed_modules(steps: list[StepRecord]) -> set[str]:
