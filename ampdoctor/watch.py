@@ -221,7 +221,7 @@ class Watch:
         a capture of the first bad step is re-run in-process with op-level instrumentation when the model
         is still available, and its op-level findings are merged in."""
         from .analysis import build_report
-        self.machine.finish_open_step()
+        self.machine.finish_open_step(mid_run=not self._closed)
         rep = build_report(self.meta, list(self.machine.records), run_dir=self.run_dir)
         if replay:
             from .analysis import merge_replay

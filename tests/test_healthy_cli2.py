@@ -606,9 +606,6 @@ def steps_counted(runs, name):
     return d["summary"]["steps"], inproc, d["timeline"]
 
 
-@pytest.mark.xfail(strict=True, reason="the iteration that ends after the scaled backward, before scaler.step, is "
-                   "reported as a 31st step: summary 'Healthy: no problems found in 31 step(s).', the timeline's "
-                   "step 30 a regular step (loss 0.47, scale 65536.0, skipped false) although no optimizer step ran")
 def test_partial_last_iteration_is_not_counted_as_a_step(runs):
     cli_steps, inproc, timeline = steps_counted(runs, "partial_last_iteration")
     assert (cli_steps, inproc["a"]) == (30, 30), (cli_steps, inproc, timeline[-2:])
@@ -645,11 +642,6 @@ def test_report_between_backward_and_step(runs):
     check(runs, "report_mid_iteration", inproc=["mid", "end"], count=False)
 
 
-@pytest.mark.xfail(strict=True, reason="w.report() between scaler.scale(loss).backward() and scaler.step(opt) at "
-                   "iteration 10 splits that iteration into two step records: step 10 (loss, scale 65536, no "
-                   "optimizer step) and step 11 (loss None, scale None: step/unscale_/optimizer.step/update); every "
-                   "later step is numbered one past its optimizer step and the CLI says 'Healthy: no problems found "
-                   "in 31 step(s).' (in-process: 31) for 30 optimizer steps")
 def test_report_between_backward_and_step_keeps_step_numbers(runs):
     cli_steps, inproc, timeline = steps_counted(runs, "report_mid_iteration")
     assert (cli_steps, inproc["end"]) == (30, 30), (cli_steps, inproc, timeline[9:13])

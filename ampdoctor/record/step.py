@@ -9,6 +9,7 @@ everything crosses to the host in one transfer; the record is finished when the 
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 import warnings
@@ -28,7 +29,7 @@ from .headroomhooks import HeadroomHooks
 from .hooks import GRAD_OUT_BYTES, GradTap, keep_grad, passes_on
 from .hostcopy import HostSlots
 from .transfer import finalize
-from .params import checked_weights, outside_compare, outside_snapshot, weight_amax
+from .params import checked_weights, model_grads, norms, outside_compare, outside_snapshot, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
                        input_writes, is_sharded, loss_of, module_type, rng_state, tb_location, tb_module)
@@ -128,16 +129,31 @@ class StepMachine(MonitorCallbacks):
             h.remove()
         self._mod_handles = []
 
-    def finish_open_step(self) -> None:
+    def finish_open_step(self, mid_run: bool = False) -> None:
+        """`mid_run`: a report taken while training goes on (Watch.report before close)."""
         st = self.st
         # a zero_grad alone (nanoGPT's after scaler.update()) opens no step
         trained = st.phase is StepPhase.ENDED or any(e.kind != "zero_grad" for e in st.events) or st.losses \
             or st.micro or st.exception
         if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
+            if (st.phase is StepPhase.OPEN and st.exception is None and (mid_run or self.records)
+                    and self._clean_open()):
+                # an iteration not (yet) at its optimizer step, nothing non-finite in it: a report taken inside it
+                # leaves it to the iteration; at the end it is no step (a loop that stopped after the backward)
+                return
             self.finalize()
             self.st = self._new_step(st.step + 1)
             if not self.w.closed:
                 self.sync_module_hooks()
+
+    def _clean_open(self) -> bool:
+        """The open step's losses, outputs and gradients so far are all finite (read now: a report or a close)."""
+        st = self.st
+        vals = [t for t in st.losses] + [t for sums, _ in st.out_ok for t in sums]
+        if any(not bool(torch.isfinite(t).all()) for t in vals):
+            return False
+        _, grads = model_grads(self)
+        return not grads or bool(torch.isfinite(norms(grads, math.inf)).all())
 
     def finish(self) -> None:
         if not self.disabled:
