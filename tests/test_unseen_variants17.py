@@ -39,7 +39,8 @@ begins mid-run) among the first three findings. Twins: no warning, no error.
 Healthy twins: the linear probe with its head kept in fp32; the cosine fine-tune with fp32 weights under bf16
 autocast; the token-normalised loss with a default GradScaler; the same documents through F.normalize.
 
-What ampdoctor got wrong (strict xfails, 3 of 12):
+What ampdoctor got wrong (strict xfails, 3 of 12; fixed since: 8, a scale pinned at 8 or below no longer hides backward
+underflow):
  3. `.half()` at step 5 after the watch began: an empty report, also at every=1. The parameters' dtypes are read once
     when the watch begins (ampdoctor/watch.py Watch._build_meta -> meta.params, which rules/weights.py
     fp16_master_weights reads; ampdoctor/record/step.py StepMachine.__init__ `param_info`, so the step records still
@@ -522,12 +523,6 @@ def _denoise_grads(m, scale, autocast):
     return {n: q.grad.float() / scale for n, q in p.named_parameters()}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor reports nothing (an empty report, also at every=1) although the sampled steps record 100% subnormal "
-    "gradients into the root and `out` and all-zero ones into every module of `enc`: rules/numeric.py underflow() "
-    "skips backward statistics whenever the run has a GradScaler ('the scaler's job'), the scale timeline sees no "
-    "skip and no collapse (scale 1.0 >= 1e-4), and vanished_gradient needs the output gradient to be all zeros (it "
-    "is subnormal, not zero)"))
 def test_grad_scaler_pinned_at_scale_1_flushes_the_encoder_gradients_of_a_residual_denoiser():
     torch.manual_seed(0)
     m = Denoiser()

@@ -137,8 +137,9 @@ class StepMachine(MonitorCallbacks):
             or st.micro or st.exception
         if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
             if (st.phase is StepPhase.OPEN and st.exception is None and (mid_run or self.records)
-                    and self._clean_open()):
-                # an iteration not (yet) at its optimizer step, nothing non-finite in it: a report taken inside it
+                    and not any(e.error for e in st.events) and self._clean_open()):
+                # an iteration not (yet) at its optimizer step, nothing non-finite in it and no call that raised
+                # (a scaler error the loop caught): a report taken inside it
                 # leaves it to the iteration; at the end it is no step (a loop that stopped after the backward)
                 return
             self.finalize()

@@ -79,6 +79,9 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
 _NEGLIGIBLE_BELOW = 2.0 ** -3
 
 
+_PINNED_LOW = 8.0  # a GradScaler scale at or below this leaves small gradients as they would be without one
+
+
 @register("underflow", emits=("underflow",))
 def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Gradients (or activations) whose nonzero values mostly fall below the normal range of fp16."""
@@ -92,8 +95,10 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             for phase, s in (("backward", c.gout), ("forward", c.out)):
                 if s is None or s.ref != "float16" or (phase, c.module) in done:
                     continue
-                if phase == "backward" and run.has_scaler:
-                    continue  # keeping gradients out of the subnormal range is the scaler's job (see collapse)
+                if phase == "backward" and run.has_scaler and not (r.scale is not None and r.scale <= _PINNED_LOW):
+                    # keeping gradients out of the subnormal range is the scaler's job (see collapse); at a scale
+                    # of a few at most (an init_scale of 1 with growth off) it is not doing it
+                    continue
                 if phase == "forward" and any(k in c.type for k in ("Dropout", "Softmax", "Identity")):
                     continue  # probabilities: tiny values are expected there
                 nz = s.nonzero_finite
@@ -112,6 +117,9 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue
             if not fl:
                 continue
+            # (a gradient held in fp16 is where the flush happens; an fp32 one measured against fp16, e.g. into an
+            # fp32 output, only says the fp16 one behind it will flush)
+            fl = [f for f in fl if f[2].dtype == "float16"] or fl
             first = min(fl, key=lambda f: (f[1].bseq if phase == "backward" and f[1].bseq is not None else f[1].seq))
             same = [f for f in fl if f[2].to_dict() == first[2].to_dict()]
             _, c, s, share = max(same, key=lambda f: f[1].depth)
