@@ -40,7 +40,7 @@ Healthy twins: the linear probe with its head kept in fp32; the cosine fine-tune
 autocast; the token-normalised loss with a default GradScaler; the same documents through F.normalize.
 
 What ampdoctor got wrong (strict xfails, 3 of 12; fixed since: 8, a scale pinned at 8 or below no longer hides backward
-underflow):
+underflow; 3, a sampled step's record has each parameter's dtype as it is then):
  3. `.half()` at step 5 after the watch began: an empty report, also at every=1. The parameters' dtypes are read once
     when the watch begins (ampdoctor/watch.py Watch._build_meta -> meta.params, which rules/weights.py
     fp16_master_weights reads; ampdoctor/record/step.py StepMachine.__init__ `param_info`, so the step records still
@@ -214,11 +214,6 @@ def test_healthy_twin_linear_probe_with_the_head_kept_in_fp32_is_quiet():
 # ======================================================================================================================
 # 3. fp32 training whose validation hook casts the model `.half()` for fast evaluation at step 5 and never back
 # ======================================================================================================================
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor reports nothing (an empty report, also at every=1): the parameters' dtypes are read once when the "
-    "watch begins (watch.py Watch._build_meta -> meta.params, read by rules/weights.py fp16_master_weights; "
-    "record/step.py StepMachine.param_info): the optimizer stepping them in fp16 from step 5 is never seen, and the "
-    "step records still list them as float32"))
 def test_fast_fp16_eval_hook_leaves_the_model_in_fp16_and_training_goes_on_without_a_master_copy():
     torch.manual_seed(0)
     m = Tabular()

@@ -65,6 +65,8 @@ class StepMachine(MonitorCallbacks):
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
         self.param_info = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in self.params}
+        self.param_by_name = dict(self.params)
+        self._dtype0 = self.params[0][1].dtype if self.params else None  # (a cast of the model: _new_step)
         self.sharded = {n for n, p in self.params if is_sharded(p)}  # FSDP2: norms are per-shard until merged
         self.param_modules: dict[str, int] = {}
         for n, p in self.params:
@@ -95,6 +97,11 @@ class StepMachine(MonitorCallbacks):
     # -- step lifecycle -----------------------------------------------------------------------------
     def _new_step(self, step: int, tail: float = 0.0) -> _Step:
         """`tail`: the seconds the ended step's finalisation took (the headroom budget counts them to it)."""
+        if self.params and self.params[0][1].dtype is not self._dtype0:
+            # the model was cast (`.half()` after an fp16 evaluation, `.to(bfloat16)`): this step is sampled, so
+            # its record has every parameter's dtype as it is now (rules/weights.py fp16_master_weights)
+            self._dtype0 = self.params[0][1].dtype
+            self.policy.followup = max(self.policy.followup, 1)
         sampled = self.policy.sampled(step)
         self.hr_hooks.start(sampled, tail)  # whether this step records the headroom series (headroomhooks.py)
         return _Step(step=step, sampled=sampled)

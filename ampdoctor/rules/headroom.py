@@ -275,8 +275,14 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
     root = next((i for i, m in enumerate(mods) if m[0] == ""), None)
     for phase in ("forward", "backward"):
         pts = {i: series(run, i, phase) for i in range(len(mods))}
-        fitting = _fitting(run, pts[root]) if phase == "forward" and root is not None else None
-        warn = {i: w for i, p in pts.items() if (w := _first_warning(p, cfg, fitting)) is not None}
+        fitting = _fitting(run, pts[root]) if phase == "forward" and root is not None and pts[root] else None
+        # a root whose output is not read (fp32: `.float()` logits, a returned loss): the model's prediction is
+        # the last module in forward order that has a series, its own reference
+        last = None if fitting is not None or phase != "forward" else max(
+            (i for i, p in pts.items() if p), key=lambda i: order.get(mods[i][0], -1), default=None)
+        warn = {i: w for i, p in pts.items()
+                if (w := _first_warning(p, cfg, fitting if last is None else _fitting(run, p) if i == last
+                                        else None)) is not None}
         # a parent whose child warns too only passes the child's value on
         warn = {i: w for i, w in warn.items()
                 if not any(j != i and _inside(mods[j][0], mods[i][0]) for j in warn)}

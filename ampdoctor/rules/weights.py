@@ -43,7 +43,13 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # fp16 model whose optimizer steps fp32 master copies (the classic mixed-precision recipe) updates none
     updated = {p.name for r in run.steps for p in r.params if p.update_sampled > 0} \
         if any(p[4] is None for p in run.meta.params) else set()
-    low = [p for p in run.meta.params if p[2] in ("float16",) and p[0] in trained
+    # (a parameter the run made fp16 after the watch began, as a sampled step's record has it: from that step)
+    became = {}
+    for r in run.steps:
+        for p in r.params:
+            if p.dtype == "float16" and p.name not in became:
+                became[p.name] = r.step
+    low = [p for p in run.meta.params if (p[2] in ("float16",) or p[0] in became) and p[0] in trained
            and (p[4] is True or p[4] is None and p[0] in updated)]
     err_ev = next(((r, e) for r in run.steps for e in r.events if _FP16_GRADS in (e.error or "")), None)
     if not low and err_ev is None:
@@ -69,7 +75,10 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
                         f"fp16 parameters ({', '.join(names[:3])}{'…' if len(names) > 3 else ''}), so there is no "
                         "fp32 master copy.", fix, ev)]
     sev = "error" if run.has_scaler else "warning"
-    return [Finding("fp16_master_weights", sev, "optimizer", module, None, run.steps[0].step if run.steps else None,
+    at = run.steps[0].step if run.steps else None
+    if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
+        at = min(became[n] for n in names)
+    return [Finding("fp16_master_weights", sev, "optimizer", module, None, at,
                     f"The optimizer updates {len(names)} fp16 parameter(s) ({share:.0%} of the weights) directly: "
                     "no fp32 master copy, so small updates round away"
                     + (f" and {run.meta.optimizer.get('class')}'s moments lose precision."
