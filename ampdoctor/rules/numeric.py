@@ -79,7 +79,8 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
 _NEGLIGIBLE_BELOW = 2.0 ** -3
 
 
-_PINNED_LOW = 8.0  # a GradScaler scale at or below this leaves small gradients as they would be without one
+_PINNED_SHARE = 0.9
+_PINNED_LOW = 8.0  # a GradScaler whose scale never rises above this leaves small gradients as they would be
 
 
 @register("underflow", emits=("underflow",))
@@ -87,6 +88,8 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Gradients (or activations) whose nonzero values mostly fall below the normal range of fp16."""
     out: list[Finding] = []
     done: set[tuple[str, str]] = set()
+    scales = [r.scale for r in run.steps if r.scale is not None]
+    pinned = bool(scales) and max(scales) <= _PINNED_LOW
     for r in run.steps:
         if r.forward_bad or (run.has_scaler and r.scale is not None and r.scale < 1.0):
             continue  # gradients of NaN activations, or of a collapsed scale: consequences, reported elsewhere
@@ -95,9 +98,9 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             for phase, s in (("backward", c.gout), ("forward", c.out)):
                 if s is None or s.ref != "float16" or (phase, c.module) in done:
                     continue
-                if phase == "backward" and run.has_scaler and not (r.scale is not None and r.scale <= _PINNED_LOW):
-                    # keeping gradients out of the subnormal range is the scaler's job (see collapse); at a scale
-                    # of a few at most (an init_scale of 1 with growth off) it is not doing it
+                if phase == "backward" and run.has_scaler and not pinned:
+                    # keeping gradients out of the subnormal range is the scaler's job (see collapse); a scale
+                    # that stays at a few at most all run (an init_scale of 1 with growth off) is not doing it
                     continue
                 if phase == "forward" and any(k in c.type for k in ("Dropout", "Softmax", "Identity")):
                     continue  # probabilities: tiny values are expected there
@@ -109,7 +112,10 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     # next to values this large the subnormal ones are below fp16's resolution anyway; and an
                     # fp32 output (an fp16 activation times an fp32 LayerScale gain) holds its tiny values exactly
                     continue
-                if share >= (cfg.underflow_share if phase == "backward" else 0.5):
+                need = cfg.underflow_share if phase == "backward" else 0.5
+                if phase == "backward" and run.has_scaler:
+                    need = max(need, _PINNED_SHARE)  # (a pinned scaler: most of them, not a tail of small ones)
+                if share >= need:
                     flagged.append((phase, c, s, share))
         for phase in ("backward", "forward"):
             fl = [f for f in flagged if f[0] == phase]
