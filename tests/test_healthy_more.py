@@ -174,10 +174,11 @@ def _grow_run(losses, root_carries=True, grow_hidden=False):
     steps = []
     for s, loss in enumerate(losses):
         v = 300.0 * 1.15 ** s
-        fwd = [v if root_carries else None, v / 4 if grow_hidden else 3.0, None, v]
+        root = v if root_carries is True else 5.0 if root_carries == "other" else None
+        fwd = [root, v / 4 if grow_hidden else 3.0, None, v]
         steps.append(StepRecord(step=s, scale=1.0, loss=loss, loss_finite=True,
                                 headroom={"fwd": fwd, "bwd": [None] * 4,
-                                          "dtype": ("h" if root_carries else "-") + "h-h"}))
+                                          "dtype": ("-" if root is None else "h") + "h-h"}))
     return RunData(RunMeta(modules=MODS, scaler={"enabled": True}), steps)
 
 
@@ -189,8 +190,10 @@ def test_output_growing_while_the_loss_rises_still_warns():
 def test_output_growing_while_the_loss_falls_is_a_fit_but_an_inner_layer_still_warns():
     falling = [100.0 * 0.95 ** s for s in range(40)]
     assert headroom_trend(_grow_run(falling), RuleConfig()) == []
-    # not the model's output (the root returns something else): judged on its headroom alone
-    assert [x.module for x in headroom_trend(_grow_run(falling, root_carries=False), RuleConfig())] == ["out"]
+    # not the model's output (the root returns an fp16 value of its own): judged on its headroom alone
+    assert [x.module for x in headroom_trend(_grow_run(falling, root_carries="other"), RuleConfig())] == ["out"]
+    # a root whose output is not read (fp32 logits, a returned loss): the last layer is the prediction, a fit
+    assert headroom_trend(_grow_run(falling, root_carries=False), RuleConfig()) == []
     # an inner layer growing at the same rate is named on its own
     f = headroom_trend(_grow_run(falling, grow_hidden=True), RuleConfig())
     assert [x.module for x in f] == ["hidden"]

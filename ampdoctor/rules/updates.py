@@ -27,7 +27,7 @@ _HUGE = 1e3
 _ADAM_MAX_STEP = 4.0   # Adam's per-element step is at most ~lr * (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr
 _ZERO_GRACE = 10       # updates a weight first seen at zero takes to have a scale of its own
 _FEW = 16              # a parameter of fewer elements (a SkipInit gain, a temperature) crosses zero under ordinary
-#                        steps: its norm's ratio means something only when huge
+#                        steps: its first recorded update has no scale to compare with (unless the ratio is huge)
 
 
 def _lr(run: RunData) -> float | None:
@@ -94,8 +94,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 f = p.weight_norm / max(n0, peak.get(p.name, 0.0)) if n0 > 0 else 0.0
                 rms0 = n0 / math.sqrt(max(numel, 1))
                 applied_bad = any(s0 <= b < r.step for b in bad_grad.get(p.name, ()))
-                if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES
-                                                                   and numel >= _FEW)) \
+                if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)) \
                         and _by_updates(run, p.weight_norm - n0, n_upd, numel) and not applied_bad:
                     first = upd[0]
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
@@ -107,7 +106,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
             if p.weight_norm_after is not None and rms >= _MIN_RMS and r.step in updated and not p.grad_nonfinite \
                     and not young:
                 f = p.weight_norm_after / max(p.weight_norm, peak.get(p.name, 0.0))
-                if f >= (factor if p.numel >= _FEW else _HUGE):
+                if f >= factor and (p.numel >= _FEW or p.name in peak or f >= _HUGE):
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": p.weight_norm,
                                    "after": p.weight_norm_after, "step": r.step, "between": [r.step, r.step + 1],
                                    "updates": 1, "rms_before": rms}
