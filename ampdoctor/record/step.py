@@ -145,9 +145,9 @@ class StepMachine(MonitorCallbacks):
         if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
             if (st.phase is StepPhase.OPEN and st.exception is None and (mid_run or self.records)
                     and not any(e.error for e in st.events) and self._clean_open()):
-                # an iteration not (yet) at its optimizer step, nothing non-finite in it and no call that raised
-                # (a scaler error the loop caught): a report taken inside it
-                # leaves it to the iteration; at the end it is no step (a loop that stopped after the backward)
+                # an iteration not (yet) at its optimizer step, with nothing non-finite in it and no call that
+                # raised (a scaler error the loop caught): a report taken inside it leaves it to the iteration; at
+                # the end it is no step (a loop that stopped after the backward)
                 return
             self.finalize()
             self.st = self._new_step(st.step + 1)
