@@ -56,7 +56,7 @@ test_unseen_variants5), update()/unscale_ per micro-batch (test_unseen_variants5
 ampdoctor got wrong (strict xfails, 8 of 23; each reason says what it reported instead). Fixed since: M5 keyword,
 both M6 (call_order reads the step's errors, and a zero_grad of the stepped optimizer between the last scaled
 backward and its unscale_/step), M10 (a clip with max_norm=inf is a norm read: a warning), M11 (the CPU alias, also
-when the scaler is found rather than given); strict xfails left: M5 positional, M7, M8.
+when the scaler is found rather than given); M5 positional (the closure seen as scaler.step's second argument); strict xfails left: M7, M8.
  - M5 positional closure: only "[warning] update_spike at head step 0 (x14.2)" and "[info] skipped_steps step 3";
    the closure's scale() inside scaler.step is recorded as internal and its optimizer.step as via_scaler
    (scaled=False), so no scaler_misorder (record/monitorsink.py _opt_pre / before; rules/scaler.py call_order).
@@ -329,10 +329,6 @@ def closure_body(m, opt, sc, how, deltas):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the closure re-run inside scaler.step (after unscale_) is not seen as a scaled backward: its scale() is recorded "
-    "as internal and the optimizer.step as via_scaler (scaled=False); reported only '[warning] update_spike at head "
-    "step 0 (x14.2)' and '[info] skipped_steps step 3', no scaler_misorder"))
 def test_m5_scaler_step_with_a_positional_closure_steps_on_rescaled_gradients():
     """GradScaler passes positional args on to optimizer.step: SGD re-runs the closure INSIDE scaler.step, after
     unscale_, so the step uses freshly scaled (x1024) gradients; torch says nothing."""

@@ -504,13 +504,16 @@ def test_lightning_trainer_fp16_plugin_plain_watch():
 @pytest.fixture()
 def fp16_acc(monkeypatch):
     pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)  # (a Trainer or Accelerator of an earlier test set it up)
 
     def force(acc, init_scale=2.0 ** 20):
         monkeypatch.setattr(acc, "scaler", GradScaler("cpu", init_scale=init_scale))
         monkeypatch.setattr(acc, "native_amp", True)
         monkeypatch.setattr(acc.state, "_mixed_precision", "fp16")
         return acc
-    return force
+    yield force
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_accelerate_fp16_loop_plain_watch(fp16_acc):

@@ -98,6 +98,10 @@ class MonitorCallbacks:
             if new is not None and not isinstance(new, torch.Tensor):
                 ev.new_scale = float(new)
         elif kind == "step":
+            if len(args) > 1 and callable(args[1]):
+                # scaler.step(opt, closure): GradScaler hands positional arguments on to optimizer.step, which runs
+                # the closure's forward and scaled backward after unscale_ (rules/scaler.py call_order)
+                ev.extra["closure"] = True
             if st.in_scaler_step == 0:
                 self.hr.stage()  # queue the headroom reductions before the scaler's synchronisation
                 before = (st.unscaled_grads or {}).get(id(opt))

@@ -263,10 +263,11 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "fp16 gradients had no protection from underflow and the scaler cannot unscale or skip them.",
                 "Backpropagate the scaled loss — `scaler.scale(loss).backward()`, or the framework's own "
                 "backward (`accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`):\n" + ORDER)
-        elif e.kind == "step" and _CLOSURE in (e.error or ""):
+        elif e.kind == "step" and (_CLOSURE in (e.error or "") or e.extra.get("closure")):
             add("scaler_misorder", e, f"`scaler.step(optimizer, closure)` at {_loc(e)}: GradScaler does not support "
-                "closures (it raises 'Closure use is not currently supported'); the closure's backward would run "
-                "after unscale_ and its inf check.",
+                "closures (given as `closure=` it raises 'Closure use is not currently supported'; given positionally "
+                "it passes it on to optimizer.step, which re-runs the forward and the scaled backward after unscale_ "
+                "and its inf check: the update uses gradients still multiplied by the loss scale).",
                 "Run the forward and `scaler.scale(loss).backward()` yourself, then `scaler.step(optimizer)` "
                 "without the closure:\n" + ORDER)
         elif e.kind in ("unscale_", "step") and _zeroed_after_backward(since_update, e) is not None:
