@@ -3,14 +3,15 @@
 `call_expr` turns a qualified module name into the expression that calls it from its owner's `forward`
 (`ff.wo` -> `self.wo`, `layers.2` -> `self.layers[2]`, a name that is not an identifier -> `getattr(...)`),
 `fp32_snippet` wraps that call in autocast-off with its input cast up, and `fp32_patch_snippet` is the
-standalone form the fix search emits (patch the named modules of a built model). Every snippet compiles
+standalone form the fix search emits (patch the named modules of a built model). `module_label` and
+`modules_related` are how messages and rules read a qualified module name. Every snippet compiles
 (tests/test_replay_fixes.py `compile()`s them for numbered, nested and root names).
 """
 from __future__ import annotations
 
 import keyword
 
-__all__ = ["call_expr", "fp32_snippet", "fp32_patch_snippet", "module_label"]
+__all__ = ["call_expr", "fp32_snippet", "fp32_patch_snippet", "module_label", "modules_related"]
 
 
 def module_label(module: str | None) -> str:
@@ -18,6 +19,14 @@ def module_label(module: str | None) -> str:
     if module is None:
         return "the model"
     return "(root)" if module == "" else module
+
+
+def modules_related(a: str | None, b: str | None) -> bool:
+    """One qualified module name is the other or contains it ("" is the root, containing every module); False when
+    either is unknown (None)."""
+    if a is None or b is None:
+        return False
+    return a == b or a == "" or b == "" or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def _attr(base: str, part: str) -> str:

@@ -12,7 +12,7 @@ by module name; every snippet comes from `ampdoctor.fixes`. `evidence["rank_hint
 from __future__ import annotations
 
 from ..findings import Finding
-from ..fixes import fp32_snippet, module_label
+from ..fixes import fp32_snippet, module_label, modules_related
 from .constants import is_mask_like
 from .optrace import OpEvent
 
@@ -23,12 +23,6 @@ _MATMUL = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addmv", "mv", "
 _POLES = {"log", "log1p", "log2", "log10", "div", "reciprocal", "rsqrt", "pow", "digamma", "atanh"}
 _MASK_CAPABLE = {"add", "sub", "rsub", "_to_copy", "where", "copy_", "masked_fill", "cat", "mul"}
 _MAX = {"float16": 65504.0, "bfloat16": 3.39e38, "float32": 3.4e38}
-
-
-def _related(a: str | None, b: str | None) -> bool:
-    if a is None or b is None:
-        return False
-    return a == b or a == "" or b == "" or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def _where(module: str | None) -> str:
@@ -180,7 +174,8 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
     rank = iter(range(10, 1000))
     # constants first: they are the root cause when they fed the failure
     for c in consts:
-        later = [e for e in events if e.seq >= c["seq"] and (_related(e.module, c["module"]) or e.phase == "backward")]
+        later = [e for e in events
+                 if e.seq >= c["seq"] and (modules_related(e.module, c["module"]) or e.phase == "backward")]
         raised = bool(forward_error and "overflow" in forward_error and c["rule"] == "mask_value_overflow")
         # (an eps guard whose values never reached it, e.g. F.normalize's 1e-12 on rows none of which is zero,
         # did nothing wrong on this step, whatever failed after it in the same module)
@@ -248,7 +243,7 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
                   "skipped, fix the op above")
         found.append(Finding(rule, severity, e.phase, e.module, e.op, step, msg, fx, evidence))
         # (an eps that vanishes in the dtype, found above, is the more precise account of the same zeros)
-        if i == 0 and rule == "overflow" and not any(f.rule == "eps_underflow" and _related(f.module, e.module)
+        if i == 0 and rule == "overflow" and not any(f.rule == "eps_underflow" and modules_related(f.module, e.module)
                                                      for f in found):
             under = _pole_underflow(e, fix, device, step, severity, next(rank) + (0 if step_bad else 500))
             if under is not None:

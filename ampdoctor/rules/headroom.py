@@ -280,9 +280,8 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
         # the last module in forward order that has a series, its own reference
         last = None if fitting is not None or phase != "forward" else max(
             (i for i, p in pts.items() if p), key=lambda i: order.get(mods[i][0], -1), default=None)
-        warn = {i: w for i, p in pts.items()
-                if (w := _first_warning(p, cfg, fitting if last is None else _fitting(run, p) if i == last
-                                        else None)) is not None}
+        fits = {i: fitting for i in pts} if last is None else {last: _fitting(run, pts[last])}
+        warn = {i: w for i, p in pts.items() if (w := _first_warning(p, cfg, fits.get(i))) is not None}
         # a parent whose child warns too only passes the child's value on
         warn = {i: w for i, w in warn.items()
                 if not any(j != i and _inside(mods[j][0], mods[i][0]) for j in warn)}

@@ -6,6 +6,7 @@ Pure functions of records; no import of anything above `records` (rules and anal
 """
 from __future__ import annotations
 
+from ..fixes import modules_related
 from ..records import BACKOFF_MAX_STREAK, ModuleCall, StepRecord
 
 __all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "scaled_loss_steps", "absorbed_modules",
@@ -160,14 +161,8 @@ def absorbed(recs: list[StepRecord]) -> bool:
     # passed through finite: its own backward took the inf in stride), e.g. a softcap's tanh absorbing lm_head's inf
     # while a norm's backward overflowed further down
     return all(r.skipped and r.backward_producer is not None and r.forward_producer is not None
-               and not _related(r.backward_producer.module, r.forward_producer.module) for r in recs)
-
-
-def _related(a: str | None, b: str | None) -> bool:
-    """One module is the other or contains it (None: the whole model)."""
-    if a is None or b is None:
-        return True
-    return a == b or a == "" or b == "" or a.startswith(b + ".") or b.startswith(a + ".")
+               and r.backward_producer.module is not None and r.forward_producer.module is not None
+               and not modules_related(r.backward_producer.module, r.forward_producer.module) for r in recs)
 
 
 def absorbed_modules(steps: list[StepRecord]) -> set[str]:

@@ -1,0 +1,204 @@
+"""The order of the GradScaler / optimizer / zero_grad calls in the recorded sequence: scaler_misorder and
+missing_scaler_update (`call_order`), from each call's kind, optimizer, the error GradScaler raised and what
+the recorder noted on it (a backward after unscale_, a closure, ...)."""
+from __future__ import annotations
+
+from ..findings import Finding
+from ..records import CallEvent
+from .registry import RuleConfig, RunData, register
+from .scaler import ORDER, _loc, _seq
+
+_UNSCALE_TWICE = "unscale_() has already been called"
+_STEP_TWICE = "step() has already been called since the last update()"
+_NO_INF = "No inf checks were recorded"
+_CLOSURE = "Closure use is not currently supported"
+_NO_SCALE = "but _scale is None"  # GradScaler's unscale_/step/update before any scale() of this scaler
+_ITER_START = ("zero_grad", "step", "optimizer.step")  # between two unscale_s: a new iteration (a `scale` alone is
+#                                                       another micro-batch of the same one: gradient accumulation)
+
+
+@register("call_order", emits=("scaler_misorder", "missing_scaler_update"))
+def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    if not run.has_scaler and not any(e.kind in ("scale", "unscale_", "update") for r in run.steps for e in r.events):
+        return []
+    out: list[Finding] = []
+    events = [e for r in run.steps for e in r.events if not e.internal]
+    steps = {r.step: r for r in run.steps}
+
+    def add(rule, e, msg, fix, extra=None):
+        if any(f.rule == rule for f in out):
+            return
+        r = steps.get(e.step)
+        seq = _seq(r.events) if r else []
+        out.append(Finding(rule, "error", "scaler", None, f"GradScaler.{e.kind}" if "." not in e.kind else e.kind,
+                           e.step, msg, fix, dict({"file": e.file, "line": e.line, "sequence": seq,
+                                                   "error": e.error, "rank_hint": 4}, **(extra or {}))))
+
+    for i, e in enumerate(events):
+        prev = events[:i]
+        since_update = []
+        for p in reversed(prev):
+            if p.kind == "update":
+                break
+            # unscale_/step of another optimizer sharing the scaler: one step each, one update, is the
+            # documented multi-optimizer pattern
+            if p.kind in ("unscale_", "step") and p.opt != e.opt and e.kind in ("unscale_", "step"):
+                continue
+            since_update.append(p)
+        since_update.reverse()
+        if _NO_SCALE in (e.error or ""):
+            add("scaler_misorder", e, f"`scaler.{e.kind}()` at {_loc(e)} found no loss scale (GradScaler asserts "
+                "'_scale is None'): the loss was backpropagated without `scaler.scale(loss)` (e.g. `loss.backward()` "
+                "where the framework expects `accelerator.backward(loss)` / `self.manual_backward(loss)`), so the "
+                "fp16 gradients had no protection from underflow and the scaler cannot unscale or skip them.",
+                "Backpropagate the scaled loss — `scaler.scale(loss).backward()`, or the framework's own "
+                "backward (`accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`):\n" + ORDER)
+        elif e.kind == "step" and (_CLOSURE in (e.error or "") or e.extra.get("closure")):
+            add("scaler_misorder", e, f"`scaler.step(optimizer, closure)` at {_loc(e)}: GradScaler does not support "
+                "closures (given as `closure=` it raises 'Closure use is not currently supported'; given positionally "
+                "it passes it on to optimizer.step, which re-runs the forward and the scaled backward after unscale_ "
+                "and its inf check: the update uses gradients still multiplied by the loss scale).",
+                "Run the forward and `scaler.scale(loss).backward()` yourself, then `scaler.step(optimizer)` "
+                "without the closure:\n" + ORDER)
+        elif e.kind in ("unscale_", "step") and (z := _zeroed_after_backward(since_update, e)) is not None:
+            lost = (" (set to None: GradScaler asserts No inf checks were recorded for this optimizer)"
+                    if _NO_INF in (e.error or "") else ", so it applies zero gradients and the model does not learn")
+            add("scaler_misorder", z, f"`zero_grad()` at {_loc(z)} ran between the scaled backward and "
+                f"`scaler.{e.kind}()` at {_loc(e)}: the iteration's gradients are discarded before the step{lost}.",
+                "Zero the gradients at the start of the iteration (or after `scaler.update()`), never between "
+                "the backward and the step:\n" + ORDER)
+        elif e.kind == "step" and _NO_INF in (e.error or ""):
+            add("scaler_misorder", e, f"`scaler.step()` at {_loc(e)} found no gradients to check (GradScaler "
+                "asserts 'No inf checks were recorded for this optimizer'): no scaled backward reached this "
+                "optimizer's parameters in this iteration, or their gradients were cleared before the step.",
+                "Backpropagate `scaler.scale(loss)` into the optimizer's parameters before `scaler.step()`, and zero "
+                "the gradients only at the start of an iteration:\n" + ORDER)
+        elif e.kind == "update" and (_NO_INF in (e.error or "") or not any(p.kind == "step" for p in since_update)):
+            # unscale_ recorded this iteration's inf checks and no step follows: the loop skipped the step itself
+            # (a non-finite gradient norm) and lets the scaler back off, which GradScaler supports
+            skipped_on_purpose = any(p.kind == "unscale_" for p in since_update) and not _stepped_later(events, i)
+            if not skipped_on_purpose and any(p.kind == "scale" for p in since_update) or _NO_INF in (e.error or ""):
+                add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran before `scaler.step()` in this "
+                    "iteration: the scale is adjusted from stale inf checks (GradScaler asserts 'No inf checks').",
+                    "Call update() after step():\n" + ORDER)
+        elif e.kind == "unscale_" and (_UNSCALE_TWICE in (e.error or "") or
+                                        any(p.kind == "unscale_" for p in since_update)):
+            new_iter = False
+            seen_unscale = False
+            for p in since_update:
+                if p.kind == "unscale_":
+                    seen_unscale = True
+                elif seen_unscale and p.kind in _ITER_START:
+                    new_iter = True
+            if new_iter:
+                add("missing_scaler_update", e, f"An iteration ended without `scaler.update()` (e.g. update "
+                    f"skipped together with a skipped step); the next `unscale_` at {_loc(e)} fails.",
+                    "Call `scaler.update()` once every iteration, also when you skip the optimizer step:\n" + ORDER)
+            else:
+                micro = any(p.kind == "scale" for p in since_update[[p.kind for p in since_update].index("unscale_"):])
+                add("scaler_misorder", e, f"`scaler.unscale_()` was called twice in one iteration (again at "
+                    f"{_loc(e)}{', after another micro-batch: unscale once per optimizer step, after the last one' if micro else ''}); "
+                    "the second call is an error and would divide the gradients twice.",
+                    "Call unscale_ once per iteration, right before clipping; libraries such as Trainer/"
+                    "Accelerate already do it:\n" + ORDER)
+        elif e.kind == "step" and (_STEP_TWICE in (e.error or "") or any(p.kind == "step" for p in since_update)):
+            add("missing_scaler_update", e, f"`scaler.step()` at {_loc(e)} ran again without `scaler.update()` "
+                "since the previous step: the scale never adapts and GradScaler raises.",
+                "Call `scaler.update()` after every `scaler.step()`:\n" + ORDER)
+        elif e.kind == "step" and e.extra.get("grads_after_unscale") and _backward_after_unscale(
+                since_update, e.opt) is not None:
+            u = _backward_after_unscale(since_update, e.opt)
+            add("scaler_misorder", u, f"`scaler.unscale_()` at {_loc(u)} ran before the iteration's last "
+                f"`scaler.scale(loss).backward()` (a gradient-accumulation boundary off by one?): the gradients "
+                f"accumulated after it are still multiplied by the loss scale, and `scaler.step()` at {_loc(e)} "
+                "applies them without dividing: the update is up to scale x too large, and the inf check ran "
+                "before those gradients existed.",
+                "Unscale once per optimizer step, after the last micro-batch's backward:\n" + ORDER)
+        elif e.kind == "unscale_" and any(p.kind == "step" for p in since_update):
+            add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()`.",
+                "Unscale before step:\n" + ORDER)
+        elif e.kind == "scale" and e.extra.get("backward") is False and any(
+                p.kind in ("unscale_", "step") and p.step == e.step for p in events[i + 1:]):
+            add("scaler_misorder", e, f"The scaled loss `scaler.scale(loss)` at {_loc(e)} was never "
+                "backpropagated: the backward ran on the unscaled loss, and `unscale_`/`step` then divide those "
+                "gradients by the loss scale — every update is that many times too small, and fp16 gradients get "
+                "no protection from underflow.",
+                "Backpropagate the scaled loss: `scaler.scale(loss).backward()`:\n" + ORDER)
+        elif e.kind == "optimizer.step" and not e.scaled and not e.via_scaler and any(
+                p.kind == "unscale_" for p in since_update) and not any(p.kind == "step" for p in since_update):
+            add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly after "
+                "`scaler.unscale_()`: GradScaler's inf check is bypassed, so a step whose gradients hold inf/NaN "
+                "is applied to the weights instead of skipped.",
+                "Use `scaler.step(optimizer)` after unscale_ (it skips the step when unscale_ found inf/NaN):\n"
+                + ORDER)
+        elif e.kind == "optimizer.step" and e.scaled and not e.via_scaler:
+            add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly on gradients still "
+                "multiplied by the loss scale: the update is scale× too large and inf steps are not skipped.",
+                "Use `scaler.step(optimizer)` instead of `optimizer.step()`:\n" + ORDER)
+    # a step with scaler.step but no update before the next iteration, without an exception
+    if not any(f.rule == "missing_scaler_update" for f in out):
+        last = run.steps[-1].step if run.steps else None
+        for i, e in enumerate(events):
+            if e.kind == "step" and e.step != last and not _updated_later(events, i):
+                add("missing_scaler_update", e, f"Step {e.step} called `scaler.step()` at {_loc(e)} but never "
+                    "`scaler.update()`: the loss scale cannot adapt.", "Call `scaler.update()` every iteration:\n"
+                    + ORDER)
+                break
+    return out
+
+
+def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallEvent | None:
+    """This optimizer's `zero_grad` after the iteration's last scaled backward and before `e` (its unscale_ or
+    step), when one came after a `scale`: the gradients the step was to apply were cleared."""
+    last_scale = max((i for i, p in enumerate(since_update) if p.kind == "scale"), default=None)
+    if last_scale is None:
+        return None
+    for p in since_update[last_scale + 1:]:
+        if p.kind == "zero_grad" and (p.opt is None or e.opt is None or p.opt == e.opt):
+            return p
+        if p.kind in ("unscale_", "step") and p.opt == e.opt:
+            return None  # (this optimizer's own unscale_ came first: the zero_grad is judged from there)
+    return None
+
+
+def _backward_after_unscale(since_update: list[CallEvent], opt) -> CallEvent | None:
+    """This optimizer's `unscale_` among the events since the last update, when a scaled loss was backpropagated
+    after it (a `scale` whose backward ran; the step found the optimizer's gradients written since, see
+    record/monitorsink.py): the unscale_ that came too early; None otherwise."""
+    u = None
+    for p in since_update:
+        if p.kind == "unscale_" and p.opt == opt:
+            u = p
+        elif p.kind == "scale" and u is not None and p.extra.get("backward") is not False:
+            return u
+    return None
+
+
+def _stepped_later(events: list[CallEvent], i: int) -> bool:
+    """A scaler or optimizer step follows the update `events[i]` before the next iteration begins (its scale or
+    zero_grad): an update before the step, not an iteration whose step was skipped."""
+    for p in events[i + 1:]:
+        if p.kind in ("step", "optimizer.step"):
+            return True
+        if p.kind in ("scale", "zero_grad"):
+            return False
+    return False
+
+
+def _updated_later(events: list[CallEvent], i: int) -> bool:
+    """An `update()` follows the scaler.step `events[i]` in its iteration: in its own step record, or in a later
+    one after another optimizer's scaler.step. A GAN steps its discriminator's optimizer, runs the generator's
+    backward and steps the other optimizer on the same scaler, then updates once (torch AMP docs, multiple
+    optimizers: update() once, after all of them stepped); the watch starts a new step record at each optimizer
+    step, so the update lands in the next record. The same optimizer unscaling or stepping again first: missing."""
+    e = events[i]
+    other = False
+    for j in range(i + 1, len(events)):
+        p = events[j]
+        if p.kind == "update":
+            return p.step == e.step or other
+        if p.kind in ("step", "unscale_") and p.opt == e.opt:
+            return False
+        if p.kind == "step":
+            other = True
+    return False
