@@ -56,7 +56,8 @@ test_unseen_variants5), update()/unscale_ per micro-batch (test_unseen_variants5
 ampdoctor got wrong (strict xfails, 8 of 23; each reason says what it reported instead). Fixed since: M5 keyword,
 both M6 (call_order reads the step's errors, and a zero_grad of the stepped optimizer between the last scaled
 backward and its unscale_/step), M10 (a clip with max_norm=inf is a norm read: a warning), M11 (the CPU alias, also
-when the scaler is found rather than given); M5 positional (the closure seen as scaler.step's second argument); strict xfails left: M7, M8.
+when the scaler is found rather than given); M5 positional (the closure seen as scaler.step's second argument); M8 (a second optimizer.step of the same
+optimizer with no backward between, rules/callorder.py _stepped_again); strict xfail left: M7.
  - M5 positional closure: only "[warning] update_spike at head step 0 (x14.2)" and "[info] skipped_steps step 3";
    the closure's scale() inside scaler.step is recorded as internal and its optimizer.step as via_scaler
    (scaled=False), so no scaler_misorder (record/monitorsink.py _opt_pre / before; rules/scaler.py call_order).
@@ -444,10 +445,6 @@ def test_t7_twin_no_sync_branch_backpropagates_the_scaled_loss_is_quiet():
 # ======================================================================================================================
 # M8 / T8. two losses: one GradScaler per loss, both stepping the one optimizer (twin: one scaler, two backwards)
 # ======================================================================================================================
-@pytest.mark.xfail(strict=True, reason=(
-    "the second (unwatched) scaler's scale/step are not recorded; its optimizer.step (a second step of the same "
-    "optimizer in the iteration, on twice-unscaled gradients) is recorded but no rule reads two optimizer steps: an "
-    "empty report (rep.findings == [])"))
 def test_m8_one_scaler_per_loss_both_stepping_one_optimizer():
     m, opt, sc = setup()
     sc_aux = torch.amp.GradScaler("cpu", init_scale=1024.0)

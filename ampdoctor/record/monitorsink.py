@@ -307,7 +307,8 @@ class MonitorCallbacks:
                 st.fused_amp = True
             scaled = bool(sc is not None and (not via or fused) and st.scaled_since_update
                           and stage in (None, "READY"))
-            self.event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
+            ev = self.event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
+            ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
             presync(self, opt, grads_scaled=scaled)
             update_check_pre(self, opt)
             if not via:

@@ -124,6 +124,14 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "gradients by the loss scale — every update is that many times too small, and fp16 gradients get "
                 "no protection from underflow.",
                 "Backpropagate the scaled loss: `scaler.scale(loss).backward()`:\n" + ORDER)
+        elif e.kind == "optimizer.step" and (again := _stepped_again(since_update, e)) is not None:
+            add("scaler_misorder", e, f"`optimizer.step()` ran twice in one iteration on the same gradients (first "
+                f"at {_loc(again)}{' through scaler.step()' if again.via_scaler else ''}, again at {_loc(e)}), with no "
+                "backward between them: every update is applied twice, the second time on gradients a second "
+                "GradScaler divided again, or without the scaler's inf check.",
+                "Step each optimizer once per iteration through one GradScaler: backpropagate every loss through "
+                "the same scaler (`scaler.scale(l_main + l_aux).backward()`), then one `scaler.step(optimizer)` and "
+                "one `scaler.update()`:\n" + ORDER, {"first_step_line": again.line})
         elif e.kind == "optimizer.step" and not e.scaled and not e.via_scaler and any(
                 p.kind == "unscale_" for p in since_update) and not any(p.kind == "step" for p in since_update):
             add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly after "
@@ -158,6 +166,20 @@ def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallE
             return p
         if p.kind in ("unscale_", "step") and p.opt == e.opt:
             return None  # (this optimizer's own unscale_ came first: the zero_grad is judged from there)
+    return None
+
+
+def _stepped_again(since_update: list[CallEvent], e: CallEvent) -> CallEvent | None:
+    """The earlier `optimizer.step` of the same optimizer since the last update with no scaled backward or
+    zero_grad between it and `e`: the same gradients stepped twice (one GradScaler per loss, each stepping the one
+    optimizer; `scaler.step(opt)` and then `opt.step()`)."""
+    if e.opt is None:
+        return None
+    for p in reversed(since_update):
+        if p.kind in ("scale", "zero_grad"):
+            return None
+        if p.kind == "optimizer.step" and p.opt == e.opt:
+            return p
     return None
 
 
