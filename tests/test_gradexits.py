@@ -115,7 +115,7 @@ def test_backward_overflow_found_and_gradients_unchanged_without_native_counter(
     its gradient 4x³·g past 65504) is still named in the backward, from its own gradient towards its input; the
     watched run's gradients stay bitwise those of the unwatched one."""
     import ampdoctor
-    import ampdoctor.record.step as step
+    import ampdoctor.record.modulehooks as step
     from ampdoctor.record.gradexits import probe_sequence_nr
     from test_unseen_variants3 import PowNet  # quart(h) = (h * gain) ** 4 after a tanh
     monkeypatch.setattr(step, "sequence_nr", probe_sequence_nr)
