@@ -65,7 +65,13 @@ or error:
    info already explains the warning);
  - GradScaler(enabled=False) with bf16 autocast and a clip without unscale_ (nothing is scaled).
 
-What ampdoctor got wrong (strict xfails, 7 of 37 runs; each reason says what it reported instead):
+What ampdoctor got wrong (strict xfails, 7 of 37 runs; each reason says what it reported instead). Fixed since: M3 (dated
+at the scaler.step whose iteration lacked its update), M4 (a second optimizer.step of the same optimizer with no
+scaled backward or zero_grad between, across an update: rules/callorder.py _stepped_again), M7 (a scale() of the
+previous scale()'s output is noted by record/monitorsink.py), M8 (rules/scaler.py _pinned_streak: skips at one
+unchanging scale are skipped_steps, named at the update(new_scale) call), T13 and T15 (a zero_grad after
+scaler.step and before its update no longer begins the next step record: MonitorCallbacks._awaits_update);
+M11's message now says update() ran twice. Strict xfail left: M10.
  - M3: missing_scaler_update is dated step 2 (the unscale_ that raised), not step 1 (the iteration that ended
    without update()): rules/callorder.py call_order, the unscale_ branch's `new_iter` case, hands the failing
    unscale_ event to add() instead of the scaler.step() whose iteration lacked its update.
@@ -314,10 +320,6 @@ def even_body(m, opt, sc, ok):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "missing_scaler_update is dated step 2, not step 1: rules/callorder.py call_order, the `unscale_` branch's "
-    "new_iter case, passes the failing unscale_ event of step 2 (RuntimeError 'unscale_() is being called after "
-    "step()') to add(), not the scaler.step() of step 1 whose iteration ended without update()"))
 def test_m3_update_only_on_even_iterations_is_missing_scaler_update_at_step_1():
     m, opt, sc = setup()
     rep, raised = run(m, opt, sc, even_body(m, opt, sc, False))
@@ -365,10 +367,6 @@ def finish_body(m, opt, sc, repeat, steps_taken):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an empty report: rules/callorder.py call_order rebuilds `since_update` back to the last update() only, so "
-    "step, update, step, update (no scale() between the two steps) reads as two clean iterations; no branch asks "
-    "whether a scaler.step() had a scaled backward since the previous step of the same optimizer"))
 def test_m4_scaler_step_and_update_twice_per_iteration_is_silent_and_named():
     m, opt, sc = setup()
     steps_taken = []
@@ -505,11 +503,6 @@ def double_body(m, opt, sc, twice, norms, scales):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "only '[info] overflow at head' and '[info] skipped_steps (3 of 10)': record/monitorsink.py "
-    "MonitorCallbacks.before('scale') records each scale() on its own (both backwards ran, extra.backward is "
-    "True) and rules/callorder.py call_order has no branch for a scale() whose input is the output of another "
-    "scale() of the same iteration (two `scale` events before one backward)"))
 def test_m7_loss_scaled_twice():
     m, opt, sc = setup()
     norms, scales = [], []
@@ -576,12 +569,6 @@ def pinned_body(m, opt, sc, pinned, scales):
     return body
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reported as '[error] loss_scale_collapse ... the scale fell from 1.67772e+07 to 8.39e+06' (after an overflow "
-    "error at the root), no skipped_steps: StepRecord.next_scale (records.py) is never written by the recorder, so "
-    "rules/scaler.py scale_after() derives the last scale as scale * backoff_factor for a skipped step although "
-    "update(new_scale) kept it at 2**24 (the timeline itself shows 2**24 on every step); and scale_timeline takes "
-    "the collapse branch for any streak >= collapse_consecutive (10) without checking that the scale backed off"))
 def test_m8_scale_pinned_by_update_new_scale_skips_every_step():
     m, opt, sc = setup(init_scale=BIG)
     w0 = [p.detach().clone() for p in m.parameters()]
@@ -752,11 +739,6 @@ def test_m13_deferred_update_inside_the_micro_batch_loop():
     expect(rep, "scaler_misorder", step=1, tag="micro-update")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "false '[error] missing_scaler_update step 0 ... called scaler.step() but never scaler.update()': a zero_grad "
-    "after scaler.step starts the next step record (record/monitorsink.py MonitorCallbacks.zero_grad -> "
-    "StepMachine.begin() finalizes the ENDED step), so the update() that follows lands in step 1; "
-    "rules/callorder.py _updated_later then returns `p.step == e.step` (False) for it"))
 def test_t13_twin_deferred_update_once_per_step_is_quiet():
     m, opt, sc = setup()
     rep, raised = run(m, opt, sc, deferred_body(m, opt, sc, False), steps=4, after=sc.update)
@@ -805,11 +787,6 @@ def test_t14_twin_auxiliary_loss_backpropagated_before_unscale_is_quiet():
     quiet(rep)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "false '[error] missing_scaler_update step 0 ... called scaler.step() but never scaler.update()': a zero_grad "
-    "after scaler.step starts the next step record (record/monitorsink.py MonitorCallbacks.zero_grad -> "
-    "StepMachine.begin() finalizes the ENDED step), so the update() that follows lands in step 1; "
-    "rules/callorder.py _updated_later then returns `p.step == e.step` (False) for it"))
 def test_t15_twin_zero_grad_between_scaler_step_and_update_is_quiet():
     """`scaler.step(opt); opt.zero_grad(); scaler.update()`: update() still follows the step in the same iteration,
     before the next scale(); zero_grad neither reads nor needs the scale."""

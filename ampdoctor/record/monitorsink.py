@@ -72,6 +72,8 @@ class MonitorCallbacks:
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
             out = args[0] if args else kwargs.get("outputs")
+            if isinstance(out, torch.Tensor) and out.grad_fn is not None and out.grad_fn is st.scaled_node:
+                ev.extra["scaled_twice"] = True  # scaler.scale(scaler.scale(loss)): rules/callorder.py
             if isinstance(out, torch.Tensor) and out.numel() == 1:
                 st.losses.append(out.detach().reshape(()))
                 st.loss_node = out.grad_fn  # a reference only: read on a step whose loss went non-finite
@@ -131,6 +133,8 @@ class MonitorCallbacks:
         ev, opt = tok
         st = self.st
         sc = self.w.scaler
+        if ev.kind == "scale" and isinstance(out, torch.Tensor):
+            st.scaled_node = out.grad_fn
         if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
             # the scale tensor itself: only update() changes it in place, after presync has queued its copy
             # (an update() that comes first takes a copy then, see before)
@@ -181,9 +185,22 @@ class MonitorCallbacks:
     def zero_grad(self, optimizer) -> None:
         if self.disabled:
             return
-        self.begin()
+        if not self._awaits_update():
+            self.begin()
         ev = self.event("zero_grad", 5)
         ev.opt = self.opt_numbers.setdefault(id(optimizer), len(self.opt_numbers))
+
+    def _awaits_update(self) -> bool:
+        """The step ended with `scaler.step()` and its `update()` is still to come (`step; zero_grad; update`, or an
+        update deferred to the top of the next iteration): a zero_grad now leaves the step open for it."""
+        if self.st.phase is not StepPhase.ENDED or self.w.scaler is None:
+            return False
+        for e in reversed(self.st.events):
+            if e.kind == "update":
+                return False
+            if e.kind == "step":
+                return True
+        return False
 
     @_guarded
     def clip_before(self, kind, parameters, limit=None):

@@ -77,7 +77,13 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
             # unscale_ recorded this iteration's inf checks and no step follows: the loop skipped the step itself
             # (a non-finite gradient norm) and lets the scaler back off, which GradScaler supports
             skipped_on_purpose = any(p.kind == "unscale_" for p in since_update) and not _stepped_later(events, i)
-            if not skipped_on_purpose and any(p.kind == "scale" for p in since_update) or _NO_INF in (e.error or ""):
+            twice = i > 0 and events[i - 1].kind == "update" and not since_update
+            if twice:
+                add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran a second time right after "
+                    f"`scaler.update()` at {_loc(events[i - 1])}: the second one has no inf checks of its own "
+                    "(GradScaler asserts 'No inf checks').", "Call update() once per iteration, after step() (a helper "
+                    "that already updates needs no second call):\n" + ORDER)
+            elif not skipped_on_purpose and any(p.kind == "scale" for p in since_update) or _NO_INF in (e.error or ""):
                 add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran before `scaler.step()` in this "
                     "iteration: the scale is adjusted from stale inf checks (GradScaler asserts 'No inf checks').",
                     "Call update() after step():\n" + ORDER)
@@ -91,8 +97,12 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 elif seen_unscale and p.kind in _ITER_START:
                     new_iter = True
             if new_iter:
-                add("missing_scaler_update", e, f"An iteration ended without `scaler.update()` (e.g. update "
-                    f"skipped together with a skipped step); the next `unscale_` at {_loc(e)} fails.",
+                # dated at the iteration that lacked its update: its scaler.step (the unscale_ that fails is the
+                # next iteration's)
+                ended = next((p for p in reversed(since_update) if p.kind == "step" and p.opt == e.opt), e)
+                add("missing_scaler_update", ended, f"An iteration ended without `scaler.update()` (e.g. update "
+                    f"skipped together with a skipped step){f' after `scaler.step()` at {_loc(ended)}' if ended is not e else ''}; "
+                    f"the next `unscale_` at {_loc(e)} fails.",
                     "Call `scaler.update()` once every iteration, also when you skip the optimizer step:\n" + ORDER)
             else:
                 micro = any(p.kind == "scale" for p in since_update[[p.kind for p in since_update].index("unscale_"):])
@@ -117,6 +127,12 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
         elif e.kind == "unscale_" and any(p.kind == "step" for p in since_update):
             add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()`.",
                 "Unscale before step:\n" + ORDER)
+        elif e.kind == "scale" and e.extra.get("scaled_twice"):
+            add("scaler_misorder", e, f"`scaler.scale()` at {_loc(e)} scaled a loss that `scaler.scale()` had already "
+                "scaled: the gradients are multiplied by the loss scale twice and `unscale_` divides once, so every "
+                "update is scale× too large (and the first steps overflow until the scale has fallen to its square "
+                "root).", "Scale the loss once: `scaler.scale(loss).backward()` (a helper that scales inside must get "
+                "the raw loss):\n" + ORDER)
         elif e.kind == "scale" and e.extra.get("backward") is False and any(
                 p.kind in ("unscale_", "step") and p.step == e.step for p in events[i + 1:]):
             add("scaler_misorder", e, f"The scaled loss `scaler.scale(loss)` at {_loc(e)} was never "
@@ -124,7 +140,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "gradients by the loss scale — every update is that many times too small, and fp16 gradients get "
                 "no protection from underflow.",
                 "Backpropagate the scaled loss: `scaler.scale(loss).backward()`:\n" + ORDER)
-        elif e.kind == "optimizer.step" and (again := _stepped_again(since_update, e)) is not None:
+        elif e.kind == "optimizer.step" and (again := _stepped_again(events, i)) is not None:
             add("scaler_misorder", e, f"`optimizer.step()` ran twice in one iteration on the same gradients (first "
                 f"at {_loc(again)}{' through scaler.step()' if again.via_scaler else ''}, again at {_loc(e)}), with no "
                 "backward between them: every update is applied twice, the second time on gradients a second "
@@ -169,17 +185,21 @@ def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallE
     return None
 
 
-def _stepped_again(since_update: list[CallEvent], e: CallEvent) -> CallEvent | None:
-    """The earlier `optimizer.step` of the same optimizer since the last update with no scaled backward or
-    zero_grad between it and `e`: the same gradients stepped twice (one GradScaler per loss, each stepping the one
-    optimizer; `scaler.step(opt)` and then `opt.step()`)."""
+def _stepped_again(events: list[CallEvent], i: int) -> CallEvent | None:
+    """The earlier `optimizer.step` of the same optimizer as `events[i]` with no scaled backward or zero_grad between
+    them (an update() between them does not count): the same gradients stepped twice (one GradScaler per loss, each
+    stepping the one optimizer; `scaler.step(opt)` then `opt.step()`; a helper's step + update and the loop's again).
+    Only in a loop that scales its losses: one whose scaler is off may backpropagate the raw loss and zero the
+    gradients through the module (neither is a recorded call)."""
+    e = events[i]
     if e.opt is None:
         return None
-    for p in reversed(since_update):
+    for j in range(i - 1, -1, -1):
+        p = events[j]
         if p.kind in ("scale", "zero_grad"):
             return None
         if p.kind == "optimizer.step" and p.opt == e.opt:
-            return p
+            return p if any(q.kind == "scale" for q in events[:j]) else None
     return None
 
 
@@ -212,15 +232,23 @@ def _updated_later(events: list[CallEvent], i: int) -> bool:
     one after another optimizer's scaler.step. A GAN steps its discriminator's optimizer, runs the generator's
     backward and steps the other optimizer on the same scaler, then updates once (torch AMP docs, multiple
     optimizers: update() once, after all of them stepped); the watch starts a new step record at each optimizer
-    step, so the update lands in the next record. The same optimizer unscaling or stepping again first: missing."""
+    step, so the update lands in the next record. An update before the next scale() is this iteration's too (a
+    zero_grad between step and update begins the next record). The same optimizer unscaling or stepping again
+    first: missing."""
     e = events[i]
     other = False
+    scaled = False  # a scale() came since: the next iteration's backward has begun
     for j in range(i + 1, len(events)):
         p = events[j]
         if p.kind == "update":
-            return p.step == e.step or other
+            # before the next scale(), an update is this iteration's wherever its record begins (a zero_grad
+            # between step and update, or an update deferred to the top of the next iteration, starts the next
+            # record first: StepMachine.begin)
+            return p.step == e.step or other or not scaled
         if p.kind in ("step", "unscale_") and p.opt == e.opt:
             return False
         if p.kind == "step":
             other = True
+        elif p.kind == "scale":
+            scaled = True
     return False

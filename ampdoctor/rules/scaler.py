@@ -55,6 +55,21 @@ def _longest_run(steps) -> tuple[int, int | None]:
     return longest, longest_start
 
 
+def _pinned_streak(steps, at_least: int = 4) -> tuple[int, int, float] | None:
+    """The first run of `at_least` or more consecutive skipped steps that all used one loss scale: (its first step,
+    its length, the scale). A dynamic GradScaler backs off after every skip, so the scale cannot stay unless
+    `update(new_scale)` or a backoff_factor of 1 keeps it."""
+    run: list = []
+    for r in steps:
+        if r.skipped and r.scale and run and r.step == run[-1].step + 1 and r.scale == run[-1].scale:
+            run.append(r)
+        else:
+            if len(run) >= at_least:
+                break
+            run = [r] if r.skipped and r.scale else []
+    return (run[0].step, len(run), run[0].scale) if len(run) >= at_least else None
+
+
 @register("scale_timeline", emits=("loss_scale_collapse", "skipped_steps"))
 def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler or not run.steps:
@@ -94,6 +109,22 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
         # the first search for a working scale, ended in updates, is no collapse however long (steps.benign_backoff):
         # the longest run of the other skips decides
         longest, longest_start = _longest_run([r for r in steps if not (r.skipped and r.step in benign)])
+    pinned = _pinned_streak(steps)
+    if pinned is not None:
+        first, n, scale = pinned
+        upd = next((e for r in steps for e in r.events if e.kind == "update" and e.new_scale is not None), None)
+        how = (f"`scaler.update({upd.new_scale:g})` at {_loc(upd)} sets the scale itself every iteration"
+               if upd is not None else "the scaler's backoff_factor leaves it where it is")
+        out.append(Finding(
+            "skipped_steps", "error", "scaler", None, "GradScaler.update", first,
+            f"GradScaler skipped {len(skipped)} of {len(steps)} steps ({n} in a row from step {first}) and the loss "
+            f"scale stayed at {scale:g} through them: {how}, so the scale never backs off to one whose gradients "
+            "are finite, and every one of these steps is thrown away.",
+            "Let the scaler adapt: call `scaler.update()` without an argument (and keep backoff_factor < 1); to "
+            "start lower, pass `init_scale=` when creating the GradScaler.",
+            dict(ev, pinned_scale=scale, rank_hint=55,
+                 **({"file": upd.file, "line": upd.line} if upd is not None else {}))))
+        return out
     collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
     if collapse:
         # the persistent cause: a forward producer first, then NaN made in backward, then any producer
