@@ -66,7 +66,9 @@ Long runs with growth (6-8): the test's own forward hooks (`Probe`) check that a
 (peak >= 4x its first steps and >= 256, i.e. inside headroom_trend's 8-bit zone), settles (the last 40 steps' median
 within 30% of the 40 before), and stays far from fp16's max (< 8192: 3 bits left). headroom_trend must stay silent.
 
-What ampdoctor got wrong (strict xfail, 1 of 25):
+What ampdoctor got wrong (strict xfail, 1 of 25; fixed since: an update() after another model's optimizer was
+unscaled and stepped no longer ends a record of this model's, record/monitorsink.py MonitorCallbacks.after, and
+analysis/replayfold.py no longer takes the words of a replay finding it judged info for an error):
  4. the one-scaler GAN watched at its discriminator: `[error] overflow at 4 aten::mm step 53: GradScaler's normal
     search for a loss scale: the backward of AddmmBackward0 in `4` (aten::mm) produced -inf ... the scaler skips this
     step and lowers the scale as designed` (evidence.steps 55, 59, 63, 67, 71, 119). The run is healthy: the scaler
@@ -498,14 +500,6 @@ def test_gan_two_scalers_generator_watched_twin():
     quiet(r.w)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "record/monitorsink.py MonitorCallbacks: before() puts another model's optimizer (opt_g, unscaled inside "
-    "GradScaler.step) into st.unscaled_opts; after()'s 'update' branch then takes the iteration as one whose step "
-    "the loop skipped and ends the record with presync(self, None), whose gradient check (record/transfer.py "
-    "presync -> model_grads) reads the discriminator's discarded -inf weight gradients from the generator's "
-    "backward: not a skipped step, so rules/origins.py producers() makes an `overflow` error at `4` (with "
-    "analysis/replayfold.py fold_replay copying the replay's 'normal search ... as designed' message but keeping "
-    "the error severity)"))
 def test_gan_one_scaler_two_optimizers_discriminator_watched():
     torch.manual_seed(0)
     gan = GAN()

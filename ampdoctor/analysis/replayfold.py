@@ -148,6 +148,8 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                    from_replay=cap)
         twin = next((f for f in rr.findings if f.module == ev["module"] and f.op == ev.get("op")
                      and f.phase == g.phase and f.rule == rule), None)
+        if twin is not None and twin.severity == "info" and g.severity != "info":
+            twin = None  # the replay alone judged it benign (its scale search): its words would contradict g's
         msg = twin.message if twin else f"{ev.get('op')} in `{ev['module']}` {what} ({ev.get('line')})."
         evd.pop("unlocated", None)
         findings[i] = Finding(rule, g.severity, ev.get("phase") or g.phase, ev["module"], ev.get("op"), onset(g.step),

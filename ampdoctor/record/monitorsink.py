@@ -95,7 +95,7 @@ class MonitorCallbacks:
             if st.phase is StepPhase.OPEN and st.found_inf_t is None and st.unscaled_opts:
                 # no step came (the loop skipped it, e.g. on a non-finite gradient norm): whether the scaler backs
                 # off is what unscale_ found, read before update() clears it
-                st.found_inf_t = _found_inf(self.w.scaler, st.unscaled_opts)
+                st.found_inf_t = _found_inf(self.w.scaler, [o for o in st.unscaled_opts if self.owns(o)])
             found_inf_all(self)
             if new is not None and not isinstance(new, torch.Tensor):
                 ev.new_scale = float(new)
@@ -147,9 +147,12 @@ class MonitorCallbacks:
             st.scaled_outs.append((ev, ran))
         if ev.kind == "unscale_" and opt is not None and st.sampled and self.owns(opt):  # (sampled steps only)
             grads_after_unscale(self, opt)
-        if ev.kind == "update" and st.phase is StepPhase.OPEN and st.unscaled_opts and st.in_scaler_step == 0:
+        if ev.kind == "update" and st.phase is StepPhase.OPEN and st.in_scaler_step == 0 and any(
+                self.owns(o) for o in st.unscaled_opts):
             # update() with no step since unscale_: the loop skipped this iteration's step itself (e.g. on a
-            # non-finite gradient norm); the iteration ends here, as a skipped step (its found_inf, see before)
+            # non-finite gradient norm); the iteration ends here, as a skipped step (its found_inf, see before).
+            # (Another model's optimizer only, a GAN's generator stepped through the one scaler while the watch
+            # holds the discriminator: no step of this model's; its half of the iteration joins the next one)
             presync(self, None)
             st.advance(StepPhase.ENDED)
             self.hr_hooks.ended()
