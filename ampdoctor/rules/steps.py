@@ -31,7 +31,34 @@ def _streaks(steps: list[StepRecord]) -> list[list[StepRecord]]:
     return out
 
 
-def _later_probes(steps: list[StepRecord], first_good: int | None) -> int:
+def _descent(steps: list[StepRecord], first_good: int | None, settle_min: int = 10) -> set[int]:
+    """The skips after the first applied update that only lowered the scale to follow gradients that grew (early
+    training: activations and gradients grow with the weights, and GradScaler halves once per doubling): every
+    later skip at a scale no step had gone below before, each followed by an applied step, and the descent over,
+    with at least as many clean steps after its last skip as it lasted (and `settle_min`). Intermittent outliers
+    that go on through the run, or a scale that keeps falling, are not a descent."""
+    if first_good is None:
+        return set()
+    low = None
+    skips = []
+    by_step = {r.step: r for r in steps}
+    for r in steps:
+        if r.scale is None:
+            continue
+        if r.skipped and r.step > first_good:
+            nxt = by_step.get(r.step + 1)
+            if low is None or r.scale > low or nxt is None or nxt.skipped:
+                return set()
+            skips.append(r.step)
+        low = r.scale if low is None else min(low, r.scale)
+    if not skips:
+        return set()
+    last = max(r.step for r in steps)
+    clean_after = last - skips[-1]
+    return set(skips) if clean_after >= max(settle_min, skips[-1] - first_good) else set()
+
+
+def _later_probes(steps: list[StepRecord], first_good: int | None, exclude: set[int] = frozenset()) -> int:
     """How many times GradScaler backed off after the first applied update, counting the skips of one probe once:
     a probe is the scale above the last one that earned a growth (the scale before GradScaler's latest increase),
     from that growth until the scale is back at or below it. With `growth_factor=4` one growth above a working
@@ -48,7 +75,7 @@ def _later_probes(steps: list[StepRecord], first_good: int | None) -> int:
             continue
         if prev is not None and r.scale > prev:
             base, probe = prev, probe + 1  # GradScaler grew the scale: `prev` earned it
-        if r.skipped and r.step > first_good:
+        if r.skipped and r.step > first_good and r.step not in exclude:
             if base is not None and r.scale > base:
                 if probe not in counted:
                     counted.add(probe)
@@ -108,7 +135,7 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     by_step = {r.step: r for r in steps}
     first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
     after = sum(1 for r in steps if first_good is not None and r.step > first_good)
-    n_later = _later_probes(steps, first_good)
+    n_later = _later_probes(steps, first_good, _descent(steps, first_good))
     later_ok = n_later < later_min or n_later / max(after, 1) < later_share
     scaled_loss = scaled_loss_steps(steps)
     for s in _streaks(steps):
