@@ -106,6 +106,11 @@ def _follow_refined(findings: list[Finding], refined: set[int], before: list[str
             findings[i] = Finding(f.rule, f.severity, f.phase, new, f.op, f.step, msg, f.fix, f.evidence)
 
 
+def _of_step(g: Finding, step: int | None) -> bool:
+    """The finding `g` covers `step` (its own step, or one of its evidence's steps)."""
+    return step is not None and (g.step == step or step in (g.evidence.get("steps") or ()))
+
+
 def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> Report:
     """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied).
     Into a report with nothing wrong (the replay of an `unexplained_skip`) only the replay's errors go: a step that
@@ -135,9 +140,14 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             continue
         # (an op whose inf a later op absorbed, e.g. a softcap's tanh, made nothing of the step's; an unlocated
         # finding takes the replay's first op of its own phase, else of any)
+        # (the root's own finding takes any op only when the capture is of one of its steps: under torch.compile the
+        # watch sees the root alone; a root finding of later steps, e.g. NaN from a buffer the captured step
+        # poisoned, is another event than the capture's)
+        root_here = not g.module and _of_step(g, cap_step)
         cands = [o for o in ops if o.get("kind") in ("overflow", "nan_origin") and o.get("module") is not None
                  and not o.get("absorbed") and (unlocated or o["module"] == g.module
-                                                or o["module"].startswith(g.module + ".") or not g.module)]
+                                                or bool(g.module) and o["module"].startswith(g.module + ".")
+                                                or root_here)]
         ev = next((o for o in cands if o.get("phase") == g.phase), None) or (
             next(iter(cands), None) if unlocated else None)
         if ev is None:
@@ -165,7 +175,7 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin")
                           and g.phase == f.phase and g.severity != "info" and g.module is not None
                           and f.module is not None and (f.module == g.module or f.module.startswith(g.module + ".")
-                                                        if g.module else True)), None)
+                                                        if g.module else _of_step(g, cap_step))), None)
             if match is not None:
                 i = findings.index(match)
                 ev = dict(match.evidence)
