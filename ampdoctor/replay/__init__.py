@@ -18,7 +18,7 @@ import torch
 
 from ..capture import Capture, load_capture
 from ..errors import BadInput
-from ..findings import Report
+from ..findings import Finding, Report
 from ..rules.outside import bad_data_finding
 from ..tensors import nonfinite_input
 from . import explain, fixsearch, modelio, shadow as shadow_mod
@@ -88,6 +88,8 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     # the step's own backward, from the gradient its outputs received (a non-finite one came from the loss
     # computation outside the model: what the model's backward does with it is a consequence)
     grad_out = [g if g is not None and bool(torch.isfinite(g).all()) else None for g in cap.grad_out or ()]
+    outside_bad = [g for g in cap.grad_out or () if g is not None and not bool(torch.isfinite(g).all())] \
+        if loss_fn is None else []
     if loss_fn is None and any(g is not None for g in grad_out):
         loss_fn = modelio.captured_grad_loss(grad_out, scale or 1.0)
 
@@ -115,7 +117,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
                                     for t in shadow_mod.floats(out))
     loss_finite = None if loss is None else bool(torch.isfinite(loss).all())
     grads_bad = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
-    step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad)
+    step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad or outside_bad)
 
     scaler_search = None
     fwd_events = any(e.phase == "forward" for e in tracer.events)
@@ -161,6 +163,9 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     if bad_input is not None:  # the batch itself held inf/NaN: no op of the model made it
         findings = [bad_data_finding(bad_input, cap.step, cap.path)] + [
             f for f in findings if f.rule not in ("overflow", "nan_origin")]
+    if outside_bad and out_ok and not forward_error and not any(
+            f.rule in ("overflow", "nan_origin") and f.phase == "forward" for f in findings):
+        findings.insert(0, _outside_loss_finding(outside_bad, cap.step))
     data = {"capture": cap.path, "device": str(dev), "dtype": dtype_name, "scale": scale,
             "chain": explain.chain(tracer.events, loss_finite, grads_bad, tracer.constants,
                                    forward_error),
@@ -168,13 +173,13 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             "constants": [{k: v for k, v in c.items() if k != "key"} for c in tracer.constants[:8]],
             "forward_error": forward_error,
             "shadow": [{"module": r["module"], "call": r["call"], "rel_err": r["rel_err"]} for r in rows],
-            "whatif": table, "fix": fix or {"modules": [], "snippet": "", "found": False, "trials": []},
+            "whatif": table, "fix": fix or {"modules": [], "snippet": "", "found": False, "trials": [], "finite_at_scale": None},
             "scaler_search": scaler_search, "comparison_dropout": "off"}
     summary = {"replay": True, "capture": cap.path, "step": cap.step, "dtype": dtype_name, "device": str(dev),
                "finite": not step_bad, "loss": None if loss is None else float(loss.detach().float()),
                "errors": sum(f.severity == "error" for f in findings),
                "warnings": sum(f.severity == "warning" for f in findings), "note": note,
-               "headline": _headline(findings)}
+               "headline": _headline(findings, step_bad)}
     say("replay: done")
     return Report(findings, summary, {"replay": data})
 
@@ -223,14 +228,25 @@ def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> di
     def try_set(mods):
         with fixsearch.fp32_modules(m, mods, devtype):
             try:
-                rec, finite, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
-                                                      loss_fn=loss_fn, scale=scale)
+                rec, finite, loss = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
+                                                         loss_fn=loss_fn, scale=scale)
+                over = rec.overflow_modules()
+                if not finite and not over and scale and scale > 1 and (
+                        loss is None or bool(torch.isfinite(loss).all())):
+                    # the forward is finite with these modules in fp32 and only the backward overflowed at the
+                    # capture's loss scale: GradScaler's backoff handles that (a few skipped steps, as designed)
+                    lower = next((s for s in (max(scale * 0.5 ** k, 1.0) for k in (4, 8, 16))
+                                  if _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, s)), None)
+                    finite = lower is not None
+                    backed_off[tuple(mods)] = lower
             except Exception as e:   # a crash of this configuration, reported as such (not "not finite")
                 return False, None, f"{type(e).__name__}: {_first_line(e)}"
-        over = rec.overflow_modules()
         return finite, (over[0] if over else None), None
 
+    backed_off: dict = {}   # modules -> the lower loss scale at which their trial's backward was finite
     res = fixsearch.search(first, try_set)
+    # None: finite at the capture's own loss scale; else the scale GradScaler's backoff reaches it at
+    res["finite_at_scale"] = backed_off.get(tuple(res["modules"])) if res["found"] else None
     if res["found"]:
         root_err = None
         if ref is not None and ("", 0) in ref.outs:   # like with like: dropout off, as the fp32 reference ran
@@ -262,8 +278,26 @@ def _low_precision_first(events: list) -> list:
     return sorted(events, key=lambda e: (e.phase != "forward", e.absorbed, not lowp(e), e.seq))
 
 
-def _headline(findings) -> str:
+def _outside_loss_finding(bad: list, step) -> Finding:
+    """The gradient the capture kept for the model's output was already inf/NaN, and no loss_fn was given: the loss
+    computation outside the model produced it (replayed without it, the model's own backward would only pass it
+    on)."""
+    nan = any(bool(torch.isnan(g).any()) for g in bad)
+    return Finding(
+        "nan_origin" if nan else "overflow", "error", "backward", None, None, step,
+        f"The gradient this step's loss gave the model's output was already {'NaN' if nan else 'inf'} (kept in the "
+        "capture): the loss computation outside the model produced it, not a module of the model.",
+        "Replay with the loss function to see which op (`ampdoctor.replay(capture, loss_fn=...)`, CLI `--loss "
+        "package.module:function`); compute the loss in fp32 (`logits.float()`), and keep exp/log/pow of the "
+        "outputs in a safe range.",
+        {"grad_out_nonfinite": len(bad), "rank_hint": 12})
+
+
+def _headline(findings, step_bad: bool = False) -> str:
     top = next((f for f in findings if f.severity in ("error", "warning")), None)
+    if top is None and step_bad:
+        return ("The replayed step is non-finite, but no op of the model was seen to make the inf/NaN (see the "
+                "op chain); nothing in the model is to blame on its own.")
     if top is None:
         return "Healthy: the replayed step is finite and close to fp32; nothing to report."
     where = f" at `{top.module}`" if top.module else ""

@@ -219,6 +219,10 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
             fx += _custom_fn_hint(device)
         if i == 0 and fix and fix.get("found"):
             fx += f"\n\nSmallest set of modules that makes this step finite in fp32 (ampdoctor fix search):\n{fix['snippet']}"
+            if fix.get("finite_at_scale"):
+                fx += (f"\n(with them in fp32 the forward is finite; the backward still overflows at this step's loss "
+                       f"scale and is finite at {fix['finite_at_scale']:g}: GradScaler backs off there by itself, "
+                       "skipping a few steps)")
         evidence = {"absmax_in": e.absmax_in, "out_nan": e.out_nan, "out_posinf": e.out_posinf,
                     "out_neginf": e.out_neginf, "out_numel": e.out_numel, "out_dtype": e.out_dtype,
                     "in_dtypes": e.in_dtypes, "line": e.line, "autograd_node": e.autograd_node,

@@ -110,13 +110,17 @@ def _floats(tree) -> list[torch.Tensor]:
     return [t for t in flatten_tensors(tree, []) if t.is_floating_point() and t.numel()]
 
 
-def _has_nonfinite_number(args, kwargs) -> bool:
-    """A Python float inf/NaN among an ATen op's arguments (flat, or one list deep)."""
+def _nonfinite_number(args, kwargs) -> str | None:
+    """"nan" or "inf" when a Python float NaN / ±inf is among an ATen op's arguments (flat, or one list deep)."""
+    found = None
     for a in list(args) + list(kwargs.values()):
         for v in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(v, float) and not (v == v and abs(v) != float("inf")):
-                return True
-    return False
+            if isinstance(v, float):
+                if v != v:
+                    return "nan"
+                if abs(v) == float("inf"):
+                    found = "inf"
+    return found
 
 
 # in-place ops that overwrite all of `self` without reading it: its old values are not an input of the op
@@ -309,8 +313,9 @@ class OpTracer:
         ins = _floats(_read_args(func, args, kwargs))
         if not ins:
             return  # a factory (full, scalar_tensor...): constants.py judges its value
-        if _has_nonfinite_number(args, kwargs):
-            return  # an intended inf/NaN constant, e.g. masked_fill(mask, -inf)
+        const = _nonfinite_number(args, kwargs)
+        if const == "nan":
+            return  # an intended NaN constant
         if before is not None:
             in_nan, in_inf = before
         else:
@@ -319,7 +324,9 @@ class OpTracer:
         out_nan = sum(int(torch.isnan(t).sum()) for t in bad)
         if out_nan and not in_nan:
             kind = "nan_origin"
-        elif not out_nan and not in_nan and not in_inf:
+        elif not out_nan and not in_nan and not in_inf and const is None:
+            # (an intended ±inf constant, e.g. masked_fill(mask, -inf), makes inf by design; NaN from it, as in
+            # 0 * -inf, is still made here)
             kind = "overflow"
         else:
             return
