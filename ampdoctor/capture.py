@@ -272,6 +272,17 @@ def load_capture(path: str | os.PathLike) -> Capture:
     rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng/")}
     for k, v in rng.items():
         _need(v.dtype == torch.uint8 and v.dim() == 1, f"RNG state {k} is not a 1-D uint8 tensor", cap)
+        if k == "cpu":  # (torch checks a CPU generator's state itself; a CUDA one is checked when it is set)
+            try:
+                torch.Generator().set_state(v)
+            except (RuntimeError, ValueError):
+                _need(False, f"RNG state {k} is not a valid CPU generator state", cap)
+    sc = manifest.get("scaler")
+    _need(sc is None or isinstance(sc, dict), "manifest scaler must be an object", cap)
+    for key in ("scale", "backoff_factor", "growth_factor"):
+        v = (sc or {}).get(key)
+        _need(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+              f"manifest scaler.{key} must be a finite positive number", cap)
     gkeys = manifest.get("grad_out")
     _need(gkeys is None or isinstance(gkeys, list) and len(gkeys) <= 16 and all(
         k is None or isinstance(k, str) and k in tensors and tensors[k].is_floating_point() for k in gkeys),

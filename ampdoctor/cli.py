@@ -83,6 +83,9 @@ def _default_out(path: str) -> str:
 def _check_outputs(args, src: str) -> None:
     """Refuse unusable output paths before any work is done (one line, exit 2)."""
     from .fsutil import check_out_dir, check_out_file
+    for opt in ("json", "out", "tensorboard"):  # an empty path is not "not given": say so rather than guess
+        if getattr(args, opt, None) == "":
+            raise BadInput(f"--{opt}: the path is empty")
     if getattr(args, "json", None):
         check_out_file(args.json, "--json")
         j, root = os.path.realpath(args.json), os.path.realpath(src)

@@ -37,6 +37,33 @@ one definition for the recorder (which bad steps get a capture) and the rules (r
 `loss_scale_collapse` rule's `collapse_consecutive` defaults to the same number)."""
 
 
+_STEP_INTS = ("step", "micro_batches")
+_STEP_FLOATS = ("loss", "scale", "next_scale", "grad_norm")
+_STEP_BOOLS = ("sampled", "loss_finite", "found_inf", "skipped", "grad_finite", "output_finite", "loss_in_model")
+_STEP_STRS = ("autocast", "capture")
+
+
+def _check_scalars(d: dict) -> None:
+    """A step record's scalar fields have their types (a record from disk is a stranger's data: a step of "2",
+    NaN or 1e999 would reach the reporters' int()/float() calls). Raises ValueError naming the field."""
+    for k in _STEP_INTS:
+        v = d.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{k} must be a non-negative integer, not {v!r}"[:120])
+    for k in _STEP_FLOATS:
+        v = d.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{k} must be a number, not {v!r}"[:120])
+    for k in _STEP_BOOLS:
+        v = d.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"{k} must be true/false, not {v!r}"[:120])
+    for k in _STEP_STRS:
+        v = d.get(k)
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"{k} must be a string, not {v!r}"[:120])
+
+
 def _fromd(cls, d: dict):
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
@@ -365,6 +392,7 @@ class StepRecord:
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
         d = dict(d)
+        _check_scalars(d)
         for k in ("forward_producer", "backward_producer"):
             if d.get(k) is not None:
                 d[k] = Producer.from_dict(d[k])

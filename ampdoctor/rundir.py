@@ -223,6 +223,15 @@ def _open_records(sp: str):
         raise BadInput(f"{sp}: cannot read the records ({e.strerror or e})") from None
 
 
+def _loads(raw: bytes):
+    """One record line; a complete line with a byte that is not UTF-8 (a flipped bit on disk) is still read, the byte
+    replaced, so that the step it records is not lost as if the line were torn."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        return json.loads(raw.decode("utf-8", errors="replace"))
+
+
 def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRecord]]:
     """Read one run (default: the last) of a single-rank run directory. Raises BadInput on foreign data.
     Lines that are not JSON (torn by a killed writer, anywhere in the file) are skipped; a file with records
@@ -261,7 +270,7 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
                 if not raw_depth_within(raw, MAX_RECORD_DEPTH):
                     raise BadInput(f"{sp}:{lineno}: record nested deeper than {MAX_RECORD_DEPTH} levels; refusing")
                 try:
-                    d = json.loads(raw)
+                    d = _loads(raw)
                 except (ValueError, UnicodeDecodeError, RecursionError):  # torn, corrupt, 5000-digit numbers
                     bad += 1
                     continue

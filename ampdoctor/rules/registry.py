@@ -32,7 +32,12 @@ class RunData:
         # (a GradScaler the watch adopted after the run directory's manifest was written shows in the records)
         if self.meta.scaler:
             return bool(self.meta.scaler.get("enabled", True))
-        return any(r.scale is not None for r in self.steps)
+        # rules ask inside their per-step loops: the scan is kept (for the step list it was made from)
+        key = (id(self.steps), len(self.steps))
+        cached = self.__dict__.get("_has_scale")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_has_scale"] = (key, any(r.scale is not None for r in self.steps))
+        return cached[1]
 
 
 @dataclass(kw_only=True)
