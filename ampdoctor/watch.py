@@ -133,7 +133,18 @@ class Watch:
     def __enter__(self) -> "Watch":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # the loop raised inside `with ampdoctor.watch(...)`: the open step is the one that crashed (a crash outside
+        # the watched modules, e.g. in the loss or the data, leaves no other trace; KeyboardInterrupt is the user)
+        if exc is not None:
+            try:
+                if isinstance(exc, SystemExit):
+                    if exc.code not in (None, 0):
+                        self._record_exit(exc.code)
+                elif isinstance(exc, Exception):
+                    self._record_fatal(exc)
+            except Exception:
+                pass
         self.close()
 
     def close(self) -> None:

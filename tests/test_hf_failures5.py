@@ -62,7 +62,10 @@ weights must be bitwise identical):
  H7. RobertaForSequenceClassification with a sane linear warmup (twin of 6).
  H8. Qwen2 with fp32 weights under bf16 autocast (the twin of 9) (twin).
 
-What ampdoctor got wrong (strict xfails):
+What ampdoctor got wrong (strict xfails; all fixed since: fp16_master_weights is an error without a scaler when the
+fp16 parameters' updates already round away, and ranks above the update_underflow it causes; Watch.__exit__ records
+an exception raised inside the with-block on the open step; the replay judges only _ctc_loss's loss output, not the
+log_alpha it saves for its backward):
  - 7 (fp16 `.half()` + SGD, no scaler): the first three findings are `update_underflow` errors at
    `gpt_neox.layers.0.input_layernorm`, `...post_attention_layernorm`, `...attention.query_key_value` (one per
    module, 7 of them); the root cause, `fp16_master_weights` at the root, is last, a warning. Cause:
@@ -556,13 +559,8 @@ def _rounded_away(before, model):
 
 
 @pytest.mark.parametrize("every", [
-    pytest.param(None, id="default", marks=pytest.mark.xfail(strict=True, reason=(
-        "rules/weights.py fp16_master_weights(): `sev = 'error' if run.has_scaler else 'warning'`, while "
-        "update_underflow() emits an 'error' per module for the same cause; findings.py Finding.sort_key() sorts by "
-        "severity before rank_hint, so 7 update_underflow errors push the root cause out of the first three"))),
-    pytest.param(1, id="every1", marks=pytest.mark.xfail(strict=True, reason=(
-        "rules/weights.py fp16_master_weights(): warning without a GradScaler, ranked (findings.py "
-        "Finding.sort_key, severity first) below the per-module update_underflow errors it causes"))),
+    pytest.param(None, id="default"),
+    pytest.param(1, id="every1"),
 ])
 def test_gpt_neox_half_with_sgd_has_no_fp32_master_weights(every):
     """`model.half()` then SGD(momentum) over its parameters, no autocast, no scaler (the 'load in float16 and
@@ -593,10 +591,7 @@ def _bad_label(k):
 
 @pytest.mark.parametrize("inside", [
     pytest.param(True, id="labels-to-the-model"),
-    pytest.param(False, id="users-own-loss", marks=pytest.mark.xfail(strict=True, reason=(
-        "watch.py Watch.__exit__(*exc) calls close() and drops the exception; only an exception raised inside a "
-        "watched module's forward is recorded (record/modulehooks.py exception_info), _record_fatal() runs only "
-        "from exits.py's atexit hook: a crash in the user's loss inside the with-block leaves no crash, 'Healthy'"))),
+    pytest.param(False, id="users-own-loss"),
 ])
 def test_bert_mlm_label_id_out_of_range_crash_is_not_reported_healthy(inside):
     """At step 3 a label id 130 >= vocab 128: cross_entropy raises IndexError. The run crashed; its report must say
@@ -701,10 +696,6 @@ def test_healthy_gpt_neox_left_padded_with_its_own_mask_is_quiet_and_bitwise_ide
     _healthy(r)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "replay/optrace.py OpTracer.check_output() flags aten::_ctc_loss's float32 log_alpha output (-inf = log 0 by "
-    "design) as an overflow; that forward event makes replay/__init__.py _replay() skip the scaler search (`not "
-    "fwd_events`) and explain.py makes it an error, folded into the healthy report (replayfold.py unexplained_skip)"))
 def test_healthy_wav2vec2_ctc_with_specaugment_and_a_handled_gradient_spike_is_quiet():
     """CTC on Wav2Vec2 with SpecAugment (numpy RNG) and dropout: the scaler's first backoffs, then the gradients
     grow as it learns and one step is skipped at a scale an earlier step used; every loss finite and falling."""

@@ -199,7 +199,17 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                 f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
     _follow_refined(findings, refined, before)
-    rep.findings = rank(findings)
+    # two module-level findings refined onto the same op of the same step (a later step's finding re-dated to the
+    # captured one) say one thing: keep one
+    seen: set = set()
+    unique = []
+    for f in findings:
+        key = (f.rule, f.severity, f.phase, f.module, f.op, f.step)
+        if f.op is not None and key in seen:
+            continue
+        seen.add(key)
+        unique.append(f)
+    rep.findings = rank(unique)
     if rr.data.get("replay"):
         rep.data["replay"] = rr.data["replay"]
     rep.summary["verdict"] = verdict(rep.findings, rep.summary.get("steps", len(steps)), rep.summary.get("crash"),

@@ -347,7 +347,12 @@ class MonitorCallbacks:
 
     def owns(self, opt) -> bool:
         mine = self._model_param_ids()
-        return any(id(p) in mine for g in opt.param_groups for p in g["params"])
+        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            return True
+        # parameters the model gained after the watch began (LoRA adapters put in, a grown head) with an optimizer
+        # built for them alone (asked once per optimizer: global_opt_pre remembers the ones it turned down)
+        now = {id(p) for p in self.w.model.parameters()}
+        return any(id(p) in now for g in opt.param_groups for p in g["params"])
 
     def _model_param_ids(self) -> set:
         if self._model_params is None:

@@ -44,6 +44,7 @@ def found_inf_all(m) -> None:
 def presync(m, opt, grads_scaled: bool = False) -> None:
     st = m.st
     st.regions = None  # the backward is done: the walked autograd nodes need not stay referenced
+    st.scaled_node = None  # (nor the scaled loss's node: its graph holds the module hooks, and they the machine)
     if st.phase is not StepPhase.OPEN:
         return
     for ev, ran in st.scaled_outs:  # the optimizer steps: has each scaled loss been backpropagated?

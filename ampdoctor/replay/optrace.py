@@ -123,6 +123,9 @@ def _nonfinite_number(args, kwargs) -> str | None:
     return found
 
 
+# ops whose later outputs are saved for their backward, not results: only the first n are judged
+_RESULT_OUTPUTS = {"aten::_ctc_loss": 1, "aten::_cudnn_ctc_loss": 1}
+
 # in-place ops that overwrite all of `self` without reading it: its old values are not an input of the op
 _OVERWRITE_SELF = {"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_",
                    "aten::bernoulli_", "aten::exponential_", "aten::geometric_", "aten::log_normal_",
@@ -307,6 +310,9 @@ class OpTracer:
         reads: not an `out=` buffer, nor the `self` that copy_/fill_ overwrite). `before`: the inputs' (has NaN,
         has inf) taken before an in-place op ran (its inputs now hold its output)."""
         outs = _floats(out)
+        n_result = _RESULT_OUTPUTS.get(func._schema.name)
+        if n_result is not None and isinstance(out, (tuple, list)):
+            outs = _floats(tuple(out[:n_result]))  # the others are the op's workspace (CTC's log_alpha: log 0 = -inf)
         bad = [t for t in outs if not bool(torch.isfinite(t).all())]
         if not bad:
             return

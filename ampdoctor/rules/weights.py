@@ -74,7 +74,12 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
                         f"GradScaler refused to unscale fp16 gradients at {e.file}:{e.line}: the optimizer holds "
                         f"fp16 parameters ({', '.join(names[:3])}{'…' if len(names) > 3 else ''}), so there is no "
                         "fp32 master copy.", fix, ev)]
-    sev = "error" if run.has_scaler else "warning"
+    # without a scaler it is a risk, unless their updates already round away (update_underflow then names the
+    # modules where it shows; this is their cause and ranks first)
+    held = set(names)
+    rounds = any(p.name in held and p.update_sampled > 0 and p.update_rounded_away / p.update_sampled
+                 >= cfg.rounded_away_share for r in run.steps for p in r.params)
+    sev = "error" if run.has_scaler or rounds else "warning"
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
         at = min(became[n] for n in names)
