@@ -48,7 +48,9 @@ ran the model's forward) at close() (`capture`) or already in a w.report() calle
 A self-test shows the comparison is not blind: one torch.rand(()) or np.random.rand() drawn where the watch would
 be made, or one weight element nudged by one ulp there, is seen.
 
-What ampdoctor got wrong (strict xfails):
+What ampdoctor got wrong (strict xfails; all fixed since: replay/modelio.py preserved() keeps and restores Python's
+`random` and NumPy's global RNG, and every parameter and buffer slot of every module, the non-persistent buffers
+and the tensor objects a forward reassigned included):
  - wav2vec2_ctc, py_random_layerdrop [capture, capture_report]: the in-process replay of a capture consumes the
    NumPy / Python `random` global generators and ampdoctor never puts them back. replay/modelio.py preserved()
    (entered by replay/__init__.py replay() around the whole replay) saves and restores only
@@ -802,8 +804,7 @@ XFAIL = {"wav2vec2_ctc": _REPLAY_RNG, "py_random_layerdrop": _REPLAY_RNG, "delay
 
 
 @pytest.mark.parametrize("variant", ["capture", "capture_report"])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
-                                  if n in XFAIL else n for n in FP16_CASES])
+@pytest.mark.parametrize("name", FP16_CASES)
 def test_a_bad_step_captured_and_replayed_changes_nothing(name, variant, tmp_path):
     """A loss weight of 1e8 on step BAD: the scaled backward overflows and GradScaler skips that step (checked on
     the unwatched twin). Watched at every=1 with a run_dir: the step is captured under run_dir/captures/ and its

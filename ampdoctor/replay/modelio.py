@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import random
 import sys
 from typing import Any, Callable
 
@@ -102,9 +103,15 @@ def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
 
 @contextlib.contextmanager
 def preserved(model: torch.nn.Module):
-    """Restore the model's weights/buffers (bitwise), train/eval modes, .grad and the RNG states on exit."""
-    state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    """Restore the model's weights and buffers (bitwise, the non-persistent ones too, and the tensor objects a
+    forward reassigned), train/eval modes, .grad and the RNG states (torch's, Python's `random`, NumPy's global one:
+    a forward may draw from them, e.g. Wav2Vec2's masks) on exit."""
+    slots = [(mod, d, name, t, t.detach().clone()) for mod in model.modules()
+             for d in (mod._parameters, mod._buffers) for name, t in list(d.items()) if t is not None]
     modes = {m: m.training for m in model.modules()}
+    py_rng = random.getstate()
+    np_mod = sys.modules.get("numpy")
+    np_rng = np_mod.random.get_state() if np_mod is not None else None
     grads = {p: (p.grad, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -113,10 +120,12 @@ def preserved(model: torch.nn.Module):
         yield
     finally:
         with torch.no_grad():
-            live = model.state_dict(keep_vars=True)
-            for k, v in state.items():
-                if k in live:
-                    live[k].data.copy_(v)
+            for mod, d, name, t, v in slots:
+                d[name] = t  # (a forward that replaced the buffer object: the module gets its own back)
+                t.data.copy_(v)
+        random.setstate(py_rng)
+        if np_rng is not None:
+            np_mod.random.set_state(np_rng)
         for m, t in modes.items():
             m.training = t
         for p, (g, val) in grads.items():
