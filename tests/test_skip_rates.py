@@ -46,7 +46,10 @@ Unhealthy (a warning or an error; the producer module named among the first thre
  i. rare_backward_nan_after_a_harmless_spike: the same, with one mislabelled pair at step 10 before it (finite at
     half the scale).
 
-What ampdoctor got wrong (strict xfails; `raises=WrongVerdict`, so a precondition that fails fails the test):
+What ampdoctor got wrong (strict xfails; `raises=WrongVerdict`, so a precondition that fails fails the test). Fixed
+since: the 60-step warm-up, the two backoffs in a row and the later outlier (rules/steps.py _descent: the longest
+settled prefix of lowest-so-far skips, settling measured against the longest gap between them, a double backoff
+allowed), and the slow lr blow-up (rules/scaler.py: a skip at a scale below 1 is loss_scale_collapse). Left:
  - 2[60]: a healthy 60-step run warned: skipped_steps "5 of 55 steps after warm-up (9%)". rules/steps.py _descent
    accepts a descent only when the clean steps after its last skip are at least as many as the descent lasted
    (`clean_after >= max(settle_min, skips[-1] - first_good)`: 21 < 33), however short the gaps between its
@@ -334,7 +337,7 @@ XF_DESCENT_60 = (
 
 
 @pytest.mark.parametrize("steps", [
-    pytest.param(60, marks=pytest.mark.xfail(strict=True, raises=WrongVerdict, reason=XF_DESCENT_60)), 100, 160])
+    60, 100, 160])
 def test_gradients_that_grow_over_the_first_tens_of_steps(steps, tmp_path):
     """The scale halves each time the gradients double during a batch-size warm-up (steps 10-38), then never again.
     The three runs are the same run cut at 60, 100 and 160 steps."""
@@ -351,12 +354,6 @@ def test_gradients_that_grow_over_the_first_tens_of_steps(steps, tmp_path):
     assert_quiet(r)
 
 
-@pytest.mark.xfail(strict=True, raises=WrongVerdict, reason=(
-    "ampdoctor/rules/steps.py _descent returns set() at the first later skip whose next step is skipped too "
-    "(`nxt is None or nxt.skipped`): one double backoff voids the whole descent; _later_probes then counts the 7 "
-    "skips one by one (no growth: no probe), 7 >= later_min and 7/95 >= later_share, so benign_backoff drops them: "
-    "scale_timeline warns skipped_steps (7 of 96, 7%) and rules/origins.py producers makes the sampled skips' "
-    "backward overflow an error at `4` (`all(s in benign ...)` fails)"))
 def test_batch_size_stages_cost_two_backoffs_in_a_row(tmp_path):
     """An 8x batch-size stage multiplies the summed gradients by more than 2: GradScaler skips twice (or three times)
     in a row, then steps at the scale that fits, as designed."""
@@ -372,12 +369,6 @@ def test_batch_size_stages_cost_two_backoffs_in_a_row(tmp_path):
     assert_quiet(r)
 
 
-@pytest.mark.xfail(strict=True, raises=WrongVerdict, reason=(
-    "ampdoctor/rules/steps.py _descent takes the outlier's skip at step 80 into the descent (a skip at the lowest "
-    "scale so far is allowed: `r.scale > low` is false) and then measures the settling from it: clean_after = 99 - 80 "
-    "= 19 < 80 - 5 = 75, so the whole descent is void; _later_probes counts 6 skips, 6 >= later_min and 6/94 >= "
-    "later_share, benign_backoff drops them and scale_timeline warns skipped_steps '6 of 95 steps (6%)'. The same run "
-    "without the outlier is quiet (test_gradients_that_grow_over_the_first_tens_of_steps[100])"))
 def test_growth_then_one_outlier_batch(tmp_path):
     """The batch-size warm-up's backoffs (over by step 42), then at step 80 one mislabelled example whose gradient
     overflows the settled scale and is finite at half of it."""
@@ -655,12 +646,6 @@ def test_lr_too_high_scale_halves_below_1(tmp_path):
     assert_flagged(r)
 
 
-@pytest.mark.xfail(strict=True, raises=WrongVerdict, reason=(
-    "ampdoctor/rules/scaler.py scale_timeline: a collapse needs a streak of collapse_consecutive (10) skips or a "
-    "final scale below collapse_min_scale (1e-4); a scale that fell 65536 -> 0.125 one halving at a time falls "
-    "through to the share branch, 15 later skips / 396 < skipped_share (5%) -> [info] 'a normal rate'. "
-    "rules/steps.py benign_backoff already refuses the skips under BACKOFF_MIN_SCALE (353, 378: not the scaler "
-    "searching), but no rule reports a non-benign skip that no sampled step located; the summary says Healthy"))
 def test_lr_too_high_slowly_scale_halves_below_1(tmp_path):
     """lr 1.5% above the stability limit: the gradients double about every 24 steps; 400 steps, the scale falls from
     65536 to 0.125, one halving at a time, 15 backoffs after the first update (under 5% of the steps)."""

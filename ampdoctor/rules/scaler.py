@@ -9,7 +9,7 @@ from ..findings import Finding
 from ..records import CallEvent, StepRecord
 from .registry import RuleConfig, RunData, register
 from .outside import output_grad_nonfinite
-from .steps import benign_backoff
+from .steps import BACKOFF_MIN_SCALE, benign_backoff
 
 ORDER = ("scaler.scale(loss).backward()\n"
          "scaler.unscale_(optimizer)                      # before anything reads the gradients\n"
@@ -126,6 +126,19 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
                  **({"file": upd.file, "line": upd.line} if upd is not None else {}))))
         return out
     collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
+    # skips at a scale below 1: the gradients overflow fp16 even unscaled, whatever the rate of skips
+    unscaled = [r for r in steps if r.skipped and r.scale is not None and r.scale < BACKOFF_MIN_SCALE]
+    if unscaled and not collapse:
+        first = unscaled[0]
+        out.append(Finding(
+            "loss_scale_collapse", "error", "scaler", None, None, first.step,
+            f"GradScaler's scale fell from {init:g} to {first.scale:.3g} and it still skipped steps there "
+            f"({len(unscaled)} skipped at a scale below 1, {len(skipped)} of {len(steps)} in all): the gradients "
+            "overflow fp16 even unscaled, so they have grown far beyond what the model should produce.",
+            "Find why the gradients keep growing (learning rate too high, no warmup, a loss that grows without "
+            "bound: see the findings above); a GradScaler cannot fix gradients that overflow at scale 1.",
+            dict(ev, below_one=[r.step for r in unscaled][:50], rank_hint=60)))
+        return out
     if collapse:
         # the persistent cause: a forward producer first, then NaN made in backward, then any producer
         cause = (next((r for r in steps if r.skipped and r.forward_bad and r.forward_producer), None)

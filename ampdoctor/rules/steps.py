@@ -33,29 +33,37 @@ def _streaks(steps: list[StepRecord]) -> list[list[StepRecord]]:
 
 def _descent(steps: list[StepRecord], first_good: int | None, settle_min: int = 10) -> set[int]:
     """The skips after the first applied update that only lowered the scale to follow gradients that grew (early
-    training: activations and gradients grow with the weights, and GradScaler halves once per doubling): every
-    later skip at a scale no step had gone below before, each followed by an applied step, and the descent over,
-    with at least as many clean steps after its last skip as it lasted (and `settle_min`). Intermittent outliers
-    that go on through the run, or a scale that keeps falling, are not a descent."""
+    training, a larger batch: activations and gradients grow, and GradScaler halves once per doubling): the
+    longest run of later skips, from the first, each at a scale no step had gone above since (the lowest so far),
+    that then settled: at least `settle_min` clean steps after its last skip, and half again as many as the longest
+    gap between its skips. Later skips outside it (a harmless outlier afterwards) count as usual (_later_probes);
+    intermittent overflows that go on through the run, or a scale that keeps falling, settle nowhere."""
     if first_good is None:
         return set()
     low = None
-    skips = []
-    by_step = {r.step: r for r in steps}
+    skips: list[int] = []
     for r in steps:
         if r.scale is None:
             continue
         if r.skipped and r.step > first_good:
-            nxt = by_step.get(r.step + 1)
-            if low is None or r.scale > low or nxt is None or nxt.skipped:
-                return set()
+            if low is not None and r.scale > low:
+                break  # a probe above a working scale: not a descent (nor anything after it)
             skips.append(r.step)
         low = r.scale if low is None else min(low, r.scale)
     if not skips:
         return set()
+    all_later = [r.step for r in steps if r.skipped and r.step > first_good]
     last = max(r.step for r in steps)
-    clean_after = last - skips[-1]
-    return set(skips) if clean_after >= max(settle_min, skips[-1] - first_good) else set()
+    best = 0
+    gap = 0
+    prev = first_good
+    for k, s in enumerate(skips, 1):
+        gap = max(gap, s - prev)
+        prev = s
+        nxt = next((t for t in all_later if t > s), last + 1)  # the next later skip, or past the run's end
+        if nxt - 1 - s >= max(settle_min, 1.5 * gap):
+            best = k
+    return set(skips[:best])
 
 
 def _later_probes(steps: list[StepRecord], first_good: int | None, exclude: set[int] = frozenset()) -> int:
