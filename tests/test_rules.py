@@ -112,7 +112,11 @@ def test_update_underflow_and_master_weights():
                                                       update_rounded_away=16)])
     got = rules_of([r], m)
     assert ("update_underflow", "error", "fc") in got
-    assert ("fp16_master_weights", "warning", "fc") in got
+    # without a scaler the fp16 parameters are an error once their updates round away (their cause, ranked first)
+    assert ("fp16_master_weights", "error", "fc") in got
+    fine = StepRecord(0, sampled=True, params=[ParamStat("fc.weight", "fc", "float16", 16, update_sampled=16,
+                                                         update_rounded_away=0)])
+    assert ("fp16_master_weights", "warning", "fc") in rules_of([fine], m)  # a risk while they still move
 
 
 def test_underflow_needs_subnormals_not_zeros():

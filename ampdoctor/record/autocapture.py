@@ -5,6 +5,7 @@ ampdoctor/capture.py."""
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import shutil
 import tempfile
@@ -120,13 +121,21 @@ def maybe_capture(m, st) -> None:
         try:
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
-                                       step=st.step, grad_out=grad_out)
+                                       step=st.step, grad_out=grad_out, extra=_loss_state(st))
         finally:
             m.suspended = False
             m.hr.on = hr_on
     except Exception as e:  # a capture must never break training
         warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=4)
+
+
+def _loss_state(st) -> dict:
+    """What the step's one transfer read of its losses: `loss_finite` (None when it saw none). A replay without
+    the loss function tells from it whether a non-finite output gradient came from the loss computation or only
+    from the loss scale."""
+    losses = (getattr(st, "synced", None) or {}).get("losses") or []
+    return {"loss_finite": all(math.isfinite(v) for v in losses) if losses else None}
 
 
 def _fresh_dir(base: str, name: str, run: int | None) -> str:

@@ -77,8 +77,9 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # without a scaler it is a risk, unless their updates already round away (update_underflow then names the
     # modules where it shows; this is their cause and ranks first)
     held = set(names)
-    rounds = any(p.name in held and p.update_sampled > 0 and p.update_rounded_away / p.update_sampled
-                 >= cfg.rounded_away_share for r in run.steps for p in r.params)
+    rounds = any(p.name in held and p.update_sampled > 0 and not p.grad_nonfinite and _finite(p.weight_norm)
+                 and p.update_rounded_away / p.update_sampled >= cfg.rounded_away_share
+                 for r in run.steps for p in r.params)  # (as update_underflow counts them)
     sev = "error" if run.has_scaler or rounds else "warning"
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
