@@ -306,7 +306,11 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             first = min(chain, key=lambda j: _bits_at(pts[j], w["step"]))
             out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"],
                                 _came_true(run, w, [mods[j][0] for j in chain] + [mods[first][0]], bad())))
-    return out
+    # a module warned at the same step and phase as one inside it says the same thing (its output is that one's,
+    # passed on): the inner one stands for both
+    return [f for f in out if not any(g is not f and g.phase == f.phase and g.step == f.step and g.severity ==
+                                      f.severity and g.module is not None and f.module is not None
+                                      and _inside(g.module, f.module) for g in out)]
 
 
 CONFIRM_STEPS = 8
