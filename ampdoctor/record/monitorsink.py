@@ -350,9 +350,21 @@ class MonitorCallbacks:
         if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
             return True
         # parameters the model gained after the watch began (LoRA adapters put in, a grown head) with an optimizer
-        # built for them alone (asked once per optimizer: global_opt_pre remembers the ones it turned down)
-        now = {id(p) for p in self.w.model.parameters()}
-        return any(id(p) in now for g in opt.param_groups for p in g["params"])
+        # built for them alone; the answer is kept per optimizer and parameter count (a GAN's other optimizer is
+        # asked at every update())
+        n = sum(len(g["params"]) for g in opt.param_groups)
+        try:
+            known = self._owns_later.get(opt)
+        except TypeError:  # an optimizer object that takes no weak reference: asked afresh each time
+            known = None
+        if known is None or known[0] != n:
+            now = {id(p) for p in self.w.model.parameters()}
+            known = (n, any(id(p) in now for g in opt.param_groups for p in g["params"]))
+            try:
+                self._owns_later[opt] = known
+            except TypeError:
+                pass
+        return known[1]
 
     def _model_param_ids(self) -> set:
         if self._model_params is None:

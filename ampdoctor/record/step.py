@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -78,6 +79,8 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)
         self.root = watch.model
         self._model_params = None
+        # optimizer -> (its parameter count, holds parameters the model gained later): see owns
+        self._owns_later: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._uncovered = None  # (optimizers' parameter lists, model parameters none of them holds): _still_scaled
         self.writer = None
         if watch.run_dir is not None:

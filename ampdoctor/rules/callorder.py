@@ -23,6 +23,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
         return []
     out: list[Finding] = []
     events = [e for r in run.steps for e in r.events if not e.internal]
+    first_scale = next((k for k, e in enumerate(events) if e.kind == "scale"), None)  # (_stepped_again)
     steps = {r.step: r for r in run.steps}
 
     def add(rule, e, msg, fix, extra=None):
@@ -140,7 +141,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "gradients by the loss scale — every update is that many times too small, and fp16 gradients get "
                 "no protection from underflow.",
                 "Backpropagate the scaled loss: `scaler.scale(loss).backward()`:\n" + ORDER)
-        elif e.kind == "optimizer.step" and (again := _stepped_again(events, i)) is not None:
+        elif e.kind == "optimizer.step" and (again := _stepped_again(events, i, first_scale)) is not None:
             add("scaler_misorder", e, f"`optimizer.step()` ran twice in one iteration on the same gradients (first "
                 f"at {_loc(again)}{' through scaler.step()' if again.via_scaler else ''}, again at {_loc(e)}), with no "
                 "backward between them: every update is applied twice, the second time on gradients a second "
@@ -185,12 +186,12 @@ def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallE
     return None
 
 
-def _stepped_again(events: list[CallEvent], i: int) -> CallEvent | None:
+def _stepped_again(events: list[CallEvent], i: int, first_scale: int | None) -> CallEvent | None:
     """The earlier `optimizer.step` of the same optimizer as `events[i]` with no scaled backward or zero_grad between
     them (an update() between them does not count): the same gradients stepped twice (one GradScaler per loss, each
     stepping the one optimizer; `scaler.step(opt)` then `opt.step()`; a helper's step + update and the loop's again).
     Only in a loop that scales its losses: one whose scaler is off may backpropagate the raw loss and zero the
-    gradients through the module (neither is a recorded call)."""
+    gradients through the module (neither is a recorded call): `first_scale`, the index of the run's first scale."""
     e = events[i]
     if e.opt is None:
         return None
@@ -199,7 +200,7 @@ def _stepped_again(events: list[CallEvent], i: int) -> CallEvent | None:
         if p.kind in ("scale", "zero_grad"):
             return None
         if p.kind == "optimizer.step" and p.opt == e.opt:
-            return p if any(q.kind == "scale" for q in events[:j]) else None
+            return p if first_scale is not None and first_scale < j else None
     return None
 
 
