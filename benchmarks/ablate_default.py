@@ -36,7 +36,7 @@ PIECES = ("loc", "event", "store", "rng", "sums", "keepgrad", "pending", "fwd", 
 
 
 def _patch() -> None:
-    from ampdoctor.record import hostcopy, monitor, step as S, transfer as T
+    from ampdoctor.record import hostcopy, modulehooks as MH, monitor, step as S, transfer as T
     from ampdoctor.records import CallEvent
 
     loc = S.caller_location
@@ -53,18 +53,17 @@ def _patch() -> None:
     store = T.store
     T.store = lambda m, rec: None if "store" in OFF else store(m, rec)
 
-    rng = S.rng_state
-    S.rng_state = lambda: None if "rng" in OFF else rng()
+    rng = MH.rng_state  # (the module hooks' names live in record/modulehooks.py)
+    MH.rng_state = lambda: None if "rng" in OFF else rng()
 
-    flat = S.flatten_tensors
+    flat = MH.flatten_tensors
 
     def flatten(x, out):  # _forward_post's output list: empty = no sums, no gradient hooks
         if ("sums" in OFF or "keepgrad" in OFF) and sys._getframe(1).f_code.co_name == "_forward_post":
             return [] if "sums" in OFF else flat(x, out)
         return flat(x, out)
-    S.flatten_tensors = flatten
-    kg = S.keep_grad
-    S.GRAD_OUT_BYTES = S.GRAD_OUT_BYTES  # (the size test stays; the hook is what is switched off)
+    MH.flatten_tensors = flatten
+    kg = MH.keep_grad
     orig_reg = torch.Tensor.register_hook
 
     def reg(self, hook):
