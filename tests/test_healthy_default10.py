@@ -35,14 +35,16 @@ Scenarios:
 10. [default, every=1] periodic resets of the head (primacy bias, Nikishin et al. 2022): every 40 steps
     `head.reset_parameters()` under no_grad and the head's AdamW state dropped; the loss jumps and recovers.
 
-Results: 14 runs (10 designs; every=1 also for 1, 2, 5, 10): 10 quiet, 4 strict xfails (3 distinct causes).
+Results: 14 runs (10 designs; every=1 also for 1, 2, 5, 10): all quiet (4 were strict xfails, 3 causes, fixed since).
 Quiet: the HF-style fp16 masks summing to -inf (2, both samplings), 1000 classes with an fp32 embedding (3), raw
 pressure in Pa through a Welford normaliser (4), bf16 activations ~1e6 (6), the TransformerEncoder fast path in
 no_grad validation (8: the hooks took the nested tensors, no internal error), ArcFace (9), periodic head resets (10,
 both samplings: the reset is outside the optimizer, no update_spike), the near-zero-residual regression at the
 default sampling (1).
 
-What ampdoctor got wrong (strict xfails):
+What ampdoctor got wrong (strict xfails, fixed since: rules/updates.py `_spikes` counts a bias only with its layer's
+weight or past a huge factor, and update_spike's causes follow the optimizer (Adam-type or not); rules/numeric.py
+`_low_readers`: a container none of whose children took the wide value is no reader):
  1 at every=1: `[warning] update_spike at out step 1: ... multiplied the weights of `out` x2.2 (||w|| 0.0648 ->
     0.143) ... (lr=0.1; Adam-type optimizers ...)`: the parameter is out.bias, 4 elements, taking its second SGD
     momentum step towards the targets' offset. rules/updates.py `_spikes` (single-update branch): a parameter of
@@ -147,17 +149,7 @@ class Regressor(nn.Module):
 A8 = torch.randn(8, 4, generator=gen(5)) * 0.5
 
 
-XF_REG_EVERY1 = pytest.mark.xfail(strict=True, reason=(
-    "[warning] update_spike at out step 1: 'The optimizer update at step 1 multiplied the weights of `out` x2.2 "
-    "(||w|| 0.0648 -> 0.143) ... (lr=0.1; Adam-type optimizers move every weight by about +-lr ...)'; param out.bias "
-    "(4 elements) under SGD momentum marching to the targets' offset 0.3 on its second update. rules/updates.py "
-    "_spikes, single-update branch: f = weight_norm_after / max(weight_norm, peak) >= spike_factor and "
-    "(numel >= _FEW or name in peak): a parameter of < _FEW elements is exempt only on its FIRST recorded update; "
-    "at every=1 step 0 put it in `peak`, so its ordinary second SGD step is a 'spike'. The message also calls SGD "
-    "Adam-type (update_spike builds the cause text from the lr alone)"))
-
-
-@pytest.mark.parametrize("every", [None, pytest.param(1, marks=XF_REG_EVERY1)], ids=["default", "every1"])
+@pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
 def test_regression_to_near_zero_residuals_scaler_grows(every):
     steps, B = 200, 256
     m = Regressor()
@@ -433,17 +425,7 @@ def transactions(i, B=64, T=128):
     return amounts, (amounts.sum(1) > 4.4e4).float()
 
 
-XF_CUMSUM = pytest.mark.xfail(strict=True, reason=(
-    "[warning] overflow_risk at cum step 0: '`cum` (CumSpend) output reached 1.023e+05, which is 1.56x the float16 "
-    "maximum (65504) while still in float32: the float16 op that takes it will make inf.' No fp16 op takes it: "
-    "`tot` (LogLinear) computes log1p in fp32 and its inner fp16 Linear `tot.lin` sees inputs < 16 (checked). "
-    "rules/numeric.py overflow_risk: an fp32 output is kept as at risk when ANY later module d has "
-    "d.inp.overflow_as_ref > 0 and _low(d.out); `tot` qualifies (fp32 input past 65504, fp16 output), although the "
-    "module that actually casts down, its child `tot.lin`, has a small input: the check reads the wrapper's "
-    "input/output, not the innermost module that receives the value in the low dtype"))
-
-
-@pytest.mark.parametrize("every", [pytest.param(None, marks=XF_CUMSUM), pytest.param(1, marks=XF_CUMSUM)],
+@pytest.mark.parametrize("every", [None, 1],
                          ids=["default", "every1"])
 def test_running_total_fp32_cumsum_into_log1p_linear(every):
     steps = 80
@@ -544,15 +526,6 @@ def markov_stream(B=16, n=20 * 80 + 1, V=40, seed=7):
     return x
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "[warning] update_spike at dec step 0: 'The optimizer update at step 0 multiplied the weights of `dec` x4.88 "
-    "(||w|| 0.276 -> 1.34). Usual causes: a learning rate too high ... (lr=20; Adam-type optimizers move every "
-    "weight by about +-lr ...); no warmup ...; clipping cannot help here: it bounds the gradient, not Adam's +-lr "
-    "step.' The parameter is dec.bias (40 elements, PyTorch's default uniform init, rms 0.04) taking the unigram "
-    "log-frequencies in the first clipped SGD step of PyTorch's word_language_model recipe, while dec.weight "
-    "barely moved (checked: < x1.5); the run trains (loss 3.7 -> ~2.3, no skip). rules/updates.py _spikes judges "
-    "each parameter alone (single-update branch: numel >= _FEW, rms >= _MIN_RMS, factor >= 2) and names the whole "
-    "layer; update_spike's causes are Adam's (the optimizer is SGD, whose step clipping does bound)"))
 def test_stateful_gru_lm_truncated_bptt_sgd_lr20_clip025():
     steps, bptt = 80, 20
     data = markov_stream()

@@ -42,17 +42,9 @@ stepped through fp32 master copies (AdamW over the masters, GradScaler unscaling
 over a finite distance buffer with the causal mask applied by masked_fill; a QLoRA-style frozen fp16 base with fp32
 adapters, AdamW(eps=1e-8) over model.parameters(), autocast + GradScaler.
 
-What ampdoctor got wrong (strict xfails, 3 of 15):
- 5. sparse fp16 embedding: ampdoctor disables itself at step 0 ("RuntimeError: reshape is not implemented for sparse
-    tensors"); the report holds `[error] underflow at emb` and `[warning] fp16_master_weights at emb`, no
-    update_underflow. ampdoctor/record/params.py update_check_pre reads `local(p.grad.detach()).reshape(-1)` for every
-    fp16/bf16 parameter with a gradient, without checking `p.grad.layout` (the parameter is strided, its gradient
-    sparse COO); record/monitorsink.py MonitorCallbacks._opt_pre's `except Exception` -> fail() turns the watch off.
- 6. the refit that stalls mid-run: only `[warning] fp16_master_weights at 0 step 0` at the default sampling (at
-    every=1: update_underflow at `0` step 30, error). record/params.py update_check_pre samples the rounding only when
-    `st.sampled` (step 0, then every 200th) or lr_moved() (a 4x lr change); a constant lr whose updates start to round
-    away because the gradients shrink is never checked after step 0, and rules/weights.py fp16_master_weights stays a
-    warning because no rounded update was recorded.
+What ampdoctor got wrong (strict xfails, 1 of 15; fixed since: 5, record/params.py update_check_pre samples a sparse
+gradient's rows (_update_sample); 6, an optimizer holding fp16/bf16 parameters has its updates' rounding checked every
+LOW_CHECK_EVERY (4) steps too, not only on sampled steps):
  8. fp16 optimizer state over fp32 parameters: `[error] update_spike at enc.0 step 0 (x inf)`, `overflow at enc.0 step
     1` (weights already inf), `nan_origin at enc.0`, no eps_underflow. rules/weights.py optimizer_eps considers only a
     group's parameters whose dtype is float16 (`p[1] == "float16"` in meta.optimizer groups); the optimizer's state
@@ -351,12 +343,6 @@ def _docs(i):
     return ids, ids[:, 0] % 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor disables itself at step 0 ('RuntimeError: reshape is not implemented for sparse tensors'); the report "
-    "has '[error] underflow at emb step 0' and '[warning] fp16_master_weights at emb step 0', no update_underflow: "
-    "ampdoctor/record/params.py update_check_pre calls local(p.grad.detach()).reshape(-1) for every fp16/bf16 "
-    "parameter with a gradient without checking p.grad.layout (strided parameter, sparse COO gradient); "
-    "record/monitorsink.py MonitorCallbacks._opt_pre's except -> fail() then stops the watch"))
 def test_sparse_fp16_embedding_trained_by_sgd_rounds_its_row_updates_away():
     torch.manual_seed(0)
     m = Bag()
@@ -414,12 +400,6 @@ def _refit(dtype, steps=44):
     return losses, shares, w
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "only '[warning] fp16_master_weights at 0 step 0' at the default sampling (every=1 gives '[error] update_underflow "
-    "at 0 step 30'): ampdoctor/record/params.py update_check_pre samples the rounding only when st.sampled (step 0, "
-    "then every 200th) or lr_moved() (a 4x lr change); a constant lr whose updates start to round away because the "
-    "gradients shrink is never checked after step 0, so rules/weights.py update_underflow has nothing and "
-    "fp16_master_weights stays a warning"))
 def test_fp16_refit_whose_updates_start_to_round_away_as_the_fit_converges():
     l32, _, _ = _refit(torch.float32)
     l16, shares, w = _refit(torch.float16)

@@ -52,13 +52,12 @@ step, with no error at the modules that only passed the value on. Where ampdocto
 xfail whose reason says what it reported instead.
 
 What ampdoctor got wrong: all eleven producers are named with the right rule at the right step among the first three
-findings (at every=1 too for 7, 9, 11), with no error at the neighbours, and the three twins are quiet. Two strict
-xfails on the message of 4 and 10 (a division by a nonzero Python temperature whose quotient overflows): the report
-calls it `aten::div ... hit its singular point (an input is 0 / -1)` and adds a spurious `[error] underflow ... the
-zeros that aten::div turned into +inf are not zero in fp32` (in 10 it takes the second of the first three slots).
-Cause: ampdoctor/replay/explain.py _at_pole counts a zero in any input of div (`ev.in_zeros > 0`: here exact zeros
-of the numerator) as the singular point, and _pole_underflow then adds the underflow once the fp32 fix search makes
-the step finite.
+findings (at every=1 too for 7, 9, 11), with no error at the neighbours, and the three twins are quiet. Fixed since
+(they were strict xfails): the message of 4 and 10 (a division by a nonzero Python temperature whose quotient
+overflows) called it `aten::div ... hit its singular point (an input is 0 / -1)` and added a spurious `[error]
+underflow ... the zeros that aten::div turned into +inf are not zero in fp32` (in 10 the second of the first three
+slots): replay/optrace.py counted a zero in any input of div as the singular point (exact zeros of the numerator);
+it now counts the divisor's (`_pole_inputs`).
 """
 import copy
 import math
@@ -1020,13 +1019,6 @@ def test_llama_massive_activation_on_bos_overflows_in_the_swiglu_product(every):
 # ======================================================================================================================
 # 4 and 10 again: a division by a nonzero temperature whose quotient overflows is no singular point, no underflow
 # ======================================================================================================================
-_POLE_REASON = ("ampdoctor reports `[error] overflow at {m} aten::div step {s}: aten::div in `{m}` hit its singular "
-                "point (an input is 0 / -1)` and a second, spurious `[error] underflow at {m} aten::div step {s}: the "
-                "zeros that aten::div in `{m}` turned into +inf are not zero in fp32`, although the divisor is the "
-                "Python temperature ({t}) and the inf is the quotient's magnitude: ampdoctor/replay/explain.py _at_pole "
-                "takes any zero among a div's inputs (`ev.in_zeros > 0`, here exact zeros of the numerator) as the "
-                "singular point, and _pole_underflow then adds the underflow finding once the fp32 fix search makes "
-                "the step finite")
 
 
 def _division_report(case):
@@ -1039,10 +1031,8 @@ def _division_report(case):
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param("neuralsort", marks=pytest.mark.xfail(strict=True, reason=_POLE_REASON.format(
-        m="sorter", s=4, t="tau = 0.05"))),
-    pytest.param("gumbel", marks=pytest.mark.xfail(strict=True, reason=_POLE_REASON.format(
-        m="quantizer", s=7, t="tau = 1.2e-4"))),
+    "neuralsort",
+    "gumbel",
 ])
 def test_an_overflowing_division_by_a_nonzero_temperature_is_not_called_a_singular_point_or_an_underflow(case):
     r = _division_report(case)

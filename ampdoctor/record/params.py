@@ -97,7 +97,8 @@ def update_check_pre(m, opt) -> None:
     copy of their first `update_sample` elements to see whether the update rounds away (w + Δw == w)."""
     st = m.st
     st.upd = []
-    if not st.sampled and not lr_moved(m, opt):
+    if not st.sampled and not lr_moved(m, opt) and not (st.step % LOW_CHECK_EVERY == 0 and not m.rounding_seen
+                                                         and _low(m, opt)):
         return
     names = {id(p): n for n, p in m.w.model.named_parameters()}
     k = m.cfg.update_sample
@@ -109,11 +110,10 @@ def update_check_pre(m, opt) -> None:
             w = local(p.detach())
             if not w.numel():
                 continue
-            flat = gnz = None
-            if k > 0 and p.dtype in (torch.float16, torch.bfloat16) and p.grad is not None:
-                flat = w.reshape(-1)[:k].clone()
-                gnz = local(p.grad.detach()).reshape(-1)[:k] != 0
-            items.append([names[id(p)], p, flat, gnz, None, None])
+            flat = gnz = rows = None  # (rows: the sample's stride, or a sparse gradient's row indices)
+            if k > 0 and p.dtype in _LOW and p.grad is not None:
+                flat, gnz, rows = _update_sample(w, local(p.grad.detach()), k)
+            items.append([names[id(p)], p, flat, gnz, None, None, rows])
             ws.append(w)
     if not items:
         return
@@ -123,15 +123,44 @@ def update_check_pre(m, opt) -> None:
     st.upd = items
 
 
+LOW_CHECK_EVERY = 4
+"""An optimizer holding fp16/bf16 parameters has its updates' rounding checked on every this many steps too, until a
+check finds them rounding away (`StepMachine.rounding_seen`, set by transfer.finalize): they start to when the
+gradients shrink as a fit converges, at a constant learning rate, between the sampled steps."""
+ROUNDED_SHARE = 0.5
+"""The share of sampled elements rounding away that ends those checks (rules' RuleConfig.rounded_away_share)."""
+
+
+def _low(m, opt) -> bool:
+    """Whether `opt` holds fp16/bf16 parameters (decided once per optimizer)."""
+    low = m.low_opts.get(id(opt))
+    if low is None:
+        low = m.low_opts[id(opt)] = any(p.dtype in _LOW for g in opt.param_groups for p in g["params"])
+    return low
+
+
+def _update_sample(w: torch.Tensor, g: torch.Tensor, k: int):
+    """(`k` elements of weight `w`, which of them have a nonzero gradient, how to take them again): the sample whose
+    rounding update_check_post reads: every `numel // k`-th element (a layer's first rows alone can be its rarest
+    inputs'), or for a sparse gradient (nn.Embedding(sparse=True)), which reaches only its rows, the first rows it
+    holds (their indices)."""
+    if g.layout == torch.strided:
+        s = max(1, w.numel() // k)
+        return w.reshape(-1)[::s][:k].clone(), g.reshape(-1)[::s][:k] != 0, s
+    if g.layout != torch.sparse_coo or w.dim() < 1 or not w.shape[0]:
+        return None, None, None
+    g = g.coalesce()
+    rows = g.indices()[0][:max(1, k // max(1, w[0].numel()))]
+    return (w.index_select(0, rows).reshape(-1)[:k].clone(),
+            g.index_select(0, rows).to_dense().reshape(-1)[:k] != 0, rows)
+
+
 def lr_moved(m, opt) -> bool:
     """A routine step checks the updates too when a learning rate has moved by 4x or more since the last check:
     for fp16/bf16 parameters either way (a step decay, a warmup's end: when updates start to round away), for any
     optimizer upwards (when one update can blow the weights up). The sampled steps may be hundreds of steps off.
     Host numbers only, once per optimizer step."""
-    low = m.low_opts.get(id(opt))
-    if low is None:
-        low = m.low_opts[id(opt)] = any(p.dtype in (torch.float16, torch.bfloat16)
-                                        for g in opt.param_groups for p in g["params"])
+    low = _low(m, opt)
     lrs = [g.get("lr") for g in opt.param_groups]
     if not all(isinstance(x, (int, float)) for x in lrs):
         return False
@@ -153,9 +182,11 @@ def update_check_post(m, opt) -> None:
         return
     post = norms([local(it[1].detach()) for it in items], 2)
     for i, item in enumerate(items):
-        _, p, before, gnz, _, pre = item
+        _, p, before, gnz, _, pre, rows = item
         if before is not None:
-            after = local(p.detach()).reshape(-1)[:before.numel()]
+            w = local(p.detach())
+            after = (w.reshape(-1)[::rows] if isinstance(rows, int) else w.index_select(0, rows).reshape(-1))[
+                :before.numel()]
             same, n = ((after == before) & gnz).sum().double(), gnz.sum().double()
         else:
             same = n = torch.zeros((), dtype=torch.float64, device=post.device)

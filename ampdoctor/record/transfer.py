@@ -18,7 +18,7 @@ from .gradexits import loss_ops
 from .series import from_calls
 from .hostcopy import Pending
 from .openstep import StepPhase
-from .params import checked_weights, model_grads, norms, weight_amax
+from .params import ROUNDED_SHARE, checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
 from ..tensors import nonfinite_input
@@ -257,6 +257,8 @@ def finalize(m) -> None:
     if done:
         vals = torch.stack([it[k] for it in done]).cpu().tolist()
         upd = {it[0]: (0, 0, v, None) if skipped else v for it, v in zip(done, vals)}
+        if not skipped and any(v[1] and v[0] >= ROUNDED_SHARE * v[1] for v in vals):
+            m.rounding_seen = True  # (params.LOW_CHECK_EVERY)
     st.upd = []
     params = []
     bad_param_modules = set()
@@ -283,7 +285,8 @@ def finalize(m) -> None:
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
                                 update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded,
                                 weight_norm=u[2] if u else None, weight_norm_after=u[3] if u else None))
-    if not st.sampled and upd:  # a routine step that checked its updates (params.lr_moved): keep what it found
+    if upd:  # a routine step that checked its updates (params.update_check_pre), or a parameter whose gradient
+        #      is not among the step's (a sparse one): keep what was found
         seen = {p.name for p in params}
         for name, u in upd.items():
             if name not in seen:

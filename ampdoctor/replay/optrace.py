@@ -69,6 +69,23 @@ def _has_pole(func, args) -> bool:
     return isinstance(e, (int, float)) and e < 0
 
 
+_DIVISIONS = {"div", "divide", "true_divide", "floor_divide"}
+
+
+def _pole_inputs(func, args, ins: list) -> list:
+    """The inputs whose zeros are the op's singular point: a division's divisor (zeros in the numerator give 0, and a
+    quotient that overflows by a small nonzero divisor is no pole), pow's base, a unary op's one input."""
+    base = func._schema.name.split("::")[-1].rstrip("_")
+    if base in _DIVISIONS:
+        d = args[1] if len(args) > 1 else None
+        if isinstance(d, torch.Tensor):
+            return [d] if d.is_floating_point() else [d.double()]
+        return [torch.zeros(1)] if isinstance(d, (int, float)) and d == 0 else []
+    if base == "pow":
+        return [args[0]] if args and isinstance(args[0], torch.Tensor) else []
+    return ins
+
+
 @dataclass
 class OpEvent:
     """One op whose output held inf/NaN that its inputs did not (`kind`: overflow or nan_origin)."""
@@ -348,7 +365,8 @@ class OpTracer:
             out_posinf=sum(int(torch.isposinf(t).sum()) for t in bad),
             out_neginf=sum(int(torch.isneginf(t).sum()) for t in bad), out_numel=sum(t.numel() for t in bad),
             absmax_in=absmax, in_dtypes=sorted({str(t.dtype).replace("torch.", "") for t in ins}),
-            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in ins) if _has_pole(func, args) else 0,
+            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in _pole_inputs(func, args, ins))
+            if _has_pole(func, args) else 0,
             out_shape=list(bad[0].shape),
             in_sdpa=self.sdpa_depth > 0,
             mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None

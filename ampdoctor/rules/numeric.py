@@ -39,6 +39,7 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
     bad_modules = {p.module for r in run.steps for p in (r.forward_producer,) if p is not None}
     for r in run.steps:
         par = parents(r.modules)
+        readers = _low_readers(r.modules, par)
         hits = []
         for c in r.modules:
             o = c.out
@@ -48,8 +49,7 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue  # an fp32 mask constant (finfo.min) among the outputs, not an activation
             if _near(c.inp, cfg.near_max_bits) and c.inp.absmax >= 0.5 * o.absmax:
                 continue  # its input was already there: it passed the value on (dropout, a residual add, ...)
-            if not _low(o) and not any(d.seq > c.seq and d.inp is not None and d.inp.overflow_as_ref > 0
-                                       and _low(d.out) for d in r.modules):
+            if not _low(o) and not any(d.seq > c.seq for d in readers):
                 continue  # a wide tensor no later module casts down (a loss in fp32, a residual into LayerNorm)
             hits.append(c)
         for c in hits:
@@ -70,6 +70,19 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 {"absmax_out": o.absmax, "headroom_bits": head, "near_max": o.near_max, "dtype_out": o.dtype,
                  "overflow_as_ref": o.overflow_as_ref, "ref": o.ref, "rank_hint": 30})
     return list(seen.values())
+
+
+def _low_readers(calls: list, par: dict) -> list:
+    """The calls that take an input past the low-precision max and make a low-precision output: where a wide value
+    is cast down. A container none of whose children took such an input transformed the value in fp32 first (a
+    log1p, a normaliser) and handed its children values inside the range: not a reader."""
+    readers = [d for d in calls if d.inp is not None and d.inp.overflow_as_ref > 0 and _low(d.out)]
+    out = []
+    for d in readers:
+        kids = descendants(calls, d, par)
+        if not kids or any(k.inp is not None and k.inp.overflow_as_ref > 0 for k in kids):
+            out.append(d)
+    return out
 
 
 # An output whose abs-max is at least this large (2^-14 * 2^11: fp16's smallest normal over its relative precision)

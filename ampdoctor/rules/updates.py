@@ -114,7 +114,18 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
             after = p.weight_norm_after if p.weight_norm_after is not None and r.step in updated else p.weight_norm
             ref[p.name] = (r.step, after, p.numel, young)
             peak[p.name] = max(peak.get(p.name, 0.0), p.weight_norm, after)
-    return list(out.values())
+    # A bias moving to where the data puts it (a decoder's to the word frequencies, a regression head's to the
+    # targets' offset) can double in one update while its layer's weight, which carries the layer's scale, stays:
+    # a bias counts only with its weight, or past a huge factor
+    weighted = {p.module for r in run.steps for p in r.params
+                if p.weight_norm is not None and p.name.rpartition(".")[2] == "weight"}
+    spiked = {(s["module"], s["step"]) for s in out.values() if not _is_bias(s["name"])}
+    return [s for s in out.values() if not (_is_bias(s["name"]) and s["module"] in weighted and s["factor"] < _HUGE
+                                             and (s["module"], s["step"]) not in spiked)]
+
+
+def _is_bias(name: str) -> bool:
+    return name.rpartition(".")[2] == "bias"
 
 
 @register("update_spike", emits=("update_spike",))
@@ -143,15 +154,20 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
     msg = (f"{when} multiplied the weights of {names}{more} (‖w‖ {worst['before']:.3g} → {worst['after']:.3g})"
            + (f"; the run went non-finite at step {went_bad}." if went_bad is not None else "."))
     causes = []
-    if lr is not None:
+    adam = "adam" in str(run.meta.optimizer.get("class") or "").lower()
+    if lr is not None and adam:
         ratio = lr / worst["rms_before"] if worst["rms_before"] else math.inf
         causes.append(f"a learning rate too high for these weights (lr={lr:g}; Adam-type optimizers move every "
                       f"weight by about ±lr per update, here {ratio:.3g}× the weights' typical size)")
+    elif lr is not None:
+        causes.append(f"a learning rate too high for these weights (lr={lr:g}; the update is lr × the gradient)")
     else:
         causes.append("a learning rate too high for these weights")
     causes.append("no warmup (start from ~1% of the learning rate and ramp up over the first 1-2k steps)")
     causes.append({"off": "no gradient clipping", "after": "gradient clipping after the optimizer step",
-                   "before": "clipping cannot help here: it bounds the gradient, not Adam's ±lr step"}[clip])
+                   "before": "clipping cannot help here: it bounds the gradient, not Adam's ±lr step" if adam else
+                   "a clipping threshold too loose for this learning rate (the update is lr × the clipped "
+                   "gradient)"}[clip])
     fix = ("Lower the learning rate or add a warmup, e.g. "
            "`sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2000))`; "
            "clip after unscale_ and before step:\n"

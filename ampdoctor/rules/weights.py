@@ -167,8 +167,9 @@ def _broken_at(run: RunData, names: set) -> int | None:
     else the update just before the run's first bad step (when that step itself was fine); None when neither."""
     prev = None
     for r in run.steps:
-        if any(p.name in names and p.weight_norm_after is not None and not math.isfinite(p.weight_norm_after)
-               for p in r.params):
+        # (weights non-finite before the update, or a bad step's gradients applied: broken before)
+        if not r.bad and any(p.name in names and p.weight_norm_after is not None and _finite(p.weight_norm)
+                             and not math.isfinite(p.weight_norm_after) for p in r.params):
             return r.step
         if r.bad:
             return prev.step if prev is not None and not prev.bad and prev.step == r.step - 1 else None
