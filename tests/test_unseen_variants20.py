@@ -61,7 +61,7 @@ What ampdoctor got wrong (strict xfails, 6 of 19 runs):
   report is right: the unexplained skip's capture is replayed (analysis/replayfold.py unexplained_skip).
 - 4 at the default (NaN in the 6th of 8 micro-batches): only `[info] skipped_steps ... a normal rate`; no module
   located, and the replay proves nothing (the capture keeps one call of the model, presumably the healthy last
-  micro-batch). At every=1: `[info] overflow at tdnn.2 step 4 ... as designed`, the wrong module (pool made it) and info.
+  micro-batch). At every=1: `[info] overflow at tdnn.2 step 4 ... as designed`, the wrong module (pool made it), info.
 - 6 at every=1: `[info] overflow at enc.cconv step 4 ... as designed`, the wrong module (enc.amp's second call) and
   info (benign_backoff as in 3); the default report is right.
 - 10 at the default: `[error] nan_origin at (run) step 7: The batch of step 7 already held 128 NaN` (the carried state)
@@ -238,6 +238,11 @@ def real(r, name, step):
 EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
 
 
+_BEN = ("rules/steps.py benign_backoff takes a lone skip followed by applied updates for GradScaler's search and "
+        "rules/origins.py producers then writes the located backward producer as `info ... as designed`; nobody "
+        "asks whether the step is finite at a lower scale (it is not: ")
+
+
 def _xf(reason):
     return pytest.mark.xfail(strict=True, reason=reason)
 
@@ -245,7 +250,7 @@ def _xf(reason):
 COMPRESS_EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1", marks=_xf(
     "every=1: only `[info] nan_origin at compress step 4: The loss-scaled backward ... as designed` and `[info] "
     "skipped_steps ... a normal rate` (exit code 0), though the Function's backward is 0 / 0 at any loss scale. "
-    "rules/steps.py benign_backoff takes a lone skip followed by applied updates for GradScaler's search and rules/origins.py producers then writes the located backward producer as `info ... as designed`; nobody asks whether the step is finite at a lower scale (it is not: 0 / 0). At the default sampling the same step is right: its capture is replayed "
+    "" + _BEN + "0 / 0). At the default sampling the same step is right: its capture is replayed "
     "(analysis/replayfold.py unexplained_skip) and the replay's proven error folded in"))]
 XVEC_EVERY = [
     pytest.param(None, id="default", marks=_xf(
@@ -258,11 +263,11 @@ XVEC_EVERY = [
         "every=1: `[info] overflow at tdnn.2 step 4: The loss-scaled backward overflowed in `tdnn.2` ... as "
         "designed`: the wrong module (the oracle: pool's sqrt backward in micro-batch 6; tdnn.2 only received its "
         "NaN, and its accumulated .grad stays NaN through micro-batches 7-8) and only info: "
-        "rules/steps.py benign_backoff takes a lone skip followed by applied updates for GradScaler's search and rules/origins.py producers then writes the located backward producer as `info ... as designed`; nobody asks whether the step is finite at a lower scale (it is not: inf * 0)"))]
+        "" + _BEN + "inf * 0)"))]
 SAR_EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1", marks=_xf(
     "every=1: `[info] overflow at enc.cconv step 4: The loss-scaled backward overflowed in `enc.cconv` ... as "
     "designed`: the wrong module (enc.amp's second call made the inf, sqrt's backward at an fp16 zero; enc.cconv "
-    "only passed it on) and only info: rules/steps.py benign_backoff takes a lone skip followed by applied updates for GradScaler's search and rules/origins.py producers then writes the located backward producer as `info ... as designed`; nobody asks whether the step is finite at a lower scale (it is not: g / 0). The default report is right (the replay)"))]
+    "only passed it on) and only info: " + _BEN + "g / 0). The default report is right (the replay)"))]
 TBPTT_EVERY = [pytest.param(None, id="default", marks=_xf(
     "default: `[error] nan_origin at (run) step 7: The batch of step 7 already held 128 NaN (model input argument "
     "1 ...)` and `[error] skipped_steps at (run) step 6`, nothing at cell.rec: step 6 (the overflow) is a routine "
@@ -708,8 +713,8 @@ def test_siamese_sar_encoder_amplitude_sqrt_overflows_in_the_backward_of_its_sec
 # ======================================================================================================================
 # 7. Beta regression for click-through rates: an MLP -> Linear(2) -> concentrations softplus(h) + 1e-6 (the usual
 #    positivity guard) -> -Beta(a, b).log_prob(ctr) (torch.distributions), inside the model (it returns the loss).
-#    At step 4 one record's dwell time is -2000 s (a clock skew, unnormalised): one h falls far below 0, a = 1e-6 (fp16 keeps it as a
-#    subnormal), lgamma(1e-6) = 13.8 is finite, but lgamma's backward digamma(1e-6) = -1e6 is -inf in fp16
+#    At step 4 one record's dwell time is -2000 s (a clock skew, unnormalised): one h falls far below 0, a = 1e-6
+#    (fp16 keeps it as a subnormal), lgamma(1e-6) = 13.8 is finite, but lgamma's backward digamma(1e-6) = -1e6 is -inf in fp16
 # ======================================================================================================================
 class BetaNLL(nn.Module):
     def forward(self, h, y):
