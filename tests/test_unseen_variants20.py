@@ -714,7 +714,8 @@ def test_siamese_sar_encoder_amplitude_sqrt_overflows_in_the_backward_of_its_sec
 # 7. Beta regression for click-through rates: an MLP -> Linear(2) -> concentrations softplus(h) + 1e-6 (the usual
 #    positivity guard) -> -Beta(a, b).log_prob(ctr) (torch.distributions), inside the model (it returns the loss).
 #    At step 4 one record's dwell time is -2000 s (a clock skew, unnormalised): one h falls far below 0, a = 1e-6
-#    (fp16 keeps it as a subnormal), lgamma(1e-6) = 13.8 is finite, but lgamma's backward digamma(1e-6) = -1e6 is -inf in fp16
+#    (fp16 keeps it as a subnormal), lgamma(1e-6) = 13.8 is finite, but lgamma's backward digamma(1e-6) = -1e6 is
+#    -inf in fp16
 # ======================================================================================================================
 class BetaNLL(nn.Module):
     def forward(self, h, y):
