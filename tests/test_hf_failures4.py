@@ -696,15 +696,23 @@ def test_gemma2_softcapped_lm_head_inf_is_absorbed_the_backward_overflows_in_pos
     layer 1's post_feedforward_layernorm (its input gradient, cast from fp32 to fp16, is inf while its output
     gradient is finite): the scaler skips steps 4-7. The producer of the failure is that norm's backward, step 4."""
     grads, pff = _gemma2_softcap_grads()
-    assert grads[(pff, "out")] and not grads[(pff, "in")] and grads[("lm_head", "in")], grads
     torch.manual_seed(0)
     m = gemma2()
     assert m.config.final_logit_softcapping == 30.0
     rep, log, first = _train(m, _lm(0), 8, lambda k, m: k == 2 and m.model.embed_tokens.weight[125].mul_(3e5),
                              every=every)
     assert all(e[0] for e in log) and first == ("lm_head", 2)
-    assert log[2][2] > 3 * log[1][2] and [k for k, e in enumerate(log) if e[1]] == [4, 5, 6, 7]
-    _at(rep, "overflow", pff, 4, "backward")
+    assert log[2][2] > 3 * log[1][2]
+    if all(grads.values()):
+        # Whether step 4's backward overflows depends on the CPU's fp16 kernels (on one with AVX512-FP16 it stays
+        # finite and no step is skipped): then the absorbed lm_head inf alone must raise nothing.
+        assert not any(e[1] for e in log)
+        errs = [f.one_line() for f in rep.findings if f.severity == "error"]
+        assert not errs, lines(rep)
+    else:
+        assert grads[(pff, "out")] and not grads[(pff, "in")] and grads[("lm_head", "in")], grads
+        assert [k for k, e in enumerate(log) if e[1]] == [4, 5, 6, 7]
+        _at(rep, "overflow", pff, 4, "backward")
     bad = [f.one_line() for f in rep.findings if f.module == "lm_head" and f.phase == "forward"
            and f.rule in ("overflow", "nan_origin") and f.severity == "error"]
     assert not bad, (bad, lines(rep))

@@ -618,8 +618,8 @@ def train(case: Case, variant: str, run_dir=None):
         np.random.rand()
     elif variant == "one_ulp":
         with torch.no_grad():
-            p = next(model.parameters())
-            p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf")))
+            p = next(model.parameters())     # every element one ulp up: one alone can round away in AdamW's update
+            p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
     r = {"losses": [], "scaled": [], "norms": [], "scales": [], "seen": [], "grads": None}
     for i in range(STEPS):
         if case.before:
@@ -827,7 +827,7 @@ def test_a_bad_step_captured_and_replayed_changes_nothing(name, variant, tmp_pat
 @pytest.mark.parametrize("tamper", ["torch_draw", "numpy_draw", "one_ulp"])
 def test_the_comparison_sees_one_random_draw_or_one_ulp(tamper):
     """The harness is not blind: one torch.rand(()) / np.random.rand() drawn where the watch would be made, or one
-    weight nudged by one ulp there, shows up in the comparison."""
+    weight tensor nudged by one ulp there, shows up in the comparison."""
     ref = reference("dropout")
     res, _, _ = train(CASES["dropout"], tamper)
     diff = _same(ref, res)

@@ -44,22 +44,16 @@ scaler; T9 the fused optimizer under bf16 autocast without a scaler; T10 one upd
 step deferred to the top of the next iteration (scale().backward(), then next iteration unscale_ + clip + step +
 update + zero_grad; a flush after the loop).
 
-What ampdoctor got wrong (strict xfails, 7 of 27 runs; each reason gives what it reported instead and the cause):
- - M1 without clip: missing_scaler_update dated step 4 (the scaler.step that raised), not step 3: rules/callorder.py
-   call_order's `step` branch (_STEP_TWICE / a step in since_update) hands the failing event to add(); only the
-   unscale_ branch re-dates to the previous iteration's scaler.step.
- - M4b: a false '[error] missing_scaler_update step 2' ranked first: rules/callorder.py _updated_later sees the
-   generator's scale() and its direct optimizer.step (which does not count as another optimizer's 'step') and the
-   update() in the next step record.
+What ampdoctor got wrong (strict xfails, 3 of 27 runs left; each reason gives what it reported instead and the cause).
+Fixed since (rules/callorder.py): M1 without clip was dated at the step that raised (now the iteration that lacked
+update()); M4b's false missing_scaler_update (a direct optimizer.step of another optimizer now continues the
+iteration in _updated_later); T7's two false errors on a correct retry (a scaler.step that raised, and the
+optimizer.step it began, record/monitorsink.py failed(), step nothing); M10's update() inside the per-optimizer loop
+(_other_step_after: another optimizer's scaler.step after an update with no scaled backward between).
  - M5 (both): empty report: record/monitorsink.py handles scale() of a single tensor only (a list result gets no
    backward pre-hook, so transfer.py never marks extra['backward'] = False); the check runs on sampled steps only.
  - M6 set_to_none=False: empty report: nn.Module.zero_grad is not recorded (only the optimizers' zero_grad), so
    _zeroed_after_backward has nothing to find, and zeros raise nothing.
- - T7 (false errors): missing_scaler_update and scaler_misorder ("optimizer.step ran twice") at step 3 for a correct
-   retry: call_order counts the failed 'step!' in since_update, and _stepped_again the optimizer.step event of a call
-   that raised in its pre-hook.
- - M10: empty report: call_order cuts since_update at every update(); no branch sees an update() between two
-   optimizers' steps of one iteration.
 """
 from __future__ import annotations
 
@@ -223,11 +217,7 @@ def engine_body(eng, ok, evals):
     return body
 
 
-@pytest.mark.parametrize("clip", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
-    "missing_scaler_update is dated step 4 (the scaler.step() that raised 'step() has already been called since the "
-    "last update()'), not step 3 (the iteration that ended without update()): rules/callorder.py call_order, the "
-    "`e.kind == 'step' and (_STEP_TWICE in e.error or a step in since_update)` branch hands the failing step event "
-    "to add(); only the unscale_ branch (new_iter) re-dates to the previous iteration's scaler.step")))],
+@pytest.mark.parametrize("clip", [True, False],
     ids=["with_clip", "no_clip"])
 def test_m1_engine_update_skipped_by_the_eval_branch_is_missing_scaler_update_at_step_3(clip):
     eng = Engine(net(), clip)
@@ -435,13 +425,6 @@ def test_m4_wgan_generator_stepped_with_optimizer_step_on_scaled_gradients():
     assert f.step in (2, 3), f.one_line()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the report's FIRST finding is a false '[error] missing_scaler_update step 2: Step 2 called scaler.step() but "
-    "never scaler.update()' (update() ran every iteration, after the generator's step): rules/callorder.py "
-    "_updated_later, from the critic's scaler.step, sees the generator's scale() (scaled=True) and its "
-    "optimizer.step (kind 'optimizer.step', which does not set `other` as a 'step' does), then the update() in the "
-    "next step record (the watch ended step 2 at the direct optimizer.step) and returns p.step == e.step -> False; "
-    "call_order's closing loop then adds missing_scaler_update"))
 def test_m4b_wgan_direct_generator_step_gives_no_false_missing_scaler_update():
     gan, optD, optG, sc = gan_setup()
     rep, raised = run(gan, gan_body(gan, optD, optG, sc, False, []), steps=6, optimizer=optD, scaler=sc)
@@ -638,14 +621,6 @@ def test_m7_retry_after_update_unscales_twice_at_step_3():
     expect(rep, "scaler_misorder", step=3, tags=("retry-update", "retry-step"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "two false errors at step 3: '[error] missing_scaler_update ... scaler.step() ran again without scaler.update()' "
-    "and '[error] scaler_misorder ... optimizer.step() ran twice in one iteration on the same gradients', although the "
-    "first scaler.step raised inside optimizer.step's pre-hook (nothing applied, GradScaler's stage stays UNSCALED, "
-    "the retry neither unscales again nor raises): rules/callorder.py call_order counts the failed 'step!' event in "
-    "`since_update` (the `e.kind == 'step' and any(p.kind == 'step' ...)` branch ignores p.error), and "
-    "_stepped_again counts the optimizer.step event recorded by the global pre-hook (record/monitorsink.py "
-    "_opt_pre) of a call that then raised (no error is attached to it)"))
 def test_t7_twin_retry_without_update_is_quiet():
     m, opt, sc, hook = retry_setup()
     trues = []
@@ -823,11 +798,6 @@ def per_opt_setup():
     return m, opts, scaler()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "empty report: rules/callorder.py call_order cuts `since_update` at every update(), so unscale_(dec) + step(dec) "
-    "right after the update() that followed step(enc) read as a clean new iteration; the update branch fires only "
-    "when no step came since the last update, and no branch checks for an update() between two optimizers' steps "
-    "with no scale() between them (the same iteration's gradients)"))
 def test_m10_update_inside_the_per_optimizer_loop_is_scaler_misorder_at_step_0():
     m, opts, sc = per_opt_setup()
     trackers = []

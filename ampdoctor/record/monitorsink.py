@@ -183,6 +183,9 @@ class MonitorCallbacks:
                                        if p.grad is not None and p.grad.dtype == torch.float16][:50]
         if ev.kind == "step":
             self.st.in_scaler_step = max(self.st.in_scaler_step - 1, 0)
+            for o in self.st.events:  # the optimizer.step it began raised with it: it stepped nothing
+                if o.kind == "optimizer.step" and o.index > ev.index and o.via_scaler and o.error is None:
+                    o.error = ev.error
 
     @_guarded
     def zero_grad(self, optimizer) -> None:

@@ -104,6 +104,7 @@ def update_check_pre(m, opt) -> None:
     k = m.cfg.update_sample
     items, ws = [], []
     for g in opt.param_groups:
+        frozen = g.get("lr") == 0  # (a warmup from 0: the update is exactly zero, nothing rounds)
         for p in g["params"]:
             if id(p) not in names or not p.is_floating_point() or p.layout != torch.strided:
                 continue
@@ -111,7 +112,7 @@ def update_check_pre(m, opt) -> None:
             if not w.numel():
                 continue
             flat = gnz = rows = None  # (rows: the sample's stride, or a sparse gradient's row indices)
-            if k > 0 and p.dtype in _LOW and p.grad is not None:
+            if k > 0 and p.dtype in _LOW and p.grad is not None and not frozen:
                 flat, gnz, rows = _update_sample(w, local(p.grad.detach()), k)
             items.append([names[id(p)], p, flat, gnz, None, None, rows])
             ws.append(w)
@@ -128,7 +129,9 @@ LOW_CHECK_EVERY = 4
 check finds them rounding away (`StepMachine.rounding_seen`, set by transfer.finalize): they start to when the
 gradients shrink as a fit converges, at a constant learning rate, between the sampled steps."""
 ROUNDED_SHARE = 0.5
-"""The share of sampled elements rounding away that ends those checks (rules' RuleConfig.rounded_away_share)."""
+MIN_SAMPLED = 16
+"""A module whose sampled elements (MIN_SAMPLED or more) round away by ROUNDED_SHARE ends those checks (as the rules
+count them: RuleConfig.rounded_away_share, rules/weights.py _MIN_SAMPLED)."""
 
 
 def _low(m, opt) -> bool:

@@ -18,7 +18,7 @@ from .gradexits import loss_ops
 from .series import from_calls
 from .hostcopy import Pending
 from .openstep import StepPhase
-from .params import ROUNDED_SHARE, checked_weights, model_grads, norms, weight_amax
+from .params import MIN_SAMPLED, ROUNDED_SHARE, checked_weights, model_grads, norms, weight_amax
 from .producers import backward_producer, forward_producer
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
 from ..tensors import nonfinite_input
@@ -233,6 +233,17 @@ def _stats_for(c, slot, rows):
     return combine(lst)
 
 
+def _rounding(upd: dict) -> bool:
+    """Whether a module's sampled update elements mostly rounded away (as rules/weights.py update_underflow counts
+    them: per module, on MIN_SAMPLED elements or more): ends the every-LOW_CHECK_EVERY checks (params.py)."""
+    mods: dict[str, list] = {}
+    for name, v in upd.items():
+        t = mods.setdefault(name.rpartition(".")[0], [0, 0])
+        t[0] += v[0]
+        t[1] += v[1]
+    return any(n >= MIN_SAMPLED and k >= ROUNDED_SHARE * n for k, n in mods.values())
+
+
 def finalize(m) -> None:
     st = m.st
     if st.phase is StepPhase.OPEN:
@@ -257,8 +268,8 @@ def finalize(m) -> None:
     if done:
         vals = torch.stack([it[k] for it in done]).cpu().tolist()
         upd = {it[0]: (0, 0, v, None) if skipped else v for it, v in zip(done, vals)}
-        if not skipped and any(v[1] and v[0] >= ROUNDED_SHARE * v[1] for v in vals):
-            m.rounding_seen = True  # (params.LOW_CHECK_EVERY)
+        if not skipped and not m.rounding_seen:
+            m.rounding_seen = _rounding(upd)
     st.upd = []
     params = []
     bad_param_modules = set()

@@ -41,6 +41,8 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
         for p in reversed(prev):
             if p.kind == "update":
                 break
+            if p.kind in ("step", "optimizer.step") and p.error:
+                continue  # a step that raised (a transient failure the loop retries) stepped nothing
             # unscale_/step of another optimizer sharing the scaler: one step each, one update, is the
             # documented multi-optimizer pattern
             if p.kind in ("unscale_", "step") and p.opt != e.opt and e.kind in ("unscale_", "step"):
@@ -113,9 +115,19 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     "Call unscale_ once per iteration, right before clipping; libraries such as Trainer/"
                     "Accelerate already do it:\n" + ORDER)
         elif e.kind == "step" and (_STEP_TWICE in (e.error or "") or any(p.kind == "step" for p in since_update)):
-            add("missing_scaler_update", e, f"`scaler.step()` at {_loc(e)} ran again without `scaler.update()` "
-                "since the previous step: the scale never adapts and GradScaler raises.",
+            # dated at the iteration that lacked its update: its scaler.step (the step that fails is the next one's)
+            ended = next((p for p in reversed(since_update) if p.kind == "step" and p.opt == e.opt), e)
+            add("missing_scaler_update", ended, f"`scaler.step()` at {_loc(e)} ran again without `scaler.update()` "
+                f"since the previous step{f' (at {_loc(ended)}, step {ended.step})' if ended is not e else ''}: the "
+                "scale never adapts and GradScaler raises.",
                 "Call `scaler.update()` after every `scaler.step()`:\n" + ORDER)
+        elif e.kind == "update" and (o := _other_step_after(events, i, since_update)) is not None:
+            add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran between two optimizers' steps of one "
+                f"iteration (`scaler.step()` again at {_loc(o)}, with no new scaled backward between): the second "
+                "optimizer is unscaled with the new scale, not the one its gradients were scaled by, and the "
+                "scale's growth counts the iteration twice.",
+                "Step every optimizer first, then call `scaler.update()` once (torch's AMP recipe for several "
+                "optimizers):\nfor opt in optimizers:\n    scaler.step(opt)\nscaler.update()")
         elif e.kind == "step" and e.extra.get("grads_after_unscale") and _backward_after_unscale(
                 since_update, e.opt) is not None:
             u = _backward_after_unscale(since_update, e.opt)
@@ -164,7 +176,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not any(f.rule == "missing_scaler_update" for f in out):
         last = run.steps[-1].step if run.steps else None
         for i, e in enumerate(events):
-            if e.kind == "step" and e.step != last and not _updated_later(events, i):
+            if e.kind == "step" and not e.error and e.step != last and not _updated_later(events, i):
                 add("missing_scaler_update", e, f"Step {e.step} called `scaler.step()` at {_loc(e)} but never "
                     "`scaler.update()`: the loss scale cannot adapt.", "Call `scaler.update()` every iteration:\n"
                     + ORDER)
@@ -199,8 +211,22 @@ def _stepped_again(events: list[CallEvent], i: int, first_scale: int | None) -> 
         p = events[j]
         if p.kind in ("scale", "zero_grad"):
             return None
-        if p.kind == "optimizer.step" and p.opt == e.opt:
+        if p.kind == "optimizer.step" and p.opt == e.opt and not p.error:
             return p if first_scale is not None and first_scale < j else None
+    return None
+
+
+def _other_step_after(events: list[CallEvent], i: int, since_update: list[CallEvent]) -> CallEvent | None:
+    """The scaler.step of another optimizer that follows the update `events[i]` before any new scaled backward
+    (scale) or zero_grad, when this iteration already stepped one: an update() inside `for opt in opts:`."""
+    stepped = {p.opt for p in since_update if p.kind == "step" and not p.error}
+    if not stepped:
+        return None
+    for p in events[i + 1:]:
+        if p.kind in ("scale", "zero_grad", "update"):
+            return None
+        if p.kind == "step" and p.opt is not None and p.opt not in stepped:
+            return p
     return None
 
 
@@ -248,8 +274,8 @@ def _updated_later(events: list[CallEvent], i: int) -> bool:
             return p.step == e.step or other or not scaled
         if p.kind in ("step", "unscale_") and p.opt == e.opt:
             return False
-        if p.kind == "step":
-            other = True
+        if p.kind == "step" or p.kind == "optimizer.step" and not p.via_scaler and p.opt != e.opt:
+            other = True  # (another optimizer stepped directly is its own misuse: scaler_misorder names it)
         elif p.kind == "scale":
             scaled = True
     return False

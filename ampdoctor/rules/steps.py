@@ -7,7 +7,7 @@ Pure functions of records; no import of anything above `records` (rules and anal
 from __future__ import annotations
 
 from ..fixes import modules_related
-from ..records import BACKOFF_MAX_STREAK, ModuleCall, StepRecord
+from ..records import BACKOFF_MAX_STREAK, DTYPE_LIMITS, ModuleCall, StepRecord
 
 __all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "benign_backoff", "scaled_loss_steps", "absorbed_modules",
            "absorbed",
@@ -127,6 +127,23 @@ def _output_grad_overflowed(r: StepRecord) -> bool:
     return root is not None and root.gout is not None and not root.gout.finite
 
 
+_SMALL_GRAD_BITS = 8  # a gradient this many bits below its dtype's max does not overflow in one module's backward
+
+
+def _nan_at_any_scale(r: StepRecord) -> bool:
+    """A recorded backward producer made NaN from a finite gradient far below its dtype's max (0/0, sqrt'(0) * 0,
+    inf - inf of its own making): no loss scale made it, so halving the scale does not help (a gradient the scale
+    pushed past the max turns inf first, near the loss, and reaches the producer as inf)."""
+    p = r.backward_producer
+    if p is None or p.kind != "nan" or _output_grad_overflowed(r):
+        return False
+    gs = [c.gout for c in r.modules if c.module == p.module and c.gout is not None]
+    if not gs or not all(g.finite for g in gs):
+        return False
+    mx = DTYPE_LIMITS.get(gs[0].ref, DTYPE_LIMITS["float32"])[0]
+    return max(g.absmax for g in gs) <= mx * 2.0 ** -_SMALL_GRAD_BITS
+
+
 def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
                    min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
     """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
@@ -158,6 +175,8 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
         s = s[:k]
         if not s or any(r.scale is not None and r.scale < min_scale for r in s):
             continue
+        if any(_nan_at_any_scale(r) for r in s):
+            continue  # NaN a module made from a small gradient: no scale's doing, wherever the streak ends
         # A streak that ended in an applied update proves the scale was the trouble (the scaler found one that
         # works), whatever the overflow turned into on the way (LayerNorm's backward makes NaN from an inf).
         # One still running at the end of the run: NaN made in the backward three times is no scale's doing.

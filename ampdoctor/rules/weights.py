@@ -77,9 +77,7 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # without a scaler it is a risk, unless their updates already round away (update_underflow then names the
     # modules where it shows; this is their cause and ranks first)
     held = set(names)
-    rounds = any(p.name in held and p.update_sampled > 0 and not p.grad_nonfinite and _finite(p.weight_norm)
-                 and p.update_rounded_away / p.update_sampled >= cfg.rounded_away_share
-                 for r in run.steps for p in r.params)  # (as update_underflow counts them)
+    rounds = any(held.intersection(v[2]) for v in _rounded(run, cfg).values())  # (as update_underflow counts them)
     sev = "error" if run.has_scaler or rounds else "warning"
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
@@ -93,36 +91,74 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
 
 @register("update_underflow", emits=("update_underflow",))
 def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """Per module, per checked update: the share of its parameters' sampled elements (those with a nonzero
+    gradient) that did not change; a module past `rounded_away_share` on `_MIN_SAMPLED` elements or more. A few
+    elements alone (a 4-element bias whose update rounds in two of them while its layer's weight moves) say nothing
+    about the layer's training."""
+    worst = _rounded(run, cfg)
+    out = _outside_updates(run, cfg)
+    order = {m[0]: i for i, m in enumerate(run.meta.modules or []) if isinstance(m, (list, tuple)) and m}
+    by_step: dict[int, list[str]] = {}
+    for module, v in worst.items():
+        by_step.setdefault(v[1], []).append(module)
+    for step, mods in by_step.items():
+        mods.sort(key=lambda mod: order.get(mod, len(order)))
+        # many layers at once (a whole model's updates below its ulp): one finding, at the first of them in the
+        # model, the others listed, so that it does not crowd out the cause (an underflow, a learning rate)
+        if len(mods) < _MANY_LAYERS:
+            out.extend(_rounding_finding(mod, worst[mod], []) for mod in mods)
+        else:
+            out.append(_rounding_finding(mods[0], worst[mods[0]], mods[1:]))
+    return out
+
+
+_MANY_LAYERS = 3
+
+
+def _rounding_finding(module: str, v: tuple, others: list[str]) -> Finding:
+    share, step, names, n, k, p = v
+    which = f"`{names[0]}`" if len(names) == 1 else f"`{module or '(root)'}`'s parameters ({', '.join(names[:4])})"
+    more = (f" So do {len(others)} more layer(s) from this step on ({', '.join(others[:4])}"
+            f"{', …' if len(others) > 4 else ''}).") if others else ""
+    return Finding(
+        "update_underflow", "error", "optimizer", module, None, step,
+        f"{share:.0%} of sampled elements of {which} ({p.dtype}) did not change although their gradient "
+        f"was nonzero: the update is below half an ulp of the weight and rounds away (w + Δw == w); "
+        "training of this layer has silently stopped." + more,
+        "Keep fp32 master weights (parameters in fp32 + autocast), or raise the learning rate / use a "
+        "low-precision-aware optimizer (Kahan summation, stochastic rounding).",
+        {"params": names, "share": share, "sampled": n, "rounded_away": k, "dtype": p.dtype,
+         "grad_absmax": p.grad_absmax, "also_modules": others, "rank_hint": 7})
+
+
+def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
+    """module -> (worst share, the first step past `rounded_away_share`, the params past it, sampled, rounded
+    away, a parameter of it) over the checked updates (see update_underflow)."""
     worst: dict[str, tuple] = {}
     for r in run.steps:
+        by_module: dict[str, list] = {}
         for p in r.params:
             if p.update_sampled <= 0 or not _finite(p.weight_norm) or p.grad_nonfinite:
                 continue  # inf + Δw == inf and NaN updates say nothing about rounding: a consequence, not this
-            share = p.update_rounded_away / p.update_sampled
-            if share >= cfg.rounded_away_share and (p.name not in worst or share > worst[p.name][0]):
+            by_module.setdefault(p.module, []).append(p)
+        for module, ps in by_module.items():
+            n = sum(p.update_sampled for p in ps)
+            k = sum(p.update_rounded_away for p in ps)
+            if n < _MIN_SAMPLED or k < cfg.rounded_away_share * n:
+                continue
+            share = k / n
+            names = [p.name for p in ps if p.update_rounded_away >= cfg.rounded_away_share * p.update_sampled]
+            if module not in worst or share > worst[module][0]:
                 # the step is where it began (the first step past the share), the numbers the worst seen
-                worst[p.name] = (share, worst[p.name][1] if p.name in worst else r.step, p)
-    out = _outside_updates(run, cfg)
-    if not worst:
-        return out
-    by_module: dict[str, list] = {}
-    for name, v in worst.items():
-        by_module.setdefault(v[2].module, []).append(v)
-    out = []
-    for module, items in by_module.items():
-        share, _, p = max(items, key=lambda v: v[0])
-        step = min(v[1] for v in items)
-        out.append(Finding(
-            "update_underflow", "error", "optimizer", module, None, step,
-            f"{share:.0%} of sampled elements of `{p.name}` ({p.dtype}) did not change although their gradient "
-            f"was nonzero: the update is below half an ulp of the weight and rounds away (w + Δw == w); "
-            "training of this layer has silently stopped.",
-            "Keep fp32 master weights (parameters in fp32 + autocast), or raise the learning rate / use a "
-            "low-precision-aware optimizer (Kahan summation, stochastic rounding).",
-            {"params": [v[2].name for v in items], "share": share, "sampled": p.update_sampled,
-             "rounded_away": p.update_rounded_away, "dtype": p.dtype, "grad_absmax": p.grad_absmax,
-             "rank_hint": 7}))
-    return out
+                first = worst[module][1] if module in worst else r.step
+                worst[module] = (share, first, names or [p.name for p in ps], n, k,
+                                 max(ps, key=lambda p: p.update_sampled))
+    return worst
+
+
+_MIN_SAMPLED = 16
+"""Sampled elements a module's parameters need on one check before update_underflow judges its rounding (the
+recorder ends its extra checks by the same count: record/params.py)."""
 
 
 OUTSIDE_MIN_SAMPLED = 256
