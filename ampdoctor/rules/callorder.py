@@ -116,7 +116,11 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     "Accelerate already do it:\n" + ORDER)
         elif e.kind == "step" and (_STEP_TWICE in (e.error or "") or any(p.kind == "step" for p in since_update)):
             # dated at the iteration that lacked its update: its scaler.step (the step that fails is the next one's)
+            # (only when a new iteration began between the two: a second step in the same iteration is the misuse)
             ended = next((p for p in reversed(since_update) if p.kind == "step" and p.opt == e.opt), e)
+            if ended is not e and not any(p.kind in ("scale", "zero_grad")   # (since_update: newest first)
+                                          for p in since_update[:since_update.index(ended)]):
+                ended = e
             add("missing_scaler_update", ended, f"`scaler.step()` at {_loc(e)} ran again without `scaler.update()` "
                 f"since the previous step{f' (at {_loc(ended)}, step {ended.step})' if ended is not e else ''}: the "
                 "scale never adapts and GradScaler raises.",
