@@ -60,12 +60,10 @@ backward before the no_grad unscale_; T7 the scaler made once (one search of 6 s
 scaler.step always (the outlier is one skipped step); T9 both optimizers zeroed (one skipped step, then training
 goes on); T10 the evaluation under autocast with fp32 weights.
 
-What ampdoctor got wrong (strict xfails, 1 of 21 runs; the reason gives what it reported instead):
- - M7: skipped_steps is dated at step 0 (the first epoch's normal search), not step 8 where the first rebuilt
-   scaler lost the settled scale: '[warning] skipped_steps at (run) step 0: ... skipped 18 of 24 steps, and its
-   scale went back up to where it started 2 times' (rules/scaler.py scale_timeline's restart branch reports
-   skipped[0]), and it comes third, after two overflow errors ('(run) step 0', the loss backward at 65536, and
-   'head aten::mm step 5') that the scaler-once twin reports as info for the same backoff.
+What ampdoctor got wrong (fixed since): M7's skipped_steps was dated at step 0 (the first epoch's normal search)
+and came third, after overflow errors at step 0 and 5 that the scaler-once twin reports as info: the restart branch
+of rules/scaler.py now dates it at the first skip after the first restart, and rules/steps.py benign_backoff judges
+each restart's search as a run of its own (`scale_restarts`).
 
 Seen but not asserted: M8's third finding is '[error] skipped_steps at (run) step 6 ... the forward pass itself was
 non-finite' (the NaN weights); M9's first finding is the outlier's '[error] overflow at head aten::mm step 5'.
@@ -602,12 +600,6 @@ def epochs_run(rebuild, epochs, n, reduction):
     return w.report(), log
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor dates the restarts' waste at the first epoch's normal search: '[warning] skipped_steps at (run) step 0: "
-    "GradScaler skipped 18 of 24 steps, and its scale went back up to where it started 2 times' (third finding, after "
-    "'[error] overflow at (run) step 0' (the loss backward at 65536) and '[error] overflow at head aten::mm step 5'), "
-    "not step 8, the first step of epoch 1 whose new GradScaler lost the settled scale (rules/scaler.py "
-    "scale_timeline's restart branch reports skipped[0], not the first skip after the first reset)"))
 def test_m7_grad_scaler_rebuilt_every_epoch_repeats_its_search():
     rep, log = epochs_run(True, 3, 8, "sum")
     sk = log["skipped"]

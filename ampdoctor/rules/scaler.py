@@ -9,7 +9,7 @@ from ..findings import Finding
 from ..records import CallEvent, StepRecord
 from .registry import RuleConfig, RunData, register
 from .outside import output_grad_nonfinite
-from .steps import BACKOFF_MIN_SCALE, benign_backoff
+from .steps import BACKOFF_MIN_SCALE, benign_backoff, scale_restarts
 
 ORDER = ("scaler.scale(loss).backward()\n"
          "scaler.unscale_(optimizer)                      # before anything reads the gradients\n"
@@ -180,11 +180,13 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # a scale that rises right after a skip (or by more than one growth step) is a GradScaler started again: made
     # anew (e.g. each epoch) or reloaded; each restart searches from init_scale again and skips those steps
     gf = (run.meta.scaler or {}).get("growth_factor") or 2.0
-    resets = sum(1 for a, b in zip(steps, steps[1:]) if a.scale and b.scale and b.scale > a.scale
-                 and (a.skipped or b.scale > a.scale * gf))
+    restarts = scale_restarts(steps, gf)
+    resets = len(restarts)
     if resets >= 2 and len(skipped) >= cfg.skipped_min and len(skipped) >= 0.5 * len(steps):
+        # dated where a restart first cost a step: the first search (from the run's start) is the normal one
+        lost = next((k for k in skipped if k >= restarts[0]), skipped[0])
         out.append(Finding(
-            "skipped_steps", "warning", "scaler", None, None, skipped[0],
+            "skipped_steps", "warning", "scaler", None, None, lost,
             f"GradScaler skipped {len(skipped)} of {len(steps)} steps, and its scale went back up to where it started "
             f"{resets} times: the GradScaler is created anew (e.g. inside the epoch loop) or its state reloaded, so "
             "every restart searches for a working scale again and skips those steps.",

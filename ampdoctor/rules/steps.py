@@ -144,6 +144,13 @@ def _nan_at_any_scale(r: StepRecord) -> bool:
     return max(g.absmax for g in gs) <= mx * 2.0 ** -_SMALL_GRAD_BITS
 
 
+def scale_restarts(steps: list[StepRecord], growth_factor: float = 2.0) -> list[int]:
+    """Steps whose loss scale is a GradScaler started again (made anew, e.g. inside the epoch loop, or reloaded):
+    the scale rose right after a skipped step, or by more than one growth step at once."""
+    return [b.step for a, b in zip(steps, steps[1:]) if a.scale and b.scale and b.scale > a.scale
+            and (a.skipped or b.scale > a.scale * growth_factor)]
+
+
 def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
                    min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
     """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
@@ -156,6 +163,11 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     skips is the `skipped_steps` rule's business, not a benign search."""
     if not has_scaler:
         return set()
+    cuts = [i for i, r in enumerate(steps) if r.step in scale_restarts(steps)]
+    if cuts:  # a GradScaler made anew (each epoch) or reloaded: every restart's search is judged as a run of its own
+        kw = dict(max_streak=max_streak, min_scale=min_scale, later_min=later_min, later_share=later_share)
+        return set().union(*(benign_backoff(steps[a:b], has_scaler, **kw)
+                             for a, b in zip([0] + cuts, cuts + [len(steps)])))
     out: set[int] = set()
     by_step = {r.step: r for r in steps}
     first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
