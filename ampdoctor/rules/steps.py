@@ -66,6 +66,31 @@ def _descent(steps: list[StepRecord], first_good: int | None, settle_min: int = 
     return set(skips[:best])
 
 
+PROBE_SHARE = 0.125
+"""GradScaler's probes of a scale it just grew (one skip per growth at most, the scale back where it was) are the
+design's price, paid at most once per `growth_interval` + 1 steps: benign up to this share of the steps (a
+growth_interval of 7 or more), whatever `later_share` says of the other skips."""
+
+
+def _probe_skips(steps: list[StepRecord], first_good: int | None) -> set[int]:
+    """The later skips that are a single probe of a scale GradScaler grew after clean steps: a skip above the scale
+    that earned the latest growth (as in _later_probes), not followed by another skip."""
+    if first_good is None:
+        return set()
+    out = set()
+    rs = [r for r in steps if r.scale]
+    base = prev = None
+    for i, r in enumerate(rs):
+        if prev is not None and r.scale > prev:
+            base = prev  # GradScaler grew the scale: `prev` earned it
+        nxt = rs[i + 1] if i + 1 < len(rs) else None
+        if (r.skipped and r.step > first_good and base is not None and r.scale > base
+                and (nxt is None or not nxt.skipped)):
+            out.add(r.step)
+        prev = r.scale
+    return out
+
+
 def _later_probes(steps: list[StepRecord], first_good: int | None, exclude: set[int] = frozenset()) -> int:
     """How many times GradScaler backed off after the first applied update, counting the skips of one probe once:
     a probe is the scale above the last one that earned a growth (the scale before GradScaler's latest increase),
@@ -172,7 +197,10 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     by_step = {r.step: r for r in steps}
     first_good = next((r.step for r in steps if not r.skipped and (r.found_inf is not None or r.scale)), None)
     after = sum(1 for r in steps if first_good is not None and r.step > first_good)
-    n_later = _later_probes(steps, first_good, _descent(steps, first_good))
+    probes = _probe_skips(steps, first_good)
+    if len(probes) / max(after, 1) >= PROBE_SHARE:
+        probes = set()  # probes more often than a sane growth_interval pays for: they count as skips again
+    n_later = _later_probes(steps, first_good, _descent(steps, first_good) | probes)
     later_ok = n_later < later_min or n_later / max(after, 1) < later_share
     scaled_loss = scaled_loss_steps(steps)
     for s in _streaks(steps):
