@@ -53,10 +53,14 @@ Where ampdoctor is wrong the test is a strict xfail whose reason says what it re
 What ampdoctor got wrong: nothing asserted here — all eleven producers are named with the right rule at the right
 step among the first three findings (at every=1 too for 2, 4, 8 and 9), with no error at the neighbours, and the three
 twins are quiet (also with ONEDNN_MAX_CPU_ISA=AVX2). Seen, not asserted: 9 cut to 7 steps (skips at 4, 5 and 6 only,
-the scale down 8x, the same producer every time, NaN-free gradients at no scale) was `[info] overflow at ppo step 4
+the scale down 8x, the same producer every time, a gradient that is inf at any loss scale) was `[info] overflow at ppo step 4
 ... as designed` and `[info] skipped_steps ... a normal rate for dynamic loss scaling`: three consecutive skips from a
 backward that overflows at any loss scale still read as GradScaler's search; with 10 steps (six skips) it is
 `[error] overflow at ppo aten::_to_copy step 4` and `[error] skipped_steps`, as asserted.
+Also seen: 3's report warns `underflow at spec step 0` (true: most STFT powers of the quiet bins are subnormal in
+fp16); 2's skip is `[info] skipped_steps ... a normal rate` next to the `[error] overflow at up.0.norm2 aten::pow`
+(the backward of RsqrtBackward0); 7 has no skip (the NaN sample's gradient vanishes) and is named by the overflow of
+aten::mul in `bbox_head.loss_bbox` alone.
 """
 import copy
 import math
