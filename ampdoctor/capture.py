@@ -210,7 +210,33 @@ def save_batch(path: str | os.PathLike, model: torch.nn.Module, *args, **kwargs)
     """Capture one batch (`model(*args, **kwargs)`), the model's weights and the RNG states now, for `replay`."""
     if not isinstance(model, torch.nn.Module):
         raise BadInput(f"save_batch needs an nn.Module as its second argument, got {type(model).__qualname__}")
+    _refuse_foreign_dir(os.fspath(path))
     return write_capture(path, model, args, kwargs)
+
+
+_CAPTURE_FILES = {"manifest.json", "tensors.safetensors", "state.safetensors"}
+
+
+def _refuse_foreign_dir(path: str) -> None:
+    """save_batch writes only into a new or empty directory or over an earlier capture: never into a run directory
+    or a folder of the user's files (its manifest.json would be replaced)."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise BadInput(f"{path}: exists and is not a directory; save_batch writes a capture directory")
+    names = set(os.listdir(path))
+    if not names:
+        return
+    fmt = None
+    if names <= _CAPTURE_FILES and "manifest.json" in names:
+        try:
+            with open(os.path.join(path, "manifest.json"), "rb") as f:
+                fmt = json.loads(f.read(MAX_MANIFEST_BYTES + 1)).get("format")
+        except (OSError, ValueError, AttributeError):
+            fmt = None
+    if fmt != FORMAT_NAME:
+        raise BadInput(f"{path}: not empty and not an earlier capture ({', '.join(sorted(names)[:3])}"
+                       f"{', ...' if len(names) > 3 else ''}); save_batch refuses to write over it: pass a new path")
 
 
 # ----------------------------------------------------------------------------------------------- reading

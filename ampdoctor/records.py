@@ -43,17 +43,28 @@ _STEP_BOOLS = ("sampled", "loss_finite", "found_inf", "skipped", "grad_finite", 
 _STEP_STRS = ("autocast", "capture")
 
 
+_MAX_INT = 2 ** 53
+"""A JSON integer at or beyond this is no step, count or measurement ampdoctor wrote (json reads any size of integer:
+10**400 would reach float() and TensorBoard's int64 steps)."""
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:20] + f"... ({len(r)} characters)"
+
+
 def _check_scalars(d: dict) -> None:
     """A step record's scalar fields have their types (a record from disk is a stranger's data: a step of "2",
     NaN or 1e999 would reach the reporters' int()/float() calls). Raises ValueError naming the field."""
     for k in _STEP_INTS:
         v = d.get(k, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{k} must be a non-negative integer, not {v!r}"[:120])
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= _MAX_INT:
+            raise ValueError(f"{k} must be a non-negative integer below 2**53, not {_short(v)}"[:120])
     for k in _STEP_FLOATS:
         v = d.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise ValueError(f"{k} must be a number, not {v!r}"[:120])
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or isinstance(v, int) and abs(v) >= _MAX_INT):
+            raise ValueError(f"{k} must be a number within float range, not {_short(v)}"[:120])
     for k in _STEP_BOOLS:
         v = d.get(k)
         if v is not None and not isinstance(v, bool):

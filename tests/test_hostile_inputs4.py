@@ -48,23 +48,15 @@ The Python API, live:
 Control: the intact capture replays the overflow at `0`, step 4 (`ampdoctor.replay`); the intact run dir's CLI report
 (case 9) names it too (exit 1).
 
-What ampdoctor got wrong (strict xfails):
- 5. step 2**64 + --tensorboard: a ValueError traceback (`Value out of range: 18446744073709551616`) from torch's
-    SummaryWriter (writer.py add_event `event.step = int(step)`, an int64 protobuf field) reached through
-    report/tensorboard.py write_tensorboard -> on_step -> add_scalar(global_step=rec.step); exit 1 (Python's crash
-    code), a partial events file left. records._check_scalars accepts any non-negative int as `step`, and
-    cli._cmd_report wraps write_tensorboard in `except OSError` only.
-    loss 10**400 + HTML: an OverflowError traceback (`int too large to convert to float`) from report/panels.py num()
-    `float(v)` in report/plots.py _timeline, reached through findings.save_html -> report/html.py _plots -> plots.render,
-    which cli._write calls outside any guard but `except OSError`; exit 1, the --json file already written.
-    _check_scalars accepts any int as a float field (the same `float(v)` crashes step_scalars under --tensorboard).
-10. scripted model: CLI exit 1 with a RuntimeError traceback (`register_forward_pre_hook is not supported on
-    ScriptModules`) from replay/optrace.py OpTracer.__enter__, reached through replay/__init__.py _replay `with tracer:`;
-    `ampdoctor.replay(model=scripted)` raises that RuntimeError (not BadInput). modelio.build_model accepts any
-    nn.Module, and load_weights succeeds (the names match), so nothing refuses it before the hooks.
-16. save_batch(run_dir): no refusal; capture.write_capture does `os.makedirs(path, exist_ok=True)` and atomically
-    replaces `manifest.json` with a capture manifest (plus tensors/state .safetensors), so the run's manifest is lost
-    and `ampdoctor.diagnose(run_dir)` then refuses the directory ("not an ampdoctor run directory manifest").
+What ampdoctor got wrong (strict xfails first, fixed since):
+ 5. a step of 2**64 (+ --tensorboard: a ValueError traceback from SummaryWriter's int64 step) and a loss of 10**400
+    (+ HTML: an OverflowError traceback from float()) passed records._check_scalars: integers at or beyond 2**53 are
+    now refused as a corrupt record (one line, exit 2).
+10. a scripted model: a RuntimeError traceback from replay/optrace.py's module hooks (`register_forward_pre_hook is
+    not supported on ScriptModules`); replay/modelio.py build_model now refuses a ScriptModule (or one holding one)
+    with BadInput.
+16. save_batch(run_dir) replaced the run's manifest.json with a capture manifest (the run was lost): save_batch now
+    writes only into a new or empty directory or over an earlier capture.
 """
 import concurrent.futures
 import hashlib
@@ -530,14 +522,8 @@ def test_04_record_of_a_future_schema(cli):
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param("huge_step_tensorboard", marks=pytest.mark.xfail(strict=True, reason=(
-        "step 2**64 + --tensorboard: ValueError traceback `Value out of range: 18446744073709551616` from torch "
-        "SummaryWriter add_event (int64 step) via report/tensorboard.py on_step add_scalar(global_step=rec.step); "
-        "exit 1; records._check_scalars accepts any int step, cli._cmd_report catches OSError only"))),
-    pytest.param("huge_loss_html", marks=pytest.mark.xfail(strict=True, reason=(
-        "loss 10**400 + HTML: OverflowError traceback `int too large to convert to float` from report/panels.py "
-        "num() in report/plots.py _timeline via save_html -> html._plots -> plots.render; exit 1, --json already "
-        "written; records._check_scalars accepts any int as a float field"))),
+    "huge_step_tensorboard",
+    "huge_loss_html",
 ])
 def test_05_huge_integers_in_the_records(cli, name):
     ctx = cli[name]
@@ -581,14 +567,6 @@ def test_09_out_force_keeps_the_users_other_files(cli):
 
 
 # ======================================================================================== models and losses
-_SCRIPTED = pytest.mark.xfail(strict=True, reason=(
-    "a torch.jit.script'ed model: CLI exit 1 with a RuntimeError traceback `register_forward_pre_hook is not "
-    "supported on ScriptModules` from replay/optrace.py OpTracer.__enter__ (replay/__init__.py _replay `with "
-    "tracer:`); ampdoctor.replay(model=scripted) raises that RuntimeError, not BadInput; modelio.build_model and "
-    "load_weights accept it"))
-
-
-@_SCRIPTED
 def test_10_scripted_model_via_the_cli(cli):
     ctx = cli["model_scripted"]
     assert ctx["after"] == ctx["before"]
@@ -596,7 +574,6 @@ def test_10_scripted_model_via_the_cli(cli):
     assert "TorchScript" in line or "ScriptModule" in line or "script" in line.lower(), line
 
 
-@_SCRIPTED
 def test_10_scripted_model_via_the_api(helpers, base_run):
     cap = os.path.join(base_run, "captures", "4")
     before = snapshot(cap)
@@ -697,10 +674,6 @@ def test_15_watch_a_model_whose_submodule_is_already_watched(helpers):
         assert (f0.rule, f0.module, f0.step, f0.severity) == ("overflow", name, 3, "error"), f0.to_dict()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "save_batch(run_dir) is not refused: capture.write_capture does os.makedirs(path, exist_ok=True) and atomically "
-    "replaces the run's manifest.json with a capture manifest (adding tensors/state .safetensors); the run's "
-    "manifest is lost and ampdoctor.diagnose(run_dir) then refuses it as not an ampdoctor run directory manifest"))
 def test_16_save_batch_into_a_run_dir_is_refused(helpers, base_run, tmp_path):
     from ampdoctor.errors import BadInput
     rd = copy(base_run, tmp_path / "run")

@@ -61,6 +61,10 @@ def build_model(capture, model: Any = None) -> torch.nn.Module:
     if model is not None:
         if not isinstance(model, torch.nn.Module):
             raise BadInput(f"model must be an nn.Module or a 'pkg.mod:factory' string, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule) or any(isinstance(m, torch.jit.ScriptModule)
+                                                            for m in model.modules()):
+            raise BadInput("the model is (or holds) a TorchScript ScriptModule, which takes no module hooks: pass the "
+                           "eager nn.Module it was scripted from")
         return model
     if capture.hf_config is None:
         raise BadInput(f"the capture was taken from {capture.model_class[:80] or 'a model'!s}; ampdoctor never imports "
