@@ -74,19 +74,26 @@ growth_interval of 7 or more), whatever `later_share` says of the other skips.""
 
 def _probe_skips(steps: list[StepRecord], first_good: int | None) -> set[int]:
     """The later skips that are a single probe of a scale GradScaler grew after clean steps: a skip above the scale
-    that earned the latest growth (as in _later_probes), not followed by another skip."""
+    that earned the latest growth (as in _later_probes), not followed by another skip, and sooner after the growth
+    than the clean steps that earned it (a scale that lasted that long would have grown again: a skip there is an
+    overflow at a scale the run had settled at, not a probe)."""
     if first_good is None:
         return set()
     out = set()
     rs = [r for r in steps if r.scale]
-    base = prev = None
+    base = prev = earned = None
+    clean = 0  # clean steps since the last skip or growth
     for i, r in enumerate(rs):
         if prev is not None and r.scale > prev:
-            base = prev  # GradScaler grew the scale: `prev` earned it
-        nxt = rs[i + 1] if i + 1 < len(rs) else None
-        if (r.skipped and r.step > first_good and base is not None and r.scale > base
-                and (nxt is None or not nxt.skipped)):
-            out.add(r.step)
+            base, earned, clean = prev, clean, 0  # GradScaler grew the scale: `prev` earned it in `clean` steps
+        if r.skipped:
+            nxt = rs[i + 1] if i + 1 < len(rs) else None
+            if (r.step > first_good and base is not None and r.scale > base and earned and clean < earned
+                    and (nxt is None or not nxt.skipped)):
+                out.add(r.step)
+            clean = 0
+        else:
+            clean += 1
         prev = r.scale
     return out
 
@@ -169,11 +176,12 @@ def _nan_at_any_scale(r: StepRecord) -> bool:
     return max(g.absmax for g in gs) <= mx * 2.0 ** -_SMALL_GRAD_BITS
 
 
-def scale_restarts(steps: list[StepRecord], growth_factor: float = 2.0) -> list[int]:
+def scale_restarts(steps: list[StepRecord], jump: float = 8.0) -> list[int]:
     """Steps whose loss scale is a GradScaler started again (made anew, e.g. inside the epoch loop, or reloaded):
-    the scale rose right after a skipped step, or by more than one growth step at once."""
+    the scale rose right after a skipped step, or by more than `jump` at once (more than one growth step: pass the
+    scaler's growth_factor where it is known; unknown, 8 leaves room for growth_factor=4)."""
     return [b.step for a, b in zip(steps, steps[1:]) if a.scale and b.scale and b.scale > a.scale
-            and (a.skipped or b.scale > a.scale * growth_factor)]
+            and (a.skipped or b.scale > a.scale * jump)]
 
 
 def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
