@@ -42,12 +42,16 @@ def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None
 def _masters_of(model, opt_params: list) -> bool:
     """Whether an optimizer holding none of the model's parameters holds master copies of them (an fp16/bf16 model
     whose gradients are copied into fp32 masters that the optimizer steps): the same shapes, one for one, in fp32
-    where the model's are low precision (an optimizer built from a second copy of the model is not)."""
+    where the model's are low precision (an optimizer built from a second copy of the model is not). Copies in the
+    model's own low precision are masters too, made wrong (`p.detach().clone()` of fp16 weights): the watch takes
+    them, and `fp16_master_weights` says what they lack."""
     mine = [p for p in model.parameters() if p.requires_grad]
     if not mine or not any(p.dtype in (torch.float16, torch.bfloat16) for p in mine):
         return False
-    if any(p.dtype != torch.float32 for p in opt_params):
+    if any(not p.is_floating_point() for p in opt_params):
         return False
+    if any(p.dtype != torch.float32 for p in opt_params) and any(p.dtype == torch.float32 for p in mine):
+        return False  # a second copy of a mixed-dtype model, not its masters
     return sorted(tuple(p.shape) for p in mine) == sorted(tuple(p.shape) for p in opt_params)
 
 
@@ -308,6 +312,9 @@ class Watch:
                           for p in g["params"]})
             opt = {"class": type(self.optimizer).__name__, "param_dtypes": dts,
                    "groups": _groups(self.optimizer, model)}
+            held = [p for g in self.optimizer.param_groups for p in g["params"]]
+            if not any(id(p) in opt_ids for _, p in model.named_parameters()) and _masters_of(model, held):
+                opt["masters"] = True  # it steps copies of the model's weights (rules/weights.py: their dtype)
         sc = _scaler_meta(self.scaler) if self.scaler is not None else {}
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         rank = world = None

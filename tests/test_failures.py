@@ -358,7 +358,8 @@ def test_weights_overflowed_by_an_update_blame_the_update_not_the_layer():
     w = train(m, lambda i: (x,), mse_to_zero, steps=3, scaler=False, autocast=False, opt="sgd", lr=6e4)
     rep = top3(w, "overflow", "0")
     f = next(f for f in rep.findings if f.module == "0" and f.rule == "overflow")
-    assert f.phase == "optimizer" and f.step == 1 and f.evidence["previous_step"] == 0
+    # dated at the update that wrote them (step 0), as eps_underflow and update_spike are; found at step 1
+    assert f.phase == "optimizer" and f.step == 0 and f.evidence["previous_step"] == 0 and "step 1 began" in f.message
     # the update that wrote them is named as what it was: an update spike at step 0
     spike = next(f for f in rep.findings if f.rule == "update_spike")
     assert spike.step == 0 and spike.module in ("0", "2") and "lr=60000" in spike.message

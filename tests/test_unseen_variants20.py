@@ -54,7 +54,9 @@ to 0 is the root cause) at that module among the first three, at that step, with
 states a phase, and no error at the modules that only passed the value on. Where ampdoctor is wrong the test is a
 strict xfail whose reason says what it reported instead.
 
-What ampdoctor got wrong (strict xfails, 5 of 19 runs left; fixed since: 3 at every=1, the 0 / 0 in the compression
+What ampdoctor got wrong (strict xfails, 4 of 19 runs left; fixed since: 11, whose critic weights went NaN from the
+clip's NaN: rules/outside.py dates them at the update that wrote them and ranks them after what made the gradients
+non-finite; 3 at every=1, the 0 / 0 in the compression
 Function's backward was `[info] ... as designed`: rules/steps.py benign_backoff now refuses a streak whose recorded
 backward producer made NaN from a gradient 8 bits or more below the max, `_nan_at_any_scale`):
 - 4 at the default (NaN in the 6th of 8 micro-batches): only `[info] skipped_steps ... a normal rate`; no module
@@ -65,8 +67,6 @@ backward producer made NaN from a gradient 8 bits or more below the max, `_nan_a
 - 10 at the default: `[error] nan_origin at (run) step 7: The batch of step 7 already held 128 NaN` (the carried state)
   and skipped_steps; nothing at cell.rec (rules/outside.py bad_data takes the carried NaN for the origin;
   analysis/replayfold.py fold_replay refines only module findings, so the step-6 replay adds nothing). Right at every=1.
-- 11: `[error] nan_origin at v.0 step 5: The weights of v.0 were already NaN ... step 4's update ... wrote them`,
-  nothing at `entropy`: the consequence (the critic's update applying the clip's NaN) is reported as the origin.
 Right: 1 (feat.2 at step 4 and grl later, at both samplings), 2, 3 and 6 at the default, 5, 7, 8, 9, 10 at every=1,
 and the three twins are quiet. Seen, not asserted: 10 at every=1 ranks the step-7 consequence above the cell.rec
 overflow; 1's feat.2 finding names `aten::sum` "in forward" with the forward's source line.
@@ -884,13 +884,6 @@ def test_a2c_two_optimizers_one_scaler_entropy_bonus_entr_at_a_zero_probability_
 #     into NaN, which the critic's optimizer (found_inf = 0) applies. From step 5 the critic's weights are NaN and every
 #     forward is. The root cause is still the entropy's backward at step 4; its consequence is at v.0 from step 5
 # ======================================================================================================================
-@pytest.mark.xfail(strict=True, reason=(
-    "`[error] nan_origin at v.0 step 5: The weights of `v.0` (Linear) were already NaN when step 5 began: step 4's "
-    "update with non-finite gradients wrote them` and `[error] skipped_steps at (run) step 5`, nothing at `entropy` "
-    "step 4 (also nothing about the clip): the consequence is reported as the origin. The step-4 backward producer "
-    "(entr at p = 0) was made on a routine step with the actor's skip; the critic's step applied the NaN the clip's "
-    "NaN total norm wrote after its found_inf was taken, and rules/outside.py (weights already non-finite) blames "
-    "that update, not what made its gradients NaN"))
 def test_a2c_one_clip_over_both_networks_spreads_the_entropys_backward_nan_into_the_critic():
     torch.manual_seed(0)
     m = Agent()

@@ -63,7 +63,9 @@ def bad_weights(run: RunData) -> list[Finding]:
             grads = ("" if prev is None or prev.grad_finite is None else
                      " with finite gradients" if prev.grad_finite else " with non-finite gradients")
             return [Finding(
-                "nan_origin" if kind == "NaN" else "overflow", "error", "optimizer", module, None, r.step,
+                # dated at the update that wrote them (the step before); the step that found them is in the text
+                "nan_origin" if kind == "NaN" else "overflow", "error", "optimizer", module, None,
+                prev.step if prev is not None else r.step,
                 f"The weights of `{module}` ({typ}) were already {kind} when step {r.step} began: "
                 f"{before}{grads} wrote them. The modules after it only passed the values on.",
                 "Look at that update: a NaN/inf gradient stepped without a GradScaler (use "
@@ -71,7 +73,10 @@ def bad_weights(run: RunData) -> list[Finding]:
                 "overflows fp16 weights, Adam's eps vanishing in fp16 parameters (keep fp32 master weights), or a "
                 "hand-written update dividing by a zero norm.",
                 {"type": typ, "weights": "nan" if nan else "inf", "modules": [b[0] for b in bad][:20],
-                 "previous_step": prev.step if prev is not None else None, "rank_hint": 12})]
+                 "previous_step": prev.step if prev is not None else None,
+                 # (after non-finite gradients were applied, what made them - a backward producer, a replay's op -
+                 # is the origin and ranks first at the same step)
+                 "rank_hint": 14 if prev is not None and prev.grad_finite is False else 12})]
         prev = r
     return []
 

@@ -52,6 +52,19 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     low = [p for p in run.meta.params if (p[2] in ("float16",) or p[0] in became) and p[0] in trained
            and (p[4] is True or p[4] is None and p[0] in updated)]
     err_ev = next(((r, e) for r in run.steps for e in r.events if _FP16_GRADS in (e.error or "")), None)
+    opt = run.meta.optimizer or {}
+    low_masters = [d for d in opt.get("param_dtypes") or () if d in ("float16", "bfloat16")]
+    if opt.get("masters") and low_masters and not low and err_ev is None:
+        # master copies made in the model's own low precision (`p.detach().clone()` without `.float()`)
+        return [Finding(
+            "fp16_master_weights", "error", "optimizer", "", None, run.steps[0].step if run.steps else None,
+            f"The optimizer steps copies of the model's weights, but the copies are {'/'.join(low_masters)} too "
+            "(made without `.float()`): they are no fp32 master weights, so small updates round away in them just "
+            "as in the model.",
+            "Make the master copies fp32: `masters = [p.detach().float().clone().requires_grad_() for p in "
+            "model.parameters()]`, copy the gradients in as fp32 and the updated masters back into the model "
+            "after each step; or keep the model fp32 under autocast with a GradScaler.",
+            {"master_dtypes": low_masters, "optimizer": opt.get("class"), "rank_hint": 6})]
     if not low and err_ev is None:
         return []
     names = [p[0] for p in low]
