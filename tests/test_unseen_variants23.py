@@ -27,8 +27,8 @@ each starting mid-run (step 3 or 4) through the data: a padded, left-padded or e
     keep them; from step 3 on a new shard holds rows whose missing values are the sentinel 9999: the forward is
     finite, but in the backward x * x and mu * mu are inf in fp16, inf - inf = NaN, and the weight/bias gradients
     of `norm` are NaN every step (overflow / nan_origin at `norm`, backward);
- 6-7. the fused LayerNorm of 5 inside an activation-checkpointed block (torch.utils.checkpoint, use_reentrant=True
-    and False) behind an fp16 stem: the recomputation in the backward re-runs the Function under the restored
+ 6-7. the fused LayerNorm of 5 inside an activation-checkpointed block (torch.utils.checkpoint, use_reentrant=False (6)
+    and True (7)) behind an fp16 stem: the recomputation in the backward re-runs the Function under the restored
     autocast state and its backward makes the NaN (`blk.norm`, backward; a missing-value row from step 3 on);
  8. an extractive-QA span head (BiDAF/DrQA-style) that masks every non-context position with (1 - ctx) * -1e30 in
     the fp16 logits: from step 3 a window holds only question tokens (a question longer than max_seq_len, labelled
