@@ -166,11 +166,32 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                               msg, twin.fix if twin else g.fix, evd)
         refined.add(id(findings[i]))
     fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
+    search = (rr.data.get("replay") or {}).get("scaler_search") or {}
+    any_scale = bool(search.get("tried")) and search.get("finite_at") is None and any(
+        t.get("scale") == 1.0 and t.get("finite") is False for t in search["tried"])
     for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
         if f.rule not in _OPLEVEL or f.severity == "info":
             continue
         if f.phase == "backward" and fwd_bad:
             continue  # gradients of non-finite activations: consequences of the forward origin
+        if any_scale and f.rule in ("overflow", "nan_origin") and f.severity == "error" and f.module is not None:
+            # the replay found the captured step non-finite at every loss scale down to 1: what the records took
+            # for GradScaler's search (an info finding at this module) is no search
+            benign = next((g for g in findings if g.severity == "info" and g.rule in ("overflow", "nan_origin")
+                           and g.phase == f.phase and g.module is not None
+                           and (f.module == g.module or f.module.startswith(g.module + "."))
+                           and (_of_step(g, cap_step) or cap_step is None or g.step is None or g.step <= cap_step)),
+                          None)
+            if benign is not None:
+                i = findings.index(benign)
+                ev = dict(f.evidence, module_level_rule=benign.rule, from_replay=cap, rank_hint=13,
+                          scaler_search=search)
+                findings[i] = Finding(f.rule, "error", f.phase, f.module, f.op, onset(f.step if f.step is not None
+                                                                                       else benign.step),
+                                      f.message + " No loss scale makes it finite (the replay tried down to 1).",
+                                      f.fix, ev)
+                refined.add(id(findings[i]))
+                continue
         if f.rule in ("overflow", "nan_origin"):
             match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin")
                           and g.phase == f.phase and g.severity != "info" and g.module is not None
