@@ -187,7 +187,7 @@ def test_residual_add_overflow_is_the_block_not_the_next_norm(tmp_path, every):
 
 # -- 5. a residual stream with a large offset: fp16 rounds the per-token signal away before a LayerNorm ---------------
 def test_large_residual_offset_rounding_the_signal_away_is_not_an_overflow_at_the_norm():
-    """Precision, not overflow: each block's branch adds ~12000 to a signal of ~2, the fp16 add rounds the signal
+    """Precision, not a forward overflow: each block's branch adds ~12000 to a signal of ~2, the fp16 add rounds the signal
     away (ulp 8 at 12000), so every row entering blocks.1.ln is one constant and the norm returns only its bias
     (an fp32 LayerNorm on the same input too). torch's own LayerNorm accumulates in fp32: its variance cannot
     overflow, so silent_zeros' "flushed to the bias" reading is not for it."""
@@ -206,8 +206,19 @@ def test_large_residual_offset_rounding_the_signal_away_is_not_an_overflow_at_th
         h = m.blocks[0](m.emb(x))
     assert (h == h[:, :1]).all()  # real: every row entering blocks.1.ln is constant after the fp16 add
     rep = w.report()
-    assert not any(f.rule == "overflow" and f.module in ("blocks.1.ln", "blocks.2.ln", "ln_f")
-                   and f.severity == "error" for f in rep.findings), [f.one_line() for f in rep.findings]
+    # (the forward's rounding is no overflow at the norms; what the backward does is another matter: ln_f's fp16
+    # backward on rows of ~54000 overflows at every loss scale, 1 included, so every step from 3 is skipped for good -
+    # an error there, in the backward, is the truth, and the replay proves it; the test checks it on its own)
+    assert not any(f.rule == "overflow" and f.module in ("blocks.1.ln", "blocks.2.ln", "ln_f") and f.severity == "error"
+                   and f.phase != "backward" for f in rep.findings), [f.one_line() for f in rep.findings]
+    bwd = [f for f in rep.findings if f.rule == "overflow" and f.severity == "error" and f.phase == "backward"]
+    if bwd:
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = mean_sq(m(x))
+        loss.backward()  # unscaled: scale 1
+        assert not all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+        assert bwd[0].module == "ln_f" and bwd[0].step == 3, bwd[0].one_line()
 
 
 # -- 6. sinusoidal timestep embedding computed in fp16 -----------------------------------------------------------------
