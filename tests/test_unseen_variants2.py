@@ -187,8 +187,8 @@ def test_residual_add_overflow_is_the_block_not_the_next_norm(tmp_path, every):
 
 # -- 5. a residual stream with a large offset: fp16 rounds the per-token signal away before a LayerNorm ---------------
 def test_large_residual_offset_rounding_the_signal_away_is_not_an_overflow_at_the_norm():
-    """Precision, not a forward overflow: each block's branch adds ~12000 to a signal of ~2, the fp16 add rounds the signal
-    away (ulp 8 at 12000), so every row entering blocks.1.ln is one constant and the norm returns only its bias
+    """Precision, not a forward overflow: each block's branch adds ~12000 to a signal of ~2, the fp16 add rounds the
+    signal away (ulp 8 at 12000), so every row entering blocks.1.ln is one constant and the norm returns only its bias
     (an fp32 LayerNorm on the same input too). torch's own LayerNorm accumulates in fp32: its variance cannot
     overflow, so silent_zeros' "flushed to the bias" reading is not for it."""
     torch.manual_seed(0)
