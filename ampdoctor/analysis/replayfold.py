@@ -191,6 +191,15 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                                       f.message + " No loss scale makes it finite (the replay tried down to 1).",
                                       f.fix, ev)
                 refined.add(id(findings[i]))
+                for j, k in enumerate(findings):  # nor are the skips it caused a normal rate
+                    if k.rule == "skipped_steps" and k.severity == "info" and k.evidence.get("benign_backoff"):
+                        findings[j] = Finding(
+                            k.rule, "warning", k.phase, k.module, k.op, k.step,
+                            f"GradScaler skipped {k.evidence.get('skipped', '?')} of {k.evidence.get('steps', '?')} "
+                            f"steps; the replay of step {cap_step} finds its gradients non-finite at every loss scale "
+                            "down to 1, so these skips are not the scaler's search (see the overflow above).",
+                            "Fix the producer of the inf/NaN (the finding above); no loss scale can.",
+                            dict(k.evidence, benign_backoff=False, rank_hint=70))
                 continue
         if f.rule in ("overflow", "nan_origin"):
             match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin")
