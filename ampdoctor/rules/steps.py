@@ -196,7 +196,8 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     skips is the `skipped_steps` rule's business, not a benign search."""
     if not has_scaler:
         return set()
-    cuts = [i for i, r in enumerate(steps) if r.step in scale_restarts(steps)]
+    restarts = set(scale_restarts(steps))
+    cuts = [i for i, r in enumerate(steps) if r.step in restarts]
     if cuts:  # a GradScaler made anew (each epoch) or reloaded: every restart's search is judged as a run of its own
         kw = dict(max_streak=max_streak, min_scale=min_scale, later_min=later_min, later_share=later_share)
         return set().union(*(benign_backoff(steps[a:b], has_scaler, **kw)
