@@ -31,6 +31,13 @@ DTYPE_LIMITS = {
     "float64": (1.7976931348623157e308, 2.2250738585072014e-308, 2.0 ** 1023),
 }
 
+ROUNDED_AWAY_SHARE = 0.5
+ROUNDING_MIN_SAMPLED = 16
+"""update_underflow: a module whose sampled updated elements (ROUNDING_MIN_SAMPLED or more, those with a nonzero
+gradient) did not change in ROUNDED_AWAY_SHARE of them or more is rounding its updates away. One definition for the
+recorder (which ends its extra rounding checks when it sees this: record/params.py) and the rule (rules/weights.py;
+RuleConfig.rounded_away_share defaults to the same share)."""
+
 BACKOFF_MAX_STREAK = 10
 """A streak of this many skipped steps in a row is a collapse, never GradScaler's normal search for a loss scale:
 one definition for the recorder (which bad steps get a capture) and the rules (rules/steps.benign_backoff; the

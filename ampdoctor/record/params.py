@@ -10,6 +10,7 @@ import operator
 import torch
 
 from . import cpustats
+from ..records import ROUNDED_AWAY_SHARE, ROUNDING_MIN_SAMPLED
 from ..tensors import local
 
 __all__ = ["model_grads", "norms", "grads_after_unscale", "checked_weights", "weight_amax", "update_check_pre", "update_check_post"]
@@ -128,10 +129,10 @@ LOW_CHECK_EVERY = 4
 """An optimizer holding fp16/bf16 parameters has its updates' rounding checked on every this many steps too, until a
 check finds them rounding away (`StepMachine.rounding_seen`, set by transfer.finalize): they start to when the
 gradients shrink as a fit converges, at a constant learning rate, between the sampled steps."""
-ROUNDED_SHARE = 0.5
-MIN_SAMPLED = 16
-"""A module whose sampled elements (MIN_SAMPLED or more) round away by ROUNDED_SHARE ends those checks (as the rules
-count them: RuleConfig.rounded_away_share, rules/weights.py _MIN_SAMPLED)."""
+ROUNDED_SHARE = ROUNDED_AWAY_SHARE
+MIN_SAMPLED = ROUNDING_MIN_SAMPLED
+"""A module whose sampled elements (MIN_SAMPLED or more) round away by ROUNDED_SHARE ends those checks (records.py:
+as the rule counts them)."""
 
 
 def _low(m, opt) -> bool:

@@ -11,7 +11,7 @@ from typing import Callable
 
 from ..errors import BadInput
 from ..findings import Finding
-from ..records import RunMeta, StepRecord
+from ..records import ROUNDED_AWAY_SHARE, RunMeta, StepRecord
 
 __all__ = ["RunData", "RuleConfig", "register", "RULES", "RULE_IDS", "run_rules"]
 
@@ -52,7 +52,7 @@ class RuleConfig:
     collapse_min_scale: float = 1e-4
     skipped_share: float = 0.05
     skipped_min: int = 5
-    rounded_away_share: float = 0.5
+    rounded_away_share: float = ROUNDED_AWAY_SHARE
     spike_factor: float = 2.0
     """update_spike: one update multiplied a weight's L2 norm by at least this (healthy updates change it by %)."""
     spike_window_factor: float = 10.0

@@ -7,6 +7,7 @@ import math
 import os
 
 from ..findings import Finding
+from ..records import ROUNDING_MIN_SAMPLED
 from .registry import RuleConfig, RunData, register
 
 _FP16_GRADS = "Attempting to unscale FP16 gradients"
@@ -169,9 +170,7 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
     return worst
 
 
-_MIN_SAMPLED = 16
-"""Sampled elements a module's parameters need on one check before update_underflow judges its rounding (the
-recorder ends its extra checks by the same count: record/params.py)."""
+_MIN_SAMPLED = ROUNDING_MIN_SAMPLED  # (records.py: the recorder's extra checks end by the same count)
 
 
 OUTSIDE_MIN_SAMPLED = 256
