@@ -25,51 +25,10 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import in_top3, lines, no_error_at, one_thread, randn
+from probe_harness import Producer, at_top3 as at
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-
-def at(rep, rules, module, step=None, phase=None):
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        steps = step if isinstance(step, tuple) else (step,)
-        assert f.step in steps, (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase in ((phase,) if isinstance(phase, str) else phase), (f.one_line(), lines(rep))
-    return f
-
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs (and its
-    own parameters) were finite. Hooks fire children first, so the first hit is the innermost producer."""
-
-    def __init__(self, m):
-        self.step, self.first, self.bad_weights = 0, None, None
-        self.hs = [mod.register_forward_hook(self._hook(n)) for n, mod in m.named_modules()]
-
-    def _hook(self, n):
-        def f(mod, inp, out):
-            if self.first is None and _finite(inp) and not _finite(out):
-                own = all(torch.isfinite(p).all() for p in mod.parameters(recurse=False))
-                self.first = (n, self.step)
-                if not own:
-                    self.bad_weights = n
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
 
 
 def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, init_scale=1024.0, accum=1, skip_bad=False, clip=1.0,
@@ -82,7 +41,7 @@ def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, init_scale=1024.0
     opt = opt or torch.optim.AdamW(m.parameters(), lr=lr)
     sched = sched(opt) if sched else None
     sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    prod = Producer(m)
+    prod = Producer(m, own_params=False)
     w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
     call = call or m
     skipped, bad_loss, dropped, step = [], [], [], 0

@@ -25,6 +25,7 @@ says what it reported instead.
 
 ampdoctor got wrong: the ABMIL softmax over a 40000-patch slide (underflow at `pool`, step 3): an empty report."""
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -33,111 +34,16 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, in_top3, lines, no_error_at, one_thread, randn
+from probe_harness import Producer, at_top3 as at, healthy as _healthy, train_loop as _train_loop
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
-def at(rep, rules, module, step=None, phase=None):
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        steps = step if isinstance(step, tuple) else (step,)
-        assert f.step in steps, (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase in ((phase,) if isinstance(phase, str) else phase), (f.one_line(), lines(rep))
-    return f
-
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs (and its
-    own parameters) were finite. Hooks fire children first, so the first hit is the innermost producer. With
-    `backward=True` also full backward hooks on the leaf modules: the first (module, step) whose input gradient is
-    non-finite while its output gradient was finite (`first_bwd`)."""
-
-    def __init__(self, m, backward=False):
-        self.step, self.first, self.bad_weights, self.first_bwd = 0, None, None, None
-        self.hs = [mod.register_forward_hook(self._hook(n)) for n, mod in m.named_modules()]
-        if backward:
-            self.hs += [mod.register_full_backward_hook(self._bhook(n)) for n, mod in m.named_modules()
-                        if not list(mod.children())]
-
-    def _hook(self, n):
-        def f(mod, inp, out):
-            if self.first is None and _finite(inp) and not _finite(out):
-                own = all(torch.isfinite(p).all() for p in mod.parameters(recurse=False))
-                self.first = (n, self.step)
-                if not own:
-                    self.bad_weights = n
-        return f
-
-    def _bhook(self, n):
-        def f(mod, gin, gout):
-            if self.first_bwd is None and _finite([g for g in gout if g is not None]) and \
-                    not _finite([g for g in gin if g is not None]):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
-
-
-def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, init_scale=1024.0, clip=1.0, call=None,
-               backward=False, hooks=None):
-    """zero_grad -> forward under fp16 autocast -> scale(loss).backward -> unscale_ -> clip -> step -> update.
-    `batch(i)` gives iteration i's args. Returns a dict: w (closed watch), first (producer, optimizer step) from
-    forward hooks, first_bwd (the same from backward hooks, with `backward=True`), skipped (optimizer steps the
-    scaler skipped), bad_loss (optimizer steps with a non-finite loss), losses."""
-    opt = opt or torch.optim.AdamW(m.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    prod = Producer(m, backward=backward)
-    w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
-    call = call or m
-    skipped, bad_loss, losses = [], [], []
-    for step in range(steps):
-        prod.step = step
-        if hooks is not None:
-            hooks["step"] = step
-        opt.zero_grad(set_to_none=False)
-        args = batch(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(call(*args), *args)
-        losses.append(loss.item())
-        if not torch.isfinite(loss):
-            bad_loss.append(step)
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        before = sc.get_scale()
-        sc.step(opt)
-        sc.update()
-        if sc.get_scale() < before:
-            skipped.append(step)
-    w.close()
-    prod.remove()
-    return dict(w=w, first=prod.first, first_bwd=prod.first_bwd, bad_weights=prod.bad_weights, skipped=skipped,
-                bad_loss=bad_loss, losses=losses)
-
-
-def healthy(r):
-    """The run really was healthy (finite losses, no skipped step, the loss fell) and ampdoctor is quiet."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and not r["skipped"] and r["first"] is None, r
-    k = max(1, len(ls) // 4)
-    assert sum(ls[-k:]) < 0.9 * sum(ls[:k]), ls
-    rep = r["w"].report()
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+# the oracle counts a producer whose own weights are non-finite too (`bad_weights`); `backward=True`: backward
+# hooks on the leaf modules
+train_loop = partial(_train_loop, oracle=partial(Producer, own_params=False, leaf_backward=True))
+healthy = partial(_healthy, bwd=False)  # the oracle's backward producer is not checked
 
 
 # ======================================================================================================================

@@ -37,6 +37,7 @@ ampdoctor got wrong:
   (found with every=1, missed at the default sampling).
 """
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -45,61 +46,13 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, in_top3, lines, no_error_at, one_thread, randn
+from probe_harness import Producer, at_top3 as at, healthy as _healthy
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
-def at(rep, rules, module, step=None, phase=None):
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        steps = step if isinstance(step, tuple) else (step,)
-        assert f.step in steps, (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase in ((phase,) if isinstance(phase, str) else phase), (f.one_line(), lines(rep))
-    return f
-
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step, call) whose output is non-finite while its inputs were
-    finite (hooks fire children first, so the first hit is the innermost producer; `call` counts the module's calls
-    in that step, from 1). With `backward=True` also full backward hooks on the leaf modules: the first (module,
-    step) whose input gradient is non-finite while its output gradient was finite (`first_bwd`)."""
-
-    def __init__(self, m, backward=False):
-        self.step, self.first, self.first_bwd, self.calls = 0, None, None, {}
-        self.hs = [mod.register_forward_hook(self._hook(n)) for n, mod in m.named_modules()]
-        if backward:
-            self.hs += [mod.register_full_backward_hook(self._bhook(n)) for n, mod in m.named_modules()
-                        if not list(mod.children())]
-
-    def _hook(self, n):
-        def f(mod, inp, out):
-            k = self.calls[(n, self.step)] = self.calls.get((n, self.step), 0) + 1
-            if self.first is None and _finite(inp) and not _finite(out):
-                self.first = (n, self.step, k)
-        return f
-
-    def _bhook(self, n):
-        def f(mod, gin, gout):
-            if self.first_bwd is None and _finite([g for g in gout if g is not None]) and \
-                    not _finite([g for g in gin if g is not None]):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
+healthy = partial(_healthy, bwd=False)  # the oracle's backward producer is not checked
 
 
 def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, scaler=True, init_scale=1024.0, dtype=torch.float16,
@@ -110,7 +63,7 @@ def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, scaler=True, init
     (steps whose scale went down), bad_loss (steps with a non-finite loss), losses, scales."""
     opt = opt or torch.optim.AdamW(m.parameters(), lr=lr)
     sc = torch.amp.GradScaler("cpu", init_scale=init_scale, **(scaler_kw or {})) if scaler else None
-    prod = Producer(m, backward=backward)
+    prod = Producer(m, backward=backward, own_params=False, leaf_backward=True, call_in_first=True)
     w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
     call = call or m
     skipped, bad_loss, losses, scales = [], [], [], []
@@ -145,16 +98,6 @@ def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, scaler=True, init
     prod.remove()
     return dict(w=w, first=prod.first, first_bwd=prod.first_bwd, skipped=skipped, bad_loss=bad_loss, losses=losses,
                 scales=scales)
-
-
-def healthy(r):
-    """The run really was healthy (finite losses, no skipped step, the loss fell) and ampdoctor is quiet."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and not r["skipped"] and r["first"] is None, r
-    k = max(1, len(ls) // 4)
-    assert sum(ls[-k:]) < 0.9 * sum(ls[:k]), ls
-    rep = r["w"].report()
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
 
 
 # ======================================================================================================================

@@ -39,6 +39,7 @@ ampdoctor got wrong: nothing in this set; all twelve producers are named with th
 the first three findings, and the four twins are quiet, so there is no xfail.
 """
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -47,101 +48,13 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, in_top3, lines, no_error_at, one_thread, randn
+from probe_harness import at_top3 as at, healthy as _healthy, real_fwd as real, train_loop
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
-def at(rep, rules, module, step=None, phase=None):
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        assert f.step == step, (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase == phase, (f.one_line(), lines(rep))
-    return f
-
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs (and its
-    own parameters) were finite. Hooks fire children first, so the first hit is the innermost producer."""
-
-    def __init__(self, m):
-        self.step, self.first = 0, None
-        self.hs = [mod.register_forward_hook(self._hook(n)) for n, mod in m.named_modules()]
-
-    def _hook(self, n):
-        def f(mod, inp, out):
-            if self.first is None and _finite(inp) and not _finite(out) and \
-                    all(torch.isfinite(p).all() for p in mod.parameters(recurse=False)):
-                self.first = (n, self.step)
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
-
-
-def train_loop(m, batch, loss_fn, steps, *, lr=1e-3, init_scale=1024.0, clip=1.0, call=None):
-    """zero_grad -> forward under fp16 autocast -> scale(loss).backward -> unscale_ -> clip -> step -> update, under
-    ampdoctor.watch(m, optimizer=, scaler=). `batch(i)` gives iteration i's args. Returns a dict: w (closed watch),
-    first (producer, step) from forward hooks, skipped (steps the scaler skipped), bad_loss (steps with a
-    non-finite loss), losses."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    prod = Producer(m)
-    w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
-    call = call or m
-    skipped, bad_loss, losses = [], [], []
-    for step in range(steps):
-        prod.step = step
-        opt.zero_grad(set_to_none=False)
-        args = batch(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(call(*args), *args)
-        losses.append(loss.item())
-        if not torch.isfinite(loss):
-            bad_loss.append(step)
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        before = sc.get_scale()
-        sc.step(opt)
-        sc.update()
-        if sc.get_scale() < before:
-            skipped.append(step)
-    w.close()
-    prod.remove()
-    return dict(w=w, first=prod.first, skipped=skipped, bad_loss=bad_loss, losses=losses)
-
-
-def healthy(r, must_fall=0.9):
-    """The run really was healthy (finite losses, no skipped step, no non-finite output, the loss fell) and ampdoctor
-    is quiet."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and not r["skipped"] and r["first"] is None, r
-    k = max(1, len(ls) // 4)
-    assert sum(ls[-k:]) < must_fall * sum(ls[:k]), ls
-    rep = r["w"].report()
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
-
-
-def real(r, name, step):
-    """The failure is real: the forward hooks' first producer is `name` at `step`, the loss is non-finite there and
-    the scaler skips that step (and none before)."""
-    assert r["first"] == (name, step), r
-    assert r["bad_loss"] and r["bad_loss"][0] == step, r
-    assert r["skipped"] and r["skipped"][0] == step, r
+healthy = partial(_healthy, bwd=False)  # the oracle's backward producer is not checked
 
 
 # ======================================================================================================================

@@ -71,6 +71,7 @@ Seen while building the set, not asserted:
   requires_grad=True to a scalar" UserWarning from inside w.report().
 """
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -80,6 +81,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
 from scenarios import alarms, in_top3, lines, no_error_at, one_thread, randn
+from probe_harness import error_at as at, healthy, real_bwd as real, train_loop as _train_loop
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -87,135 +89,7 @@ one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
-def at(rep, rules, module, step=None, phase=None, hidden_op=None):
-    """An error finding of one of `rules` at `module` among the report's first three, at `step`, and in `phase`
-    where the finding states a phase (a backward-made inf/NaN is a broken step at any loss scale: not `info`).
-    `hidden_op`: where an op inside the producer already made the inf/NaN in the forward and the module's own code
-    hid it (log1p(-1) = -inf turned to 0 by exp, 0 / 0 dropped by a torch.where), a forward finding that names that
-    op is the same root cause (as in test_unseen_variants5's where-masked log) and is accepted too."""
-    in_top3(rep, rules, module)
-    hits = [f for f in rep.findings[:3] if f.module == module and f.rule in rules and f.severity == "error"
-            and (step is None or f.step == step)
-            and (phase is None or f.phase in (None, phase) or hidden_op is not None and f.op == hidden_op)]
-    assert hits, (module, rules, step, phase, lines(rep))
-    return hits[0]
-
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs (and its
-    own parameters) were finite (`first`; None in every backward case here: the forward stays finite).
-
-    Backward: full backward pre-hooks record whether the gradient reaching each module's outputs is finite; full
-    backward hooks and tensor hooks on each module's own parameters then name the first (module, step) whose gradient
-    w.r.t. its inputs or its own parameters is non-finite while the gradient w.r.t. its outputs was finite
-    (`first_bwd`). Backward hooks fire innermost first, so the first hit is the innermost producer."""
-
-    def __init__(self, m):
-        self.step, self.first, self.first_bwd = 0, None, None
-        self.gout_ok = {}
-        self.hs = []
-        for n, mod in m.named_modules():
-            self.hs.append(mod.register_forward_hook(self._fwd(n)))
-            self.hs.append(mod.register_full_backward_pre_hook(self._pre(n)))
-            self.hs.append(mod.register_full_backward_hook(self._bwd(n)))
-            for p in mod.parameters(recurse=False):
-                if p.requires_grad:
-                    self.hs.append(p.register_hook(self._param(n)))
-
-    def _fwd(self, n):
-        def f(mod, inp, out):
-            if self.first is None and _finite(inp) and not _finite(out) and \
-                    all(torch.isfinite(p).all() for p in mod.parameters(recurse=False)):
-                self.first = (n, self.step)
-        return f
-
-    def _pre(self, n):
-        def f(mod, gout):
-            self.gout_ok[n] = _finite([g for g in gout if g is not None])
-        return f
-
-    def _bwd(self, n):
-        def f(mod, gin, gout):
-            if self.first_bwd is None and _finite([g for g in gout if g is not None]) and \
-                    not _finite([g for g in gin if g is not None]):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def _param(self, n):
-        def f(g):
-            if self.first_bwd is None and self.gout_ok.get(n, True) and not _finite(g):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
-
-
-def train_loop(m, batch, loss_fn, steps, *, lr=1e-3, init_scale=1024.0, clip=1.0, call=None, after_step=None):
-    """zero_grad -> forward under fp16 autocast -> scale(loss).backward -> unscale_ -> clip -> step -> update, under
-    ampdoctor.watch(m, optimizer=, scaler=). `batch(i)` gives iteration i's args; `after_step(i)` runs after the
-    update (an epoch-end callback). Returns a dict: w (closed watch), first (forward producer, step), first_bwd
-    (backward producer, step), skipped (steps the scaler skipped), bad_loss (steps with a non-finite loss), losses."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    prod = Producer(m)
-    w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
-    call = call or m
-    skipped, bad_loss, losses = [], [], []
-    for step in range(steps):
-        prod.step = step
-        opt.zero_grad(set_to_none=False)
-        args = batch(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(call(*args), *args)
-        losses.append(loss.item())
-        if not torch.isfinite(loss):
-            bad_loss.append(step)
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        before = sc.get_scale()
-        sc.step(opt)
-        sc.update()
-        if sc.get_scale() < before:
-            skipped.append(step)
-        if after_step is not None:
-            after_step(step)
-    w.close()
-    prod.remove()
-    return dict(w=w, first=prod.first, first_bwd=prod.first_bwd, skipped=skipped, bad_loss=bad_loss, losses=losses)
-
-
-def healthy(r, must_fall=0.9):
-    """The run really was healthy (finite losses, no skipped step, no non-finite output or gradient, the loss fell)
-    and ampdoctor is quiet."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and not r["skipped"] and r["first"] is None and r["first_bwd"] is None, r
-    k = max(1, len(ls) // 4)
-    assert sum(ls[-k:]) < must_fall * sum(ls[:k]), ls
-    rep = r["w"].report()
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
-
-
-def real(r, name, step):
-    """The backward failure is real: no module's output is non-finite in the forward, the loss is finite at `step`,
-    the backward hooks' first producer is `name` at `step`, and the scaler skips that step (and none before)."""
-    assert r["first"] is None, r
-    assert step not in r["bad_loss"], r
-    assert r["first_bwd"] == (name, step), r
-    assert r["skipped"] and r["skipped"][0] == step, r
+train_loop = partial(_train_loop, backward=True)  # the oracle's backward hooks always on
 
 
 # ======================================================================================================================

@@ -66,19 +66,10 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, in_top3, lines, no_error_at, one_thread, randn
+from probe_harness import at_top3 as at
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-
-def at(rep, rules, module, step=None, severity=None):
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        steps = step if isinstance(step, tuple) else (step,)
-        assert f.step in steps, (f.one_line(), lines(rep))
-    if severity is not None:
-        assert f.severity in severity, (f.one_line(), lines(rep))
-    return f
 
 
 def top3_rule(rep, rule):

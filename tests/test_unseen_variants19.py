@@ -61,6 +61,7 @@ it now counts the divisor's (`_pole_inputs`).
 """
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -69,6 +70,7 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, in_top3, lines, no_error_at, one_thread
+from probe_harness import error_at, healthy as _healthy, real_fwd as real, train_loop as _train_loop
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -79,135 +81,16 @@ EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
 
 
 def at(rep, rules, module, step, phase="forward"):
-    """An error finding of one of `rules` at `module` among the report's first three, at `step`, in `phase` where
-    the finding states one."""
-    in_top3(rep, rules, module)
-    hits = [f for f in rep.findings[:3] if f.module == module and f.rule in rules and f.severity == "error"
-            and f.step == step and (phase is None or f.phase in (None, phase))]
-    assert hits, (module, rules, step, phase, lines(rep))
-    return hits[0]
+    """probe_harness.error_at at `step`, in the forward unless told."""
+    return error_at(rep, rules, module, step, phase)
 
 
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
+def train_loop(m, batch, loss_fn, steps, *, backward_oracle=False, **kw):
+    """probe_harness.train_loop; `backward_oracle`: the oracle's backward hooks too; a forward that raises ends the loop."""
+    return _train_loop(m, batch, loss_fn, steps, backward=backward_oracle, catch=True, **kw)
 
 
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs (and its
-    own parameters) were finite (`first`); hooks fire children first, so the first hit is the innermost producer.
-    With `backward`: full backward pre-hooks note whether the gradient reaching each module's outputs is finite;
-    full backward hooks and tensor hooks on each module's own parameters then name the first (module, step) whose
-    gradient w.r.t. its inputs or its own parameters is non-finite while the gradient w.r.t. its outputs was finite
-    (`first_bwd`)."""
-
-    def __init__(self, m, backward=False):
-        self.step, self.first, self.first_bwd = 0, None, None
-        self.gout_ok = {}
-        self.hs = []
-        for n, mod in m.named_modules():
-            self.hs.append(mod.register_forward_hook(self._fwd(n)))
-            if backward:
-                self.hs.append(mod.register_full_backward_pre_hook(self._pre(n)))
-                self.hs.append(mod.register_full_backward_hook(self._bwd(n)))
-                for p in mod.parameters(recurse=False):
-                    if p.requires_grad:
-                        self.hs.append(p.register_hook(self._param(n)))
-
-    def _fwd(self, n):
-        def f(mod, inp, out):
-            if self.first is None and _finite(inp) and not _finite(out) and \
-                    all(torch.isfinite(p).all() for p in mod.parameters(recurse=False)):
-                self.first = (n, self.step)
-        return f
-
-    def _pre(self, n):
-        def f(mod, gout):
-            self.gout_ok[n] = _finite([g for g in gout if g is not None])
-        return f
-
-    def _bwd(self, n):
-        def f(mod, gin, gout):
-            if self.first_bwd is None and _finite([g for g in gout if g is not None]) and \
-                    not _finite([g for g in gin if g is not None]):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def _param(self, n):
-        def f(g):
-            if self.first_bwd is None and self.gout_ok.get(n, True) and not _finite(g):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
-
-
-def train_loop(m, batch, loss_fn, steps, *, lr=1e-3, init_scale=1024.0, clip=1.0, call=None, every=None,
-               backward_oracle=False, opt=None):
-    """zero_grad -> forward under fp16 autocast -> scale(loss).backward -> unscale_ -> clip -> step -> update under
-    ampdoctor.watch(m, optimizer=, scaler=) at the default sampling (or `every`); `batch(i)` gives iteration i's
-    args. A forward that raises ends the loop (the exception is kept, as an uncaught one would end a script).
-    Returns a dict: w (closed watch), first / first_bwd (forward / backward producer, step), skipped, bad_loss,
-    losses, scales, crash ((step, exception) or None)."""
-    opt = opt or torch.optim.AdamW(m.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    prod = Producer(m, backward=backward_oracle)
-    w = ampdoctor.watch(m, optimizer=opt, scaler=sc, **({} if every is None else {"every": every}))
-    call = call or m
-    skipped, bad_loss, losses, scales, crash = [], [], [], [], None
-    for step in range(steps):
-        prod.step = step
-        opt.zero_grad(set_to_none=False)
-        args = batch(step)
-        try:
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = loss_fn(call(*args), *args)
-        except RuntimeError as e:
-            crash = (step, e)
-            break
-        losses.append(loss.item())
-        if not torch.isfinite(loss):
-            bad_loss.append(step)
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        before = sc.get_scale()
-        scales.append(before)
-        sc.step(opt)
-        sc.update()
-        if sc.get_scale() < before:
-            skipped.append(step)
-    w.close()
-    prod.remove()
-    return dict(w=w, first=prod.first, first_bwd=prod.first_bwd, skipped=skipped, bad_loss=bad_loss, losses=losses,
-                scales=scales, crash=crash)
-
-
-def real(r, name, step):
-    """The forward failure is real: the forward hooks' first producer is `name` at `step`, the loss is non-finite
-    there and the scaler skips that step (and none before)."""
-    assert r["first"] == (name, step), r
-    assert r["bad_loss"] and r["bad_loss"][0] == step, r
-    assert r["skipped"] and r["skipped"][0] == step, r
-
-
-def healthy(r, must_fall=0.9):
-    """The run really was healthy (finite losses, no skipped step, no non-finite output, the loss fell) and ampdoctor
-    is quiet."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and not r["skipped"] and r["first"] is None, r
-    k = max(1, len(ls) // 4)
-    assert sum(ls[-k:]) < must_fall * sum(ls[:k]), ls
-    rep = r["w"].report()
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+healthy = partial(_healthy, bwd=False)  # the oracle's backward producer is not checked
 
 
 def gen(i):

@@ -80,6 +80,7 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, in_top3, lines, no_error_at, one_thread
+from probe_harness import Producer, error_at as at, healthy, real_bwd as real, xf as _xf
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -87,83 +88,6 @@ one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 BWD_RULES = ("overflow", "nan_origin")
-
-
-def at(rep, rules, module, step=None, phase=None):
-    """An error finding of one of `rules` at `module` among the report's first three, at `step`, and in `phase`
-    where the finding states a phase."""
-    in_top3(rep, rules, module)
-    hits = [f for f in rep.findings[:3] if f.module == module and f.rule in rules and f.severity == "error"
-            and (step is None or f.step == step) and (phase is None or f.phase in (None, phase))]
-    assert hits, (module, rules, step, phase, lines(rep))
-    return hits[0]
-
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs (and its
-    own parameters) were finite (`first`). Backward: full backward pre-hooks record whether the gradient reaching each
-    module's outputs is finite; full backward hooks and tensor hooks on each module's own parameters name the first
-    (module, step, call) whose gradient w.r.t. its inputs or its own parameters is non-finite while the gradient
-    w.r.t. its outputs was finite (`first_bwd`; innermost first). `calls[name]` counts a module's forward calls in
-    the step, so that a shared module's backward can be matched to its call (backward runs the calls in reverse)."""
-
-    def __init__(self, m):
-        self.step, self.first, self.first_bwd, self.bwd_call = 0, None, None, None
-        self.gout_ok, self.calls, self.bcalls = {}, {}, {}
-        self.hs = []
-        for n, mod in m.named_modules():
-            self.hs.append(mod.register_forward_hook(self._fwd(n)))
-            self.hs.append(mod.register_full_backward_pre_hook(self._pre(n)))
-            self.hs.append(mod.register_full_backward_hook(self._bwd(n)))
-            for p in mod.parameters(recurse=False):
-                if p.requires_grad:
-                    self.hs.append(p.register_hook(self._param(n)))
-
-    def new_step(self, step):
-        self.step, self.calls, self.bcalls = step, {}, {}
-
-    def _fwd(self, n):
-        def f(mod, inp, out):
-            self.calls[n] = self.calls.get(n, 0) + 1
-            if self.first is None and _finite(inp) and not _finite(out) and \
-                    all(torch.isfinite(p).all() for p in mod.parameters(recurse=False)):
-                self.first = (n, self.step)
-        return f
-
-    def _pre(self, n):
-        def f(mod, gout):
-            self.gout_ok[n] = _finite([g for g in gout if g is not None])
-            self.bcalls[n] = self.bcalls.get(n, 0) + 1
-        return f
-
-    def _bwd(self, n):
-        def f(mod, gin, gout):
-            if self.first_bwd is None and _finite([g for g in gout if g is not None]) and \
-                    not _finite([g for g in gin if g is not None]):
-                self.first_bwd = (n, self.step)
-                self.bwd_call = self.calls.get(n, 0) + 1 - self.bcalls.get(n, 1)  # the forward call it belongs to
-        return f
-
-    def _param(self, n):
-        def f(g):
-            if self.first_bwd is None and self.gout_ok.get(n, True) and not _finite(g):
-                self.first_bwd = (n, self.step)
-                self.bwd_call = self.calls.get(n, 0) + 1 - self.bcalls.get(n, 1)
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
 
 
 def train_loop(m, loss_of, steps, *, lr=1e-3, init_scale=1024.0, clip=1.0, every=None, micro=1, opts=None,
@@ -175,7 +99,7 @@ def train_loop(m, loss_of, steps, *, lr=1e-3, init_scale=1024.0, clip=1.0, every
     forward / backward producer, step), bwd_call, skipped (steps the scaler skipped), bad_loss, losses, scales."""
     opts = opts or [torch.optim.AdamW(m.parameters(), lr=lr)]
     sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    prod = Producer(m)
+    prod = Producer(m, backward=True)
     w = ampdoctor.watch(m, optimizer=opts[0], scaler=sc, every=every)
     skipped, bad_loss, losses, scales = [], [], [], []
     for step in range(steps):
@@ -213,36 +137,12 @@ def train_loop(m, loss_of, steps, *, lr=1e-3, init_scale=1024.0, clip=1.0, every
                 bad_loss=bad_loss, losses=losses, scales=scales)
 
 
-def healthy(r, must_fall=0.9):
-    """The run really was healthy (finite losses, no skipped step, no non-finite output or gradient, the loss fell)
-    and ampdoctor is quiet."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and not r["skipped"] and r["first"] is None and r["first_bwd"] is None, r
-    k = max(1, len(ls) // 4)
-    assert sum(ls[-k:]) < must_fall * sum(ls[:k]), ls
-    rep = r["w"].report()
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
-
-
-def real(r, name, step):
-    """The backward failure is real: no module's output is non-finite in the forward, the loss is finite at `step`,
-    the backward hooks' first producer is `name` at `step`, and the scaler skips that step (and none before)."""
-    assert r["first"] is None, r
-    assert step not in r["bad_loss"], r
-    assert r["first_bwd"] == (name, step), r
-    assert r["skipped"] and r["skipped"][0] == step, r
-
-
 EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
 
 
 _BEN = ("rules/steps.py benign_backoff takes a lone skip followed by applied updates for GradScaler's search and "
         "rules/origins.py producers then writes the located backward producer as `info ... as designed`; nobody "
         "asks whether the step is finite at a lower scale (it is not: ")
-
-
-def _xf(reason):
-    return pytest.mark.xfail(strict=True, reason=reason)
 
 
 COMPRESS_EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, lines, one_thread
+from probe_harness import xf as _xf
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -82,10 +83,6 @@ EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
 
 def _kw(every):
     return {} if every is None else {"every": every}
-
-
-def _xf(reason):
-    return pytest.mark.xfail(strict=True, reason=reason)
 
 
 def hit(rep, rules, modules, step):

@@ -74,6 +74,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
 from scenarios import alarms, lines, no_error_at, one_thread
+from probe_harness import Producer, error_at, healthy, xf as _xf
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -85,81 +86,11 @@ NAN_RULES = ("nan_origin", "overflow")
 NEG32 = torch.finfo(torch.float32).min
 
 
-def _xf(reason):
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 def at(rep, rules, module, step, phase=None):
-    """An error finding of one of `rules` at `module`, at `step`, among the report's first three (phase checked where
-    the finding states one)."""
-    hits = [f for f in rep.findings[:3] if f.module == module and f.rule in rules and f.severity == "error"
-            and f.step == step and (phase is None or f.phase in (None, phase))]
-    assert hits, (module, rules, step, lines(rep))
+    """probe_harness.error_at at `step` (without scenarios.in_top3), in a run that exits 1."""
+    hit = error_at(rep, rules, module, step, phase, top3=False)
     assert rep.exit_code == 1, lines(rep)
-    return hits[0]
-
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict):
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Oracle:
-    """Forward: the first (module, step) whose output is non-finite from finite inputs and parameters (`first`), and
-    the innermost module running when a forward raised (`stack`). Backward: the first (module, step) whose gradient
-    w.r.t. its inputs or own parameters is non-finite while the gradient reaching its outputs was finite
-    (`first_bwd`)."""
-
-    def __init__(self, m):
-        self.step, self.first, self.first_bwd, self.stack, self.gout_ok, self.hs = 0, None, None, [], {}, []
-        for n, mod in m.named_modules():
-            self.hs.append(mod.register_forward_pre_hook(self._enter(n)))
-            self.hs.append(mod.register_forward_hook(self._fwd(n)))
-            self.hs.append(mod.register_full_backward_pre_hook(self._pre(n)))
-            self.hs.append(mod.register_full_backward_hook(self._bwd(n)))
-            for p in mod.parameters(recurse=False):
-                self.hs.append(p.register_hook(self._param(n)))
-
-    def _enter(self, n):
-        def f(mod, inp):
-            self.stack.append(n)
-        return f
-
-    def _fwd(self, n):
-        def f(mod, inp, out):
-            if self.stack and self.stack[-1] == n:
-                self.stack.pop()
-            if self.first is None and _finite(inp) and not _finite(out) and \
-                    all(torch.isfinite(p).all() for p in mod.parameters(recurse=False)):
-                self.first = (n, self.step)
-        return f
-
-    def _pre(self, n):
-        def f(mod, gout):
-            self.gout_ok[n] = _finite([g for g in gout if g is not None])
-        return f
-
-    def _bwd(self, n):
-        def f(mod, gin, gout):
-            if self.first_bwd is None and _finite([g for g in gout if g is not None]) and \
-                    not _finite([g for g in gin if g is not None]):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def _param(self, n):
-        def f(g):
-            if self.first_bwd is None and self.gout_ok.get(n, True) and not _finite(g):
-                self.first_bwd = (n, self.step)
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
+    return hit
 
 
 def train_loop(m, batch, loss_fn, steps, *, lr=3e-3, init_scale=1024.0):
@@ -168,7 +99,7 @@ def train_loop(m, batch, loss_fn, steps, *, lr=3e-3, init_scale=1024.0):
     script); the exception is kept. Returns a dict with the closed watch and the oracle's results."""
     opt = torch.optim.AdamW(m.parameters(), lr=lr)
     sc = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    orc = Oracle(m)
+    orc = Producer(m, backward=True, stack=True)
     w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
     skipped, bad_loss, losses, crash = [], [], [], None
     try:
@@ -198,16 +129,6 @@ def train_loop(m, batch, loss_fn, steps, *, lr=3e-3, init_scale=1024.0):
         orc.remove()
     return dict(w=w, first=orc.first, first_bwd=orc.first_bwd, skipped=skipped, bad_loss=bad_loss, losses=losses,
                 crash=crash)
-
-
-def healthy(r, must_fall=0.9):
-    ls = r["losses"]
-    assert r["crash"] is None and all(map(math.isfinite, ls)) and not r["skipped"], r
-    assert r["first"] is None and r["first_bwd"] is None, r
-    k = max(1, len(ls) // 4)
-    assert sum(ls[-k:]) < must_fall * sum(ls[:k]), ls
-    rep = r["w"].report()
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
 
 
 # ======================================================================================================================

@@ -22,19 +22,10 @@ from torch.utils.checkpoint import checkpoint
 import ampdoctor
 from scenarios import (BF16, EVERY, first_bad, FP16, in_top3, lines, no_error_at, nonfinite_loss_steps, one_thread,
                        randn, short_loop as loop)
+from probe_harness import at_top3 as at
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-
-def at(rep, rules, module, step=None, phase=None):
-    """A finding of one of `rules` at `module` among the first three (asserted), with `step`/`phase` if given."""
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        assert f.step == step, (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase == phase, (f.one_line(), lines(rep))
-    return f
 
 
 # ======================================================================================================================

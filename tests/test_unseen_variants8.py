@@ -16,18 +16,10 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import in_top3, lines, no_error_at, one_thread, randn
+from probe_harness import at_top3 as at
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-
-def at(rep, rules, module, step=None, phase=None):
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        assert f.step == step, (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase == phase, (f.one_line(), lines(rep))
-    return f
 
 
 def fp16_loop(m, batch, loss_fn, steps, opt=None, init_scale=1024.0, clip=None, growth_interval=2000, probe=None):

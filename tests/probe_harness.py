@@ -1,0 +1,232 @@
+"""Test harness shared by the probe files (test_unseen_variants*, ...): one definition each of the pieces they had
+copied from one another. It owns
+
+- `finite`: is a (nested) output all finite;
+- `Producer`: the forward/backward "producer oracle" (hooks naming the first module whose output, or gradient, is
+  non-finite from finite inputs), with the variants the files use as keyword options;
+- `train_loop`: the ordinary fp16 autocast + GradScaler loop under ampdoctor.watch that reports what the oracle saw;
+- `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
+- `at_top3`, `error_at`: checks that a report names a rule at a module among its first three findings;
+- `xf`: a strict xfail mark.
+
+Generic report helpers (one_thread, alarms, lines, in_top3, quiet, ...) stay in scenarios.py; nothing here is a test.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ampdoctor
+from scenarios import alarms, in_top3, lines
+
+
+def finite(x):
+    """Whether every floating tensor in x (a tensor, or tuples/lists/dicts/ModelOutputs of them) is finite."""
+    if torch.is_tensor(x):
+        return not x.is_floating_point() or bool(torch.isfinite(x).all())
+    if isinstance(x, (tuple, list)):
+        return all(finite(t) for t in x)
+    if isinstance(x, dict) or hasattr(x, "keys") and hasattr(x, "values"):  # dicts and ModelOutputs
+        return all(finite(t) for t in x.values())
+    return True
+
+
+def _grads(gs):
+    return [g for g in gs if g is not None]
+
+
+class Producer:
+    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs were finite
+    (`first`; hooks fire children first, so the first hit is the innermost producer). `own_params=True`: its own
+    parameters must be finite too; `own_params=False`: it counts anyway and `bad_weights` names it where they were
+    not. `call_in_first`: `first` is (module, step, call), `call` counting the module's calls in that step from 1.
+    `stack`: forward pre-hooks keep the modules running now (`stack`: the innermost module when a forward raised).
+
+    `backward=True`: full backward pre-hooks note whether the gradient reaching each module's outputs is finite; full
+    backward hooks and tensor hooks on each module's own parameters then name the first (module, step) whose gradient
+    w.r.t. its inputs or its own parameters is non-finite while the gradient w.r.t. its outputs was finite
+    (`first_bwd`; `bwd_call`: the forward call of a shared module it belongs to, backward running the calls in
+    reverse). With `leaf_backward` instead only full backward hooks on the leaf modules: the first (module, step) whose
+    input gradient is non-finite while its output gradient was finite."""
+
+    def __init__(self, m, backward=False, *, own_params=True, leaf_backward=False, call_in_first=False, stack=False):
+        self.step, self.first, self.bad_weights, self.first_bwd, self.bwd_call = 0, None, None, None, None
+        self.own_params, self.call_in_first = own_params, call_in_first
+        self.gout_ok, self.calls, self.bcalls, self.stack, self.hs = {}, {}, {}, [], []
+        for n, mod in m.named_modules():
+            if stack:
+                self.hs.append(mod.register_forward_pre_hook(self._enter(n)))
+            self.hs.append(mod.register_forward_hook(self._fwd(n)))
+            if backward and leaf_backward:
+                if not list(mod.children()):
+                    self.hs.append(mod.register_full_backward_hook(self._bwd(n)))
+            elif backward:
+                self.hs.append(mod.register_full_backward_pre_hook(self._pre(n)))
+                self.hs.append(mod.register_full_backward_hook(self._bwd(n)))
+                for p in mod.parameters(recurse=False):
+                    if p.requires_grad:
+                        self.hs.append(p.register_hook(self._param(n)))
+
+    def new_step(self, step):
+        """Start counting `step`'s calls."""
+        self.step = step
+
+    def _enter(self, n):
+        def f(mod, inp):
+            self.stack.append(n)
+        return f
+
+    def _fwd(self, n):
+        def f(mod, inp, out):
+            if self.stack and self.stack[-1] == n:
+                self.stack.pop()
+            k = self.calls[(n, self.step)] = self.calls.get((n, self.step), 0) + 1
+            if self.first is None and finite(inp) and not finite(out):
+                own = all(torch.isfinite(p).all() for p in mod.parameters(recurse=False))
+                if own or not self.own_params:
+                    self.first = (n, self.step, k) if self.call_in_first else (n, self.step)
+                    if not own:
+                        self.bad_weights = n
+        return f
+
+    def _pre(self, n):
+        def f(mod, gout):
+            self.gout_ok[n] = finite(_grads(gout))
+            self.bcalls[(n, self.step)] = self.bcalls.get((n, self.step), 0) + 1
+        return f
+
+    def _hit_bwd(self, n):
+        self.first_bwd = (n, self.step)
+        # the forward call it belongs to
+        self.bwd_call = self.calls.get((n, self.step), 0) + 1 - self.bcalls.get((n, self.step), 1)
+
+    def _bwd(self, n):
+        def f(mod, gin, gout):
+            if self.first_bwd is None and finite(_grads(gout)) and not finite(_grads(gin)):
+                self._hit_bwd(n)
+        return f
+
+    def _param(self, n):
+        def f(g):
+            if self.first_bwd is None and self.gout_ok.get(n, True) and not finite(g):
+                self._hit_bwd(n)
+        return f
+
+    def remove(self):
+        """Take every hook off."""
+        for h in self.hs:
+            h.remove()
+
+
+def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, init_scale=1024.0, growth_interval=2000, clip=1.0,
+               call=None, every=None, backward=False, oracle=Producer, hooks=None, after_step=None, catch=False):
+    """zero_grad -> forward under fp16 autocast -> scale(loss).backward -> unscale_ -> clip -> step -> update."""
+    # Under ampdoctor.watch(m, optimizer=, scaler=) at the default sampling (or `every`); `batch(i)` gives iteration
+    # i's args, `call` runs the forward (default m), `oracle(m, backward=backward)` watches it (default Producer),
+    # `hooks["step"]` is kept at the step, `after_step(i)` runs after the update (an epoch-end callback). `catch`: a
+    # forward that raises a RuntimeError ends the loop and is kept (as an uncaught one would end a script). Returns a
+    # dict: w (closed watch), first / first_bwd / bad_weights (the oracle's), skipped (steps the scaler skipped),
+    # bad_loss (steps with a non-finite loss), losses, scales (the loss scale each step ran at), crash ((step,
+    # exception) or None).
+    opt = opt or torch.optim.AdamW(m.parameters(), lr=lr)
+    sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    prod = oracle(m, backward=backward)
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc, **({} if every is None else {"every": every}))
+    call = call or m
+    skipped, bad_loss, losses, scales, crash = [], [], [], [], None
+    for step in range(steps):
+        prod.step = step
+        if hooks is not None:
+            hooks["step"] = step
+        opt.zero_grad(set_to_none=False)
+        args = batch(step)
+        try:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(call(*args), *args)
+        except RuntimeError as e:
+            if not catch:
+                raise
+            crash = (step, e)
+            break
+        losses.append(loss.item())
+        if not torch.isfinite(loss):
+            bad_loss.append(step)
+        sc.scale(loss).backward()
+        sc.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        before = sc.get_scale()
+        scales.append(before)
+        sc.step(opt)
+        sc.update()
+        if sc.get_scale() < before:
+            skipped.append(step)
+        if after_step is not None:
+            after_step(step)
+    w.close()
+    prod.remove()
+    return dict(w=w, first=prod.first, first_bwd=prod.first_bwd, bad_weights=prod.bad_weights, skipped=skipped,
+                bad_loss=bad_loss, losses=losses, scales=scales, crash=crash)
+
+
+def healthy(r, must_fall=0.9, skips=(), bwd=True):
+    """The run was healthy (no crash, finite losses, no skip but `skips`, no producer, the loss fell); ampdoctor quiet."""
+    # `bwd`: no backward producer either, but on `skips`.
+    ls = r["losses"]
+    assert r.get("crash") is None and all(map(math.isfinite, ls)) and r["skipped"] == list(skips), r
+    assert r["first"] is None and (not bwd or r["first_bwd"] is None or r["first_bwd"][1] in skips), r
+    k = max(1, len(ls) // 4)
+    assert sum(ls[-k:]) < must_fall * sum(ls[:k]), ls
+    rep = r["w"].report()
+    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+
+
+def real_fwd(r, name, step, skip=True):
+    """The forward failure is real: first producer `name` at `step`, the loss non-finite there, (`skip`) skipped."""
+    # skipped: the scaler skips that step and none before.
+    assert r["first"] == (name, step), r
+    assert r["bad_loss"] and r["bad_loss"][0] == step, r
+    if skip:
+        assert r["skipped"] and r["skipped"][0] == step, r
+
+
+def real_bwd(r, name, step):
+    """The backward failure is real: forward and loss finite, first backward producer `name` at `step`, skipped."""
+    assert r["first"] is None, r
+    assert step not in r["bad_loss"], r
+    assert r["first_bwd"] == (name, step), r
+    assert r["skipped"] and r["skipped"][0] == step, r
+
+
+def at_top3(rep, rules, module, step=None, phase=None, severity=None):
+    """The finding of one of `rules` at `module` among the first three (asserted), at `step`/`phase`/`severity`."""
+    # step / phase may be one value or a tuple of accepted ones; severity a collection of accepted ones.
+    f = in_top3(rep, rules, module)
+    if step is not None:
+        steps = step if isinstance(step, tuple) else (step,)
+        assert f.step in steps, (f.one_line(), lines(rep))
+    if phase is not None:
+        assert f.phase in ((phase,) if isinstance(phase, str) else phase), (f.one_line(), lines(rep))
+    if severity is not None:
+        assert f.severity in severity, (f.one_line(), lines(rep))
+    return f
+
+
+def error_at(rep, rules, module, step=None, phase=None, hidden_op=None, top3=True):
+    """An error of one of `rules` at `module` among the first three findings, at `step`, in `phase` if it states one."""
+    # `hidden_op`: a forward finding naming that op is accepted too (an op inside the producer made the inf/NaN in the
+    # forward and the module's own code hid it). `top3`: also assert scenarios.in_top3 first.
+    if top3:
+        in_top3(rep, rules, module)
+    hits = [f for f in rep.findings[:3] if f.module == module and f.rule in rules and f.severity == "error"
+            and (step is None or f.step == step)
+            and (phase is None or f.phase in (None, phase) or hidden_op is not None and f.op == hidden_op)]
+    assert hits, (module, rules, step, phase, lines(rep))
+    return hits[0]
+
+
+def xf(reason):
+    """A strict xfail mark with `reason`."""
+    return pytest.mark.xfail(strict=True, reason=reason)
