@@ -90,8 +90,8 @@ def run_cur(x, ref, block, min_iters, warps, cnt, ext):
     n = x.numel()
     blocks = triton.cdiv(n, block)
     grid = max(1, min(1024, triton.cdiv(blocks, min_iters)))
-    fused._kernel()[(grid,)](x, n, triton.cdiv(blocks, grid), cnt, ext, tiny, near, ovf, BLOCK=block,
-                             num_warps=warps)
+    fused._kernel()[0][(grid,)](x, n, triton.cdiv(blocks, grid), cnt, ext, tiny, near, ovf, BLOCK=block,
+                                num_warps=warps)
 
 
 def row_bits(x, ref, **kw):

@@ -134,3 +134,100 @@ def test_headroom_falls_back_when_the_table_kernel_cannot_launch(monkeypatch):
     assert fused._ABSMAX is False and not any(r.internal_error for r in w.steps)
     h = list(w.steps)[2].headroom
     assert h["fwd"][1] is not None and h["fwd"][2] is not None and h["bwd"][1] is not None
+
+
+def _same(vec_row, x, ref):
+    a = vector_to_stats(vec_row.cpu().tolist(), "x", str(ref)).to_dict()
+    b = vector_to_stats(full_stats(x, ref).cpu().tolist(), "x", str(ref)).to_dict()
+    return a == b, a, b
+
+
+def test_stat_table_defers_and_equals_eager():
+    """With a DeferPlan, StatBuffer measures the first step's values at once and later steps' in table launches
+    (several flushes, mixed dtypes and sizes, offsets into one storage, an expanded gradient made on the GPU): every
+    row equals the eager reference; a value written in place after its hook is learned volatile and from then on
+    measured as the hook saw it."""
+    if not fused.available(torch.zeros(1, device="cuda")):
+        pytest.skip("Triton not available")
+    g = torch.Generator().manual_seed(3)
+    big = (torch.randn(4_000_000, generator=g) * 2e4).half().cuda()
+    vals = [(big, torch.float16), (big[8:1_000_008], torch.float16),   # an aligned view into the same storage
+            (big[3:10_003], torch.float16),                              # an unaligned one: its own launch
+            (adversarial().half().cuda(), torch.float16), (adversarial().bfloat16().cuda(), torch.bfloat16),
+            (adversarial().cuda(), torch.float16), (adversarial().cuda(), torch.float32),
+            (torch.ones((), device="cuda").expand(64, 1024, 33), torch.float16),   # grad of a sum: stride 0
+            ((torch.randn(8, 16, 32, generator=g) * 1e3).half().cuda().permute(2, 0, 1), torch.float16)]
+    vals += [((torch.randn(int(n), generator=g) * 6e4).half().cuda(), torch.float16)
+             for n in torch.randint(1, 50_000, (300,), generator=g)]
+    vals[40][0][7] = float("nan")
+    plan = fused.DeferPlan()
+    for step in range(3):
+        buf = fused.StatBuffer(torch.device("cuda"), rows=8, plan=plan)
+        rows = [buf.add(x, thresholds(x.dtype, ref), key=("m", i)) for i, (x, ref) in enumerate(vals)]
+        w = torch.full((4096,), 3.0, device="cuda", dtype=torch.float16)
+        rw = buf.add(w, thresholds(w.dtype, torch.float16), key=("written",))
+        before = w.clone()
+        w.mul_(1e4)  # after its hook: inf in fp16
+        vec = buf.vectors()
+        for r, (x, ref) in zip(rows, vals):
+            ok, a, b = _same(vec[r], x, ref)
+            assert ok, (step, r, a, b)
+        assert plan.learned and ("written",) in plan.volatile
+        ok, a, b = _same(vec[rw], before, torch.float16)
+        assert ok, (step, a, b)  # the learning step measured it at once; later steps too (volatile)
+
+
+def test_every1_on_cuda_with_inplace_writes_after_hooks():
+    """A ResNet-style block (BatchNorm then ReLU(inplace=True), `out += identity`) watched at every=1 on CUDA: each
+    module's recorded output abs-max equals what a forward hook saw when that module returned, on every step (the
+    deferred table measurements must not read values written in place after the hook)."""
+    if not fused.available(torch.zeros(1, device="cuda")):
+        pytest.skip("Triton not available")
+    import ampdoctor
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            out += x
+            return self.relu(out)
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), Block(), Block(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                      nn.Linear(8, 10)).cuda()
+    seen = {}
+    names = {mod: n for n, mod in m.named_modules()}
+    hs = [mod.register_forward_hook(lambda mod, i, o: seen.__setitem__(names[mod], o.detach().abs().max().item()))
+          for mod in m.modules() if mod is not m]
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cuda")
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc, every=1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    per_step = []
+    for _ in range(4):
+        seen.clear()
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(m(torch.randn(16, 3, 16, 16, device="cuda", generator=g)),
+                                               torch.randint(0, 10, (16,), device="cuda", generator=g))
+        sc.scale(loss).backward()
+        sc.step(opt)
+        sc.update()
+        per_step.append(dict(seen))
+    w.close()
+    for h in hs:
+        h.remove()
+    recs = list(w.steps)
+    assert len(recs) == 4 and not any(r.internal_error for r in recs)
+    for r, want in zip(recs, per_step):
+        got = {c.module: c.out.absmax for c in r.calls if c.out is not None and c.module in want}
+        assert set(got) == set(want), (r.step, set(want) - set(got))
+        for n, v in want.items():
+            assert got[n] == pytest.approx(v, rel=0, abs=0), (r.step, n, got[n], v)

@@ -1,11 +1,19 @@
-"""The CUDA fast paths (Triton kernels): every statistic of a tensor in one pass (`StatBuffer`, for
-`stats.full_stats`), and the abs-max of many tensors in one launch (`AbsMaxTable`, for the always-on headroom).
+"""The CUDA fast paths (Triton kernels): every statistic of many tensors in one launch (`StatBuffer`, for
+`stats.full_stats` on sampled steps), and the abs-max of many tensors in one launch (`AbsMaxTable`, for the
+always-on headroom).
 
-Per tensor, one kernel reads the values once and adds its block's counts (NaN, ±inf, zeros, near-max,
-below-normal, would-overflow-in-ref) and extremes (finite abs-max, smallest nonzero) into one row of a
-buffer preallocated per step, so the hooks launch one kernel per tensor and allocate nothing. The eager
-`stats.full_stats` is the reference: `tests/test_fused.py` checks that both give identical numbers (on a GPU).
-Import is lazy and guarded: without CUDA or Triton, `available()` is False and callers use the eager path.
+A hook hands `StatBuffer.add` a tensor and gets its row at once; the arithmetic waits until `FLUSH_TENSORS`
+tensors (or `FLUSH_BYTES` of them) are pending, then one kernel per (stream, dtype, thresholds, size class)
+reads them all through a table of (address, numel, row) and adds each program's counts (NaN, ±inf, zeros,
+near-max, below-normal, would-overflow-in-ref) and extremes (finite abs-max, smallest nonzero) into the tensor's
+row. A hook's cost is an append, not a launch (a Triton launch is ~25-55 µs of host time; GPT-2 at every=1 measures
+~360 tensors a step). Measuring late is only right for a value nobody writes in place in between (a ReLU(inplace)
+after a norm, `out += identity`): `DeferPlan` learns, on the first sampled step (everything measured at once, the
+versions compared at the flush), which (module, call, slot) values are written later, and those are measured at
+once from then on; a late write the plan did not foresee is learned the same way. A value that is not one dense
+16-byte-aligned block, an expanded one, or one of another dtype gets its own launch at once (the per-tensor kernel).
+The eager `stats.full_stats` is the reference: `tests/test_fused.py` checks that both give identical numbers (on a
+GPU). Import is lazy and guarded: without CUDA or Triton, `available()` is False and callers use the eager path.
 """
 from __future__ import annotations
 
@@ -18,6 +26,10 @@ __all__ = ["available", "StatBuffer", "AbsMaxTable", "absmax_available", "absmax
 _KERNEL = None
 _BLOCK = 1024          # values per program and iteration
 _MAX_PROGRAMS = 1024   # grid cap (a few waves on an H100/H200's 132 SMs)
+_T_ITERS = 8           # the table kernel: a program reads at least this many blocks of its tensor ...
+_T_MAX_PROGRAMS = 512  # ... and a tensor gets this many programs at most
+FLUSH_TENSORS = 128    # pending tensors that trigger one batched pass
+FLUSH_BYTES = 128 << 20  # ... or pending bytes (a gradient, a checkpointed activation: kept alive by the reference)
 
 
 def available(t: torch.Tensor) -> bool:
@@ -27,6 +39,7 @@ def available(t: torch.Tensor) -> bool:
 
 
 def _kernel():
+    """(per-tensor kernel, table kernel), built on first use; None where Triton cannot compile."""
     global _KERNEL
     if _KERNEL is None:
         try:
@@ -37,63 +50,48 @@ def _kernel():
 
 
 def _build():
-    import triton
-    import triton.language as tl
+    from . import fusedkernels
+    return fusedkernels.stats_kernel, fusedkernels.stats_table_kernel
 
-    @triton.jit
-    def stats_kernel(x_ptr, n, iters, cnt_ptr, ext_ptr, tiny, near, ovf, BLOCK: tl.constexpr):
-        # A capped grid of programs, each striding over the tensor with per-lane accumulators: a large tensor
-        # costs one read and a few atomics per program, not per block of 1024 values.
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        c_nan = tl.zeros([BLOCK], tl.int32)
-        c_pinf = tl.zeros([BLOCK], tl.int32)
-        c_ninf = tl.zeros([BLOCK], tl.int32)
-        c_zero = tl.zeros([BLOCK], tl.int32)
-        c_near = tl.zeros([BLOCK], tl.int32)
-        c_sub = tl.zeros([BLOCK], tl.int32)
-        c_ovf = tl.zeros([BLOCK], tl.int32)
-        amax = tl.zeros([BLOCK], tl.float32)
-        amin = tl.full([BLOCK], float("inf"), tl.float32)
-        for i in range(0, iters):
-            offs = (pid + i * nprog).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            fin = m & (a < float("inf")) & (x == x)
-            af = tl.where(fin, a, 0.0)
-            c_nan += ((x != x) & m).to(tl.int32)
-            c_pinf += ((x == float("inf")) & m).to(tl.int32)
-            c_ninf += ((x == float("-inf")) & m).to(tl.int32)
-            c_zero += (fin & (af == 0.0)).to(tl.int32)
-            c_near += (fin & (af >= near)).to(tl.int32)
-            c_sub += (fin & (af > 0.0) & (af < tiny)).to(tl.int32)
-            c_ovf += (fin & (af >= ovf)).to(tl.int32)
-            amax = tl.maximum(amax, af)
-            amin = tl.minimum(amin, tl.where(fin & (af > 0.0), af, float("inf")))
-        tl.atomic_add(cnt_ptr + 0, tl.sum(c_nan.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 1, tl.sum(c_pinf.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 2, tl.sum(c_ninf.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 3, tl.sum(c_zero.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 4, tl.sum(c_near.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 5, tl.sum(c_sub.to(tl.int64), axis=0))
-        tl.atomic_add(cnt_ptr + 6, tl.sum(c_ovf.to(tl.int64), axis=0))
-        tl.atomic_max(ext_ptr + 0, tl.max(amax, axis=0))
-        tl.atomic_min(ext_ptr + 1, tl.min(amin, axis=0))
 
-    return stats_kernel
+class DeferPlan:
+    """Which of a watch's measured values may be read late (see the module docstring), learned from the first
+    sampled step on: keys (module, call, slot, position) of values written in place between their hook and the
+    flush. Kept by the StepMachine for the watch's lifetime."""
+
+    __slots__ = ("learned", "volatile", "rings")
+
+    def __init__(self):
+        self.learned = False   # a flush compared versions: from the next step on, values not volatile wait
+        self.volatile: set = set()
+        self.rings: dict = {}  # device -> MetaRing: the table kernel's tables, kept across steps
+
+    def ring(self, device: torch.device) -> "MetaRing":
+        """The device's MetaRing, its buffers free to be written from the start (a step's first use)."""
+        r = self.rings.get(device)
+        if r is None:
+            r = self.rings[device] = MetaRing(device)
+        r.reset()
+        return r
 
 
 class StatBuffer:
     """Rows of counts (int64 x 7) and extremes (float32 x 2: abs-max, min-nonzero) for one step's tensors."""
 
-    def __init__(self, device: torch.device, rows: int = 256):
+    def __init__(self, device: torch.device, rows: int = 256, plan: DeferPlan | None = None):
         self.device = device
         self.cnt = torch.zeros((rows, 7), dtype=torch.int64, device=device)
         self.ext = torch.zeros((rows, 2), dtype=torch.float32, device=device)
         self.ext[:, 1] = math.inf
         self.numel: list[int] = []
         self.factor: list[int] = []
+        self.plan = plan
+        self.learning = plan is not None and not plan.learned
+        # pending (tensor, row, version, key, deferred), grouped by (stream, dtype, thresholds), and their bytes
+        self.pending: dict = {}
+        self.n_pending = 0
+        self.bytes = 0
+        self.ring = plan.ring(device) if plan is not None else None
 
     def _grow(self) -> None:
         r = self.cnt.shape[0]
@@ -104,13 +102,28 @@ class StatBuffer:
         ext[:r] = self.ext
         self.cnt, self.ext = cnt, ext
 
-    def add(self, x: torch.Tensor, thresholds: tuple[float, float, float]) -> int:
-        """Queue the statistics of x (contiguous or not); returns its row."""
+    def add(self, x: torch.Tensor, thresholds: tuple[float, float, float], key=None) -> int:
+        """Queue the statistics of x (contiguous or not); returns its row. With a plan, a dense aligned value
+        waits for the next flush unless the plan knows `key` (module, call, slot, position) as volatile."""
         row = len(self.numel)
         if row >= self.cnt.shape[0]:
             self._grow()
         x = x.detach()
         n = x.numel()
+        self.numel.append(n)
+        version = _version(x) if self.plan is not None and n else None
+        if version is not None and x.data_ptr() % 16 == 0 and (x.is_contiguous() or is_dense(x)):
+            self.factor.append(1)
+            deferred = not self.learning and key not in self.plan.volatile
+            if not deferred:
+                self._launch(x, n, row, thresholds)
+            group = (torch.cuda.current_stream(self.device), x.dtype, thresholds)
+            self.pending.setdefault(group, []).append((x, row, version, key, deferred))
+            self.n_pending += 1
+            self.bytes += x.nbytes
+            if self.n_pending >= FLUSH_TENSORS or self.bytes >= FLUSH_BYTES:
+                self.flush()
+            return row
         factor = 1
         if n and not x.is_contiguous():
             # Order does not matter for these statistics: read a dense tensor's memory as it lies; measure an
@@ -124,18 +137,62 @@ class StatBuffer:
                 x = x.as_strided((x.numel(),), (1,), x.storage_offset())
             else:
                 x = x.contiguous()
-        self.numel.append(n)
         self.factor.append(factor)
-        if n:
-            near, tiny, ovf = thresholds
-            blocks = triton_cdiv(n, _BLOCK)
-            grid = min(blocks, _MAX_PROGRAMS)
-            _kernel()[(grid,)](x, n, triton_cdiv(blocks, grid), self.cnt[row], self.ext[row], tiny, near, ovf,
-                               BLOCK=_BLOCK)
+        if n:  # (an expanded tensor's own values: `base`'s count, not n)
+            self._launch(x, x.numel(), row, thresholds)
         return row
+
+    def _launch(self, x: torch.Tensor, n: int, row: int, thresholds) -> None:
+        """The per-tensor kernel, now (x dense: read as it lies in memory)."""
+        if not x.is_contiguous():
+            x = x.as_strided((n,), (1,), x.storage_offset())
+        near, tiny, ovf = thresholds
+        blocks = triton_cdiv(n, _BLOCK)
+        grid = min(blocks, _MAX_PROGRAMS)
+        _kernel()[0][(grid,)](x, n, triton_cdiv(blocks, grid), self.cnt[row], self.ext[row], tiny, near, ovf,
+                              BLOCK=_BLOCK)
+
+    def flush(self) -> None:
+        """Measure the pending values that wait (one table launch per group and size class), and compare every
+        pending value's version with the one it had at its hook: a value written since is volatile from now on."""
+        if not self.n_pending:
+            return
+        plan = self.plan
+        for (stream, _, thresholds), entries in self.pending.items():
+            late = [e for e in entries if e[4]]
+            for x, _, version, key, _ in entries:
+                if x._version != version:
+                    plan.volatile.add(key)
+            if late:
+                with torch.cuda.stream(stream):
+                    self._table(late, thresholds)
+        self.pending = {}
+        self.n_pending = 0
+        self.bytes = 0
+        if self.learning:
+            plan.learned = True
+
+    def _table(self, entries: list, thresholds) -> None:
+        # size classes: a tensor needs cdiv(n, BLOCK * ITERS) programs (capped); one launch per power of two of
+        # that, so that few of a launch's programs find nothing to read
+        classes: dict = {}
+        span = _BLOCK * _T_ITERS
+        for e in entries:
+            need = min(_T_MAX_PROGRAMS, triton_cdiv(e[0].numel(), span))
+            classes.setdefault(need.bit_length(), []).append(e)
+        near, tiny, ovf = thresholds
+        for cls in classes.values():
+            base = cls[0][0]
+            b, size = base.data_ptr(), base.element_size()
+            T = len(cls)
+            ns = [e[0].numel() for e in cls]
+            meta = self.ring.put([(e[0].data_ptr() - b) // size for e in cls] + ns + [e[1] for e in cls])
+            P = max(1, min(_T_MAX_PROGRAMS, triton_cdiv(max(ns), span)))
+            _kernel()[1][(T, P)](base, meta, T, self.cnt, self.ext, tiny, near, ovf, BLOCK=_BLOCK, ALIGN=16 // size)
 
     def vectors(self) -> torch.Tensor:
         """All rows as float64 vectors laid out like records.STAT_FIELDS (one small kernel chain per step)."""
+        self.flush()
         k = len(self.numel)
         pinned = torch.cuda.is_available()
         host = torch.tensor([self.numel, self.factor], dtype=torch.float64, pin_memory=pinned)
@@ -143,9 +200,62 @@ class StatBuffer:
         n = nf[0]
         c = self.cnt[:k].to(torch.float64) * nf[1][:, None]
         e = self.ext[:k].to(torch.float64)
+        if self.ring is not None:
+            self.ring.mark()
         # fields: numel nan posinf neginf zeros absmax min_nonzero near_max subnormal overflow_as_ref
         return torch.stack([n, c[:, 0], c[:, 1], c[:, 2], c[:, 3], e[:, 0], e[:, 1], c[:, 4], c[:, 5], c[:, 6]],
                            dim=1)
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's version counter; None for an inference tensor (it has none, and cannot be written in place later)."""
+    try:
+        return x._version
+    except RuntimeError:
+        return None
+
+
+class MetaRing:
+    """A kernel's tables of int64 on their way to the device: one pinned host buffer and one device buffer, each
+    `put` writing the next free region of both (a pinned block per table from the caching host allocator cost a
+    device-synchronising `cudaHostAlloc` whenever the host ran ahead of the GPU). `mark` records that the step's
+    last copy is queued; `reset` waits for it before the buffers are written from the start again."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host = self.hnp = self.dev = self.copied = None
+        self.used = 0  # entries written since the last reset (each put's stays intact until its copy ran)
+
+    def put(self, values: list) -> torch.Tensor:
+        """`values` (ints) copied into the device buffer's next region, which is returned (no synchronisation)."""
+        k, need = self.used, len(values)
+        if self.host is None or k + need > self.host.shape[0]:
+            # the old buffers are freed behind their copies: the caching host allocator keeps a pinned block until
+            # the copy recorded on it has run
+            cap = max(k + need, 2 * (self.host.shape[0] if self.host is not None else 0), 3 * 1024)
+            self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self.hnp = self.host.numpy()
+            self.dev = torch.empty(cap, dtype=torch.int64, device=self.device)
+            k = 0
+        self.hnp[k:k + need] = values
+        out = self.dev[k:k + need]
+        out.copy_(self.host[k:k + need], non_blocking=True)
+        self.used = k + need
+        self.copied = None  # a put after mark(): reset marks the last copy itself
+        return out
+
+    def mark(self) -> None:
+        if self.used:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def reset(self) -> None:
+        if self.used:  # the host buffer is written again from the start: its last copies must have run
+            if self.copied is None:
+                self.mark()
+            self.copied.synchronize()
+        self.copied = None
+        self.used = 0
 
 
 def is_dense(x: torch.Tensor) -> bool:
@@ -240,19 +350,17 @@ class AbsMaxTable:
     The tensors must stay referenced until `add` returns (the kernel is queued on the current stream behind
     the kernels that made them; memory freed afterwards is reused only behind it).
 
-    Host cost per `add` is what the always-on headroom pays per flush, so the tables go through one pinned
-    host buffer and one device buffer kept across steps (each add writes its own region; `reset` waits for the
-    step's last copy, long done by then since the step's transfer has synchronised), and the abs-maxes and the
-    NaN flags are one int32 buffer (the first half read as float32), zeroed with one kernel per step. A pinned
-    block per add from the caching host allocator cost a device-synchronising `cudaHostAlloc` whenever the host
-    ran ahead of the GPU (GPT-2: 1.07x -> 1.11x)."""
+    Host cost per `add` is what the always-on headroom pays per flush, so the tables go through a MetaRing kept
+    across steps (its reset waits for the step's last copy, long done by then since the step's transfer has
+    synchronised), and the abs-maxes and the NaN flags are one int32 buffer (the first half read as float32),
+    zeroed with one kernel per step. A pinned block per add from the caching host allocator cost a
+    device-synchronising `cudaHostAlloc` whenever the host ran ahead of the GPU (GPT-2: 1.07x -> 1.11x)."""
 
     def __init__(self, device: torch.device, rows: int = 512):
         self.device = device
         self.n = 0
         self._alloc(rows)
-        self.host = self.hnp = self.meta = self.copied = None
-        self.used = 0  # table entries written this step (each add's stays intact until its kernel ran)
+        self.ring = MetaRing(device)
 
     def _alloc(self, rows: int) -> None:
         self.rows = rows
@@ -268,15 +376,6 @@ class AbsMaxTable:
         self._alloc(r)
         self.out[:n] = out[:n]
         self.nan[:n] = nan[:n]
-
-    def _tables(self, need: int) -> None:
-        """Host and device table buffers holding `need` entries (the old ones are freed behind their copies:
-        the caching host allocator keeps a pinned block until the copy recorded on it has run)."""
-        cap = max(need, 2 * (self.host.shape[0] if self.host is not None else 0), 3 * 1024)
-        self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
-        self.hnp = self.host.numpy()
-        self.meta = torch.empty(cap, dtype=torch.int64, device=self.device)
-        self.used = 0
 
     def add(self, tensors: list) -> int:
         """Queue the abs-max of each tensor (one dtype, each `absmax_available`); returns the first row (rows
@@ -294,35 +393,18 @@ class AbsMaxTable:
         big = max(ns)
         if not big:
             return first
-        k = self.used
-        if self.host is None or k + 3 * T > self.host.shape[0]:
-            self._tables(k + 3 * T)
-            k = 0
-        self.hnp[k:k + 3 * T] = [(t.data_ptr() - b) // size for t in tensors] + ns + list(range(first, first + T))
-        meta = self.meta[k:k + 3 * T]
-        meta.copy_(self.host[k:k + 3 * T], non_blocking=True)
-        self.used = k + 3 * T
-        self.copied = None  # an add after vector(): reset marks the last copy itself
+        meta = self.ring.put([(t.data_ptr() - b) // size for t in tensors] + ns + list(range(first, first + T)))
         P = max(1, min(_AM_MAX_PROGRAMS, triton_cdiv(big, _AM_BLOCK * _AM_ITERS)))
         _absmax_kernel()[(T, P)](base, meta, T, self.out, self.nan, BLOCK=_AM_BLOCK)
         return first
 
     def vector(self) -> torch.Tensor:
         """The step's abs-maxes, NaN where a tensor held a NaN; marks the step's copies (see reset)."""
-        k = self.n
-        if self.used:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        return torch.where(self.nan[:k] > 0, torch.nan, self.out[:k])
+        self.ring.mark()
+        return torch.where(self.nan[:self.n] > 0, torch.nan, self.out[:self.n])
 
     def reset(self) -> None:
         if self.n:
             self.buf.zero_()
-        if self.used:  # the host table is written again from the start: its last copies must have run
-            if self.copied is None:
-                self.copied = torch.cuda.Event()
-                self.copied.record()
-            self.copied.synchronize()
-        self.copied = None
+        self.ring.reset()
         self.n = 0
-        self.used = 0

@@ -120,6 +120,7 @@ class _Step:
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
     headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/record/headroom.py)
+    plan: object = None  # fused.DeferPlan of the watch: which values the fused statistics may read late
     regions: object = None  # gradexits.Regions of this step's walked module calls (released at presync)
     late: object = None  # values queued after presync (transfer.found_inf_all), read at finalize
     probes: list = field(default_factory=list)  # stats.integer_probe vectors of small low-precision inputs
@@ -183,11 +184,12 @@ class _Step:
             c.rows[slot].append((hit[1], dt_name(t.dtype), dt_name(ref)))
             return
         idx = len(self.vecs)
-        if t.is_cuda and fused.available(t):  # one Triton kernel per tensor, into the step's buffer
+        if t.is_cuda and fused.available(t):  # Triton kernels, into the step's buffer (fused.StatBuffer)
             buf = self.fbuf.get(t.device)
             if buf is None:
-                buf = self.fbuf[t.device] = fused.StatBuffer(t.device)
-            v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref)))
+                buf = self.fbuf[t.device] = fused.StatBuffer(t.device, plan=self.plan)
+            rows = c.rows[slot]
+            v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref), (c.module, c.call, slot, len(rows))))
             light = False
         elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/record/cpustats.py)
             v = cpustats.stats(t, ref)

@@ -27,6 +27,7 @@ from .openstep import StepPhase, _Step
 from .headroom import Headroom
 from .headroomhooks import HeadroomHooks
 from .hostcopy import HostSlots
+from .fused import DeferPlan
 from .transfer import finalize
 from .params import model_grads, norms
 from ..tensors import flatten_tensors, is_sharded  # noqa: F401  (flatten_tensors: re-exported)
@@ -92,6 +93,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
             if meta.rank is not None and (meta.world_size or 1) > 1:
                 path = os.path.join(path, f"rank-{meta.rank}")
             self.writer = RunDirWriter(path, meta)
+        self.defer_plan = DeferPlan()  # which values the fused statistics may read late (fused.py)
         self.st = self._new_step(0)
 
     # -- step lifecycle -----------------------------------------------------------------------------
@@ -104,7 +106,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
             self.policy.followup = max(self.policy.followup, 1)
         sampled = self.policy.sampled(step)
         self.hr_hooks.start(sampled, tail)  # whether this step records the headroom series (headroomhooks.py)
-        return _Step(step=step, sampled=sampled)
+        return _Step(step=step, sampled=sampled, plan=self.defer_plan)
 
     def begin(self) -> None:
         """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step."""
