@@ -7,13 +7,16 @@ copied from one another. It owns
 - `train_loop`: the ordinary fp16 autocast + GradScaler loop under ampdoctor.watch that reports what the oracle saw;
 - `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
 - `at_top3`, `error_at`: checks that a report names a rule at a module among its first three findings;
-- `xf`: a strict xfail mark.
+- `xf`: a strict xfail mark;
+- `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines.
 
 Generic report helpers (one_thread, alarms, lines, in_top3, quiet, ...) stay in scenarios.py; nothing here is a test.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import pytest
 import torch
@@ -230,3 +233,47 @@ def error_at(rep, rules, module, step=None, phase=None, hidden_op=None, top3=Tru
 def xf(reason):
     """A strict xfail mark with `reason`."""
     return pytest.mark.xfail(strict=True, reason=reason)
+
+
+@functools.lru_cache(maxsize=None)
+def _source(path):
+    return open(path).read().splitlines()
+
+
+def tag_line(path, tag):
+    """The line of file `path` that ends with the marker comment `# @tag` (asserted to be exactly one)."""
+    hits = [i + 1 for i, ln in enumerate(_source(path)) if ln.rstrip().endswith(f"# @{tag}")]
+    assert len(hits) == 1, (tag, hits)
+    return hits[0]
+
+
+def expect(rep, rule, severity=("error",), step=None, tag=None, tags=None, *, src, file=None, line=None, module=...,
+           sequence=False):
+    """`rule` (or one of the rules) in the first three findings, with `severity`, `step`, `module`, at a marked line."""
+    # tag (one `# @tag` marker or a tuple of them) / tags (a tuple) / line: the evidence must point at that line
+    # (one of them; markers looked up in `src`, the test file) of `file` (default `src`). `sequence`: a
+    # scaler_misorder finding must carry the call sequence as evidence (CONTRACT.md).
+    rules = (rule,) if isinstance(rule, str) else rule
+    f = next((f for f in rep.findings[:3] if f.rule in rules), None)
+    assert f is not None, lines(rep)
+    assert f.severity in severity, f.one_line()
+    if step is not None:
+        assert f.step == step, (f.one_line(), lines(rep))
+    if module is not ...:
+        assert f.module == module, f.one_line()
+    if sequence and f.rule == "scaler_misorder":
+        assert f.evidence.get("sequence"), f.one_line()
+    if tag is not None or tags is not None or line is not None:
+        marks = tags if tag is None else (tag,) if isinstance(tag, str) else tag
+        want = [line] if line is not None else [tag_line(src, t) for t in marks]
+        ev = f.evidence
+        assert ev.get("file") and os.path.abspath(ev["file"]) == os.path.abspath(file or src), (ev, f.one_line())
+        assert ev.get("line") in want, (ev.get("line"), want, f.one_line())
+    return f
+
+
+def quiet_report(rep, saw_steps=True):
+    """No warning or error in `rep`; `saw_steps`: and the watch really saw at least one step."""
+    assert not alarms(rep.findings), lines(rep)
+    if saw_steps:
+        assert rep.summary["steps"] >= 1, rep.summary

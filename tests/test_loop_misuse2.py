@@ -67,6 +67,7 @@ from torch.nn.utils import clip_grad_norm_  # bound before ampdoctor is imported
 
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -77,18 +78,23 @@ from torch.cuda import amp  # scenario 18: YOLOv5's spelling
 
 import ampdoctor
 from scenarios import alarms, lines, one_thread, randn
+from probe_harness import expect as _expect, quiet_report, tag_line
+
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 FP16 = dict(device_type="cpu", dtype=torch.float16)
-_SRC = open(__file__).read().splitlines()
 
 
-def line_of(tag):
-    """The line of this file that ends with the marker comment `# @tag`."""
-    hits = [i + 1 for i, ln in enumerate(_SRC) if ln.rstrip().endswith(f"# @{tag}")]
-    assert len(hits) == 1, (tag, hits)
-    return hits[0]
+line_of = partial(tag_line, __file__)
+
+
+def expect(rep, rule, severity=("warning", "error"), step=None, tag=None, module=...):
+    """probe_harness.expect at this file's `# @tag` lines."""
+    return _expect(rep, rule, severity, step, tag, src=__file__, module=module)
+
+
+quiet = partial(quiet_report, saw_steps=False)
 
 
 class Net(nn.Module):
@@ -135,26 +141,6 @@ def run(m, opt, sc, body, steps=6):
     finally:
         w.close()
     return w.report(), raised
-
-
-def expect(rep, rule, severity=("warning", "error"), step=None, tag=None, module=...):
-    """`rule` among the first three findings, with `severity`, at `step`, and (tag) at this file's marked line."""
-    f = next((f for f in rep.findings[:3] if f.rule == rule), None)
-    assert f is not None, lines(rep)
-    assert f.severity in severity, f.one_line()
-    if step is not None:
-        assert f.step == step, f.one_line()
-    if module is not ...:
-        assert f.module == module, f.one_line()
-    if tag is not None:
-        ev = f.evidence
-        assert ev.get("file") and os.path.abspath(ev["file"]) == os.path.abspath(__file__), (ev.get("file"), __file__)
-        assert ev.get("line") == line_of(tag), (ev.get("line"), line_of(tag), f.one_line())
-    return f
-
-
-def quiet(rep):
-    assert not alarms(rep.findings), lines(rep)
 
 
 # ======================================================================================================================

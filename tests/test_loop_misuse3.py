@@ -83,6 +83,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -91,20 +92,25 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, lines, one_thread, randn
+from probe_harness import expect as _expect, quiet_report, tag_line
+
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 FP16 = dict(device_type="cpu", dtype=torch.float16)
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
-_SRC = open(__file__).read().splitlines()
 
 
-def line_of(tag):
-    """The line of this file that ends with the marker comment `# @tag`."""
-    hits = [i + 1 for i, ln in enumerate(_SRC) if ln.rstrip().endswith(f"# @{tag}")]
-    assert len(hits) == 1, (tag, hits)
-    return hits[0]
+line_of = partial(tag_line, __file__)
+
+
+def expect(rep, rule, severity=("warning", "error"), step=None, tag=None, tags=None):
+    """probe_harness.expect at this file's `# @tag` lines."""
+    return _expect(rep, rule, severity, step, tag, tags, src=HERE)
+
+
+quiet = quiet_report
 
 
 class Net(nn.Module):
@@ -152,28 +158,6 @@ def run(m, opt, sc, body, steps=6, run_dir=None, bare=False):
     finally:
         w.close()
     return w.report(), raised
-
-
-def expect(rep, rule, severity=("warning", "error"), step=None, tag=None, tags=None):
-    """`rule` (or one of the rules) among the first three findings, with `severity`, at `step`, and (tag/tags) at
-    this file's marked line (one of them)."""
-    rules = (rule,) if isinstance(rule, str) else rule
-    f = next((f for f in rep.findings[:3] if f.rule in rules), None)
-    assert f is not None, lines(rep)
-    assert f.severity in severity, f.one_line()
-    if step is not None:
-        assert f.step == step, f.one_line()
-    if tag is not None or tags is not None:
-        want = [line_of(t) for t in ((tag,) if tag is not None else tags)]
-        ev = f.evidence
-        assert ev.get("file") and os.path.abspath(ev["file"]) == HERE, (ev.get("file"), ev.get("line"), f.one_line())
-        assert ev.get("line") in want, (ev.get("line"), want, f.one_line())
-    return f
-
-
-def quiet(rep):
-    assert not alarms(rep.findings), lines(rep)
-    assert rep.summary["steps"] >= 1, rep.summary  # the watch really saw the run
 
 
 def cli_report(run_dir, tmp_path):

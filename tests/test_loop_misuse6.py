@@ -71,6 +71,7 @@ non-finite' (the NaN weights); M9's first finding is the outlier's '[error] over
 import copy
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -79,20 +80,25 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, lines, one_thread, randn
+from probe_harness import expect as _expect, quiet_report, tag_line
+
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 FP16 = dict(device_type="cpu", dtype=torch.float16)
 HERE = os.path.abspath(__file__)
-_SRC = open(__file__).read().splitlines()
 SCALE = 1024.0
 
 
-def line_of(tag):
-    """The line of this file that ends with the marker comment `# @tag`."""
-    hits = [i + 1 for i, ln in enumerate(_SRC) if ln.rstrip().endswith(f"# @{tag}")]
-    assert len(hits) == 1, (tag, hits)
-    return hits[0]
+line_of = partial(tag_line, __file__)
+
+
+def expect(rep, rule, severity=("error",), step=None, tag=None, file=HERE):
+    """probe_harness.expect at this file's `# @tag` lines of `file`, scaler_misorder with its sequence."""
+    return _expect(rep, rule, severity, step, tag, src=HERE, file=file, sequence=True)
+
+
+quiet = quiet_report
 
 
 class Net(nn.Module):
@@ -150,30 +156,6 @@ def run(m, body, steps=8, **wkw):
     finally:
         w.close()
     return w.report(), raised
-
-
-def expect(rep, rule, severity=("error",), step=None, tag=None, file=HERE):
-    """`rule` (one id or a tuple) among the first three findings, with its severity and step; `tag` (one or a tuple
-    of `# @tag` markers): the line of the user's call the finding's evidence must point at."""
-    rules = (rule,) if isinstance(rule, str) else rule
-    f = next((f for f in rep.findings[:3] if f.rule in rules), None)
-    assert f is not None, lines(rep)
-    assert f.severity in severity, f.one_line()
-    if step is not None:
-        assert f.step == step, lines(rep)
-    if f.rule == "scaler_misorder":
-        assert f.evidence.get("sequence"), f.one_line()  # CONTRACT.md: the call sequence as evidence
-    if tag is not None:
-        ev = f.evidence
-        assert ev.get("file") and os.path.abspath(ev["file"]) == os.path.abspath(file), (ev.get("file"), f.one_line())
-        want = [line_of(t) for t in ((tag,) if isinstance(tag, str) else tag)]
-        assert ev.get("line") in want, (ev.get("line"), want, f.one_line())
-    return f
-
-
-def quiet(rep):
-    assert not alarms(rep.findings), lines(rep)
-    assert rep.summary["steps"] >= 1, rep.summary
 
 
 def learned(losses, k=2, factor=0.9):
