@@ -123,6 +123,7 @@ def update_check_pre(m, opt) -> None:
     for i, it in enumerate(items):
         it[5] = pre[i]
     st.upd = items
+    st.upd_pre = pre
 
 
 LOW_CHECK_EVERY = 4
@@ -185,16 +186,22 @@ def update_check_post(m, opt) -> None:
     if not items:
         return
     post = norms([local(it[1].detach()) for it in items], 2)
+    # one matrix, its rows the items' results (a few kernels in all, not a few per parameter: GPT-2 has 148)
+    res = torch.zeros((len(items), 4), dtype=torch.float64, device=post.device)
+    res[:, 2] = m.st.upd_pre.to(post.device)
+    res[:, 3] = post
+    sampled, counts = [], []
     for i, item in enumerate(items):
-        _, p, before, gnz, _, pre, rows = item
+        _, p, before, gnz, _, _, rows = item
         if before is not None:
             w = local(p.detach())
             after = (w.reshape(-1)[::rows] if isinstance(rows, int) else w.index_select(0, rows).reshape(-1))[
                 :before.numel()]
-            same, n = ((after == before) & gnz).sum().double(), gnz.sum().double()
-        else:
-            same = n = torch.zeros((), dtype=torch.float64, device=post.device)
-        item[4] = torch.stack([same.to(post.device), n.to(post.device), pre.to(post.device), post[i]])
+            sampled.append(i)
+            counts.append(torch.stack([((after == before) & gnz).sum(), gnz.sum()]).to(post.device))
+        item[4] = res[i]
+    if sampled:
+        res[torch.tensor(sampled, device=post.device), :2] = torch.stack(counts).double()
 
 
 OUTSIDE_SAMPLE = 4096
