@@ -8,15 +8,28 @@ copied from one another. It owns
 - `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
 - `at_top3`, `error_at`: checks that a report names a rule at a module among its first three findings;
 - `xf`: a strict xfail mark;
-- `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines.
+- `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines;
+- the hostile-input files' harness (test_hostile_*): `snapshot` (hashes of what a probe guards), `stderr_lines`,
+  `error_line`, `no_traceback`, `one_line_or_report` (the CLI's answer to bad input), `strict_json`, `copy`,
+  `records_raw` / `write_raw` / `edit_record` / `edit_manifest` (run-dir and capture surgery), `load_models` (a
+  helper module on the subprocesses' PYTHONPATH), `run_cli`, `case_registry` / `run_cases` (CLI calls set up by
+  builders, run on a small pool), `train_overflow` / `finite_oracle` / `overflow_run` (the real MLP run whose first
+  Linear overflows fp16).
 
 Generic report helpers (one_thread, alarms, lines, in_top3, quiet, ...) stay in scenarios.py; nothing here is a test.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import hashlib
+import importlib.util
+import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -277,3 +290,219 @@ def quiet_report(rep, saw_steps=True):
     assert not alarms(rep.findings), lines(rep)
     if saw_steps:
         assert rep.summary["steps"] >= 1, rep.summary
+
+
+# ------------------------------------------------------------------------------------------------ hostile inputs
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _digest(p):
+    if os.path.islink(p):
+        return ("link", os.readlink(p))
+    if os.path.isdir(p):
+        return ("dir",)
+    with open(p, "rb") as f:
+        return ("file", hashlib.sha256(f.read()).hexdigest())
+
+
+def snapshot(*roots) -> dict:
+    """Every path under `roots` (links not followed) with its kind and content hash."""
+    out = {}
+    for root in map(str, roots):
+        if not os.path.lexists(root):
+            continue
+        out[root] = _digest(root)
+        if os.path.isdir(root) and not os.path.islink(root):
+            for dp, dns, fns in os.walk(root):
+                for n in dns + fns:
+                    out[os.path.join(dp, n)] = _digest(os.path.join(dp, n))
+    return out
+
+
+def stderr_lines(p) -> list[str]:
+    """stderr without Python warnings (the `...Warning: ...` line and the source line under it) and blank lines."""
+    out, skip_indented = [], False
+    for ln in p.stderr.splitlines():
+        if "Warning:" in ln:
+            skip_indented = True
+            continue
+        if skip_indented and ln.startswith(" "):
+            continue
+        skip_indented = False
+        if ln.strip():
+            out.append(ln)
+    return out
+
+
+def error_line(p) -> str:
+    """The one `ampdoctor: ...` line of a refused run: exit 2, no traceback, nothing else on stderr."""
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 2, f"exit {p.returncode}\nstderr: {p.stderr[-2000:]}\nstdout: {p.stdout[-1500:]}"
+    lines = stderr_lines(p)
+    assert len(lines) == 1 and lines[0].startswith("ampdoctor: "), p.stderr
+    return lines[0]
+
+
+def no_traceback(p):
+    """No traceback on stderr, and no `...Error:` line but an `ampdoctor: ...` one."""
+    assert "Traceback" not in p.stderr and "Error:" not in "\n".join(
+        ln for ln in stderr_lines(p) if not ln.startswith("ampdoctor: ")), p.stderr[-3000:]
+
+
+def one_line_or_report(p, outputs=()):
+    """Bad input handled either way the standard allows: one line and exit 2, or a report (exit 0/1, no traceback)
+    whose outputs were all written."""
+    no_traceback(p)
+    if p.returncode == 2:
+        error_line(p)
+        return "refused"
+    assert p.returncode in (0, 1), p.stderr[-2000:]
+    for o in outputs:
+        assert os.path.exists(o), (o, p.stdout[-1500:])
+    return "report"
+
+
+def strict_json(path):
+    """The JSON file at `path`, refusing the non-standard NaN/Infinity tokens."""
+    def refuse(tok):
+        raise ValueError(f"non-standard JSON token {tok}")
+    with open(path, encoding="utf-8") as f:
+        return json.loads(f.read(), parse_constant=refuse)
+
+
+def copy(src, dst):
+    """Copy the tree `src` to `dst` (links kept as links); returns str(dst)."""
+    shutil.copytree(src, dst, symlinks=True)
+    return str(dst)
+
+
+def records_raw(rd) -> list[bytes]:
+    """The lines of run dir `rd`'s steps.jsonl, as bytes with their line ends."""
+    with open(os.path.join(rd, "steps.jsonl"), "rb") as f:
+        return f.read().splitlines(keepends=True)
+
+
+def write_raw(rd, lines):
+    """Write `lines` (bytes) as run dir `rd`'s steps.jsonl."""
+    with open(os.path.join(rd, "steps.jsonl"), "wb") as f:
+        f.write(b"".join(lines))
+
+
+def edit_record(rd, which, **fields):
+    """Set fields of step `which`'s record (Python's json: NaN/Infinity written as such)."""
+    lines = records_raw(rd)
+    for i, ln in enumerate(lines):
+        d = json.loads(ln)
+        if d.get("step") == which and "end" not in d:
+            d.update(fields)
+            lines[i] = (json.dumps(d) + "\n").encode()
+            write_raw(rd, lines)
+            return
+    raise AssertionError(f"no record of step {which}")
+
+
+def edit_manifest(cap, **fields):
+    """Set fields of the capture (or run dir) `cap`'s manifest.json."""
+    mp = os.path.join(cap, "manifest.json")
+    with open(mp) as f:
+        m = json.load(f)
+    m.update(fields)
+    with open(mp, "w") as f:
+        f.write(json.dumps(m))
+
+
+def load_models(d, name, src):
+    """Write `src` as module `name` into directory `d` (the subprocesses' PYTHONPATH) and return it loaded here."""
+    (d / f"{name}.py").write_text(src)
+    spec = importlib.util.spec_from_file_location(name, d / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_cli(helpers, *args, cwd=ROOT, timeout=240):
+    """`python -m ampdoctor *args` in `cwd`, the repo and helpers["dir"] on PYTHONPATH; the CompletedProcess."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, helpers["dir"]]))
+    env.pop("COLUMNS", None)
+    env.setdefault("OMP_NUM_THREADS", "1")     # tiny models; several of these run at once
+    return subprocess.run([sys.executable, "-m", "ampdoctor", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def case_registry():
+    """A fresh {name: builder} dict and the decorator (`@case`) that adds a builder to it under its name."""
+    cases = {}
+
+    def case(fn):
+        cases[fn.__name__] = fn
+        return fn
+    return cases, case
+
+
+def run_cases(cases, helpers, base_run, root, *, workers=3, timeout=300, after_each=False):
+    """Run every `cases` builder's CLI call on a pool of `workers`; {name: ctx}, ctx["p"] the CompletedProcess."""
+    # Each builder(helpers, base_run, d, ctx) gets its own directory d under `root` (ctx["dir"]; ctx["cwd"] an empty
+    # cwd for the call) and returns ctx's "argv" and "guard" (the paths snapshotted before, ctx["before"], and after,
+    # ctx["after"]: once all calls are done, or with `after_each` as each case's result is collected).
+    ctxs = {}
+    for name, build in cases.items():
+        d = root / name
+        d.mkdir()
+        cwd = d / "cwd"
+        cwd.mkdir()
+        ctx = {"dir": d, "cwd": cwd, "guard": []}
+        ctx.update(build(helpers, base_run, d, ctx))
+        ctx["before"] = snapshot(*ctx["guard"])
+        ctxs[name] = ctx
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+        futs = {name: ex.submit(run_cli, helpers, *ctx["argv"], cwd=ctx["cwd"], timeout=timeout)
+                for name, ctx in ctxs.items()}
+        for name, fut in futs.items():
+            ctxs[name]["p"] = fut.result()
+            if after_each:
+                ctxs[name]["after"] = snapshot(*ctxs[name]["guard"])
+    if not after_each:
+        for ctx in ctxs.values():
+            ctx["after"] = snapshot(*ctx["guard"])
+    return ctxs
+
+
+def train_overflow(model, opt, bad_step, steps, after_step=None):
+    """The user's loop: fp16 autocast, no GradScaler; the batch of `bad_step` is x 1e5 (overflows the first Linear);
+    a non-finite loss skips backward/step as a careful loop does. `after_step(i)` runs after each iteration."""
+    for i in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 8) * (1e5 if i == bad_step else 1.0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        if torch.isfinite(loss):
+            loss.backward()
+            opt.step()
+        if after_step is not None:
+            after_step(i)
+
+
+def finite_oracle(layer):
+    """An independent forward hook: per call, whether `layer`'s output is all finite; (that list, the hook handle)."""
+    seen = []
+    handle = layer.register_forward_hook(lambda mod, inp, out: seen.append(bool(torch.isfinite(out).all())))
+    return seen, handle
+
+
+def overflow_run(models, rd, oracle=True):
+    """A real watch (run_dir `rd`, no GradScaler) of models.mlp() whose first Linear overflows fp16 at step 4 of 6."""
+    # The watch writes captures/4 (asserted). `oracle`: an independent hook asserts that the overflow is real, in
+    # `0`, at step 4 only. Returns rd.
+    torch.manual_seed(0)
+    m = models.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    if oracle:
+        finite, hook = finite_oracle(m[0])
+    with ampdoctor.watch(m, opt, run_dir=rd):
+        train_overflow(m, opt, bad_step=4, steps=6)
+        if oracle:
+            hook.remove()                       # (before close(), whose replay of the capture runs `0` again)
+    if oracle:
+        assert finite == [True, True, True, True, False, True]
+    assert os.path.isdir(os.path.join(rd, "captures", "4"))
+    return rd

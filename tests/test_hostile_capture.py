@@ -13,6 +13,7 @@ from ampdoctor.capture import load_capture, save_batch
 from ampdoctor.cli import main
 from ampdoctor.errors import BadInput
 from ampdoctor.replay import replay
+from probe_harness import edit_manifest
 
 EVIL = """
 import pathlib
@@ -28,14 +29,6 @@ def factory():
 def _cap(tmp_path, name="cap"):
     torch.manual_seed(0)
     return save_batch(tmp_path / name, nn.Linear(3, 2), torch.randn(2, 3))
-
-
-def _edit(path, **fields):
-    mp = os.path.join(path, "manifest.json")
-    m = json.load(open(mp))
-    m.update(fields)
-    with open(mp, "w") as f:
-        json.dump(m, f)
 
 
 def _one_line_exit_2(capsys, argv):
@@ -61,7 +54,7 @@ def evil_module(tmp_path, monkeypatch):
 @pytest.mark.parametrize("hf_config", [None, {"model_type": "gpt2"}])
 def test_replay_never_imports_the_capture_model_class(tmp_path, evil_module, capsys, hf_config):
     cap = _cap(tmp_path)
-    _edit(cap, model_class="evilmod_ampdoctor.Evil", hf_config=hf_config)
+    edit_manifest(cap, model_class="evilmod_ampdoctor.Evil", hf_config=hf_config)
     with pytest.raises(BadInput) as e:
         replay(cap, shadow=False, whatif=False, fix_search=False)
     assert "\n" not in str(e.value) and "--model" in str(e.value)
@@ -74,7 +67,7 @@ def test_replay_never_imports_the_capture_model_class(tmp_path, evil_module, cap
                                          "faulthandler._sigsegv"])
 def test_stdlib_callables_named_by_a_capture_are_refused(tmp_path, capsys, model_class):
     cap = _cap(tmp_path)
-    _edit(cap, model_class=model_class)
+    edit_manifest(cap, model_class=model_class)
     before = set(os.listdir(os.environ.get("TMPDIR", "/tmp")))
     _one_line_exit_2(capsys, ["replay", cap, "--no-html"])
     assert set(os.listdir(os.environ.get("TMPDIR", "/tmp"))) <= before | {n for n in os.listdir(
@@ -128,7 +121,7 @@ def test_hf_config_bombs_refused_quickly(gpt2_capture, tmp_path, capsys, change,
     cap = _copy(gpt2_capture, tmp_path)
     m = json.load(open(os.path.join(cap, "manifest.json")))
     m["hf_config"].update(change)
-    _edit(cap, hf_config=m["hf_config"])
+    edit_manifest(cap, hf_config=m["hf_config"])
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
     err = _one_line_exit_2(capsys, ["replay", cap, "--no-html"])
@@ -140,7 +133,7 @@ def test_hf_config_bombs_refused_quickly(gpt2_capture, tmp_path, capsys, change,
 def test_hf_model_class_must_be_a_transformers_registry_class(gpt2_capture, tmp_path, capsys):
     cap = _copy(gpt2_capture, tmp_path)
     for cls in ("os.system", "transformers.pipelines.pipeline", "transformers.trainer.Trainer"):
-        _edit(cap, model_class=cls)
+        edit_manifest(cap, model_class=cls)
         _one_line_exit_2(capsys, ["replay", cap, "--no-html"])
 
 
@@ -156,7 +149,7 @@ def test_sparse_huge_state_file_refused_without_reading(tmp_path, capsys):
         f.truncate(8 + len(header) + n)           # a hole: 4 GiB that take no disk
     man = json.load(open(os.path.join(cap, "manifest.json")))
     man["files"]["state"].update(bytes=os.path.getsize(fp), sha256=None)
-    _edit(cap, files=man["files"])
+    edit_manifest(cap, files=man["files"])
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
     err = _one_line_exit_2(capsys, ["replay", cap, "--no-html"])
@@ -172,7 +165,7 @@ def test_header_that_does_not_add_up_is_refused(tmp_path):
     open(fp, "wb").write(len(header).to_bytes(8, "little") + header + b"\0" * 40)
     man = json.load(open(os.path.join(cap, "manifest.json")))
     man["files"]["state"].update(bytes=os.path.getsize(fp), sha256=None)
-    _edit(cap, files=man["files"])
+    edit_manifest(cap, files=man["files"])
     with pytest.raises(BadInput, match="header describes 4000 bytes"):
         load_capture(cap)
 

@@ -9,8 +9,6 @@ byte-identical after. Where ampdoctor does not meet the standard today the probe
 says what happens instead.
 """
 import concurrent.futures
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -22,8 +20,8 @@ import torch
 
 import ampdoctor
 from ampdoctor.errors import BadInput
+from probe_harness import ROOT, copy, edit_manifest, load_models, overflow_run, run_cli, snapshot, strict_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = "ad_cli2_models"          # the helper module the --model/--loss specs name (written per test module)
 
 MODELS_SRC = '''
@@ -100,22 +98,11 @@ def loss(*a, **k):
 def helpers(tmp_path_factory):
     """A directory on the subprocesses' PYTHONPATH with the helper modules; the models module loaded here too."""
     d = tmp_path_factory.mktemp("helpers")
-    (d / f"{MODELS}.py").write_text(MODELS_SRC)
+    mod = load_models(d, MODELS, MODELS_SRC)
     (d / "ad_cli2_badimport.py").write_text(BADIMPORT_SRC)
     marker = d / "EVIL_MARKER"
     (d / "ad_cli2_evil.py").write_text(EVIL_SRC.format(marker=str(marker)))
-    spec = importlib.util.spec_from_file_location(MODELS, d / f"{MODELS}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     return {"dir": str(d), "models": mod, "marker": marker}
-
-
-def run_cli(helpers, *args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, helpers["dir"]]))
-    env.pop("COLUMNS", None)
-    env.setdefault("OMP_NUM_THREADS", "1")     # tiny models; several of these run at once
-    return subprocess.run([sys.executable, "-m", "ampdoctor", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def run_many(helpers, argvs):
@@ -140,60 +127,7 @@ def report_ok(p):
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
-def _digest(p):
-    if os.path.islink(p):
-        return ("link", os.readlink(p))
-    if os.path.isdir(p):
-        return ("dir",)
-    with open(p, "rb") as f:
-        return ("file", hashlib.sha256(f.read()).hexdigest())
-
-
-def snapshot(*roots) -> dict:
-    """Every path under `roots` (links not followed) with its kind and content hash."""
-    out = {}
-    for root in map(str, roots):
-        if not os.path.lexists(root):
-            continue
-        out[root] = _digest(root)
-        if os.path.isdir(root) and not os.path.islink(root):
-            for dp, dns, fns in os.walk(root):
-                for n in dns + fns:
-                    out[os.path.join(dp, n)] = _digest(os.path.join(dp, n))
-    return out
-
-
-def strict_json(path):
-    def refuse(tok):
-        raise ValueError(f"non-standard JSON token {tok}")
-    with open(path, encoding="utf-8") as f:
-        return json.loads(f.read(), parse_constant=refuse)
-
-
-def copy(src, dst):
-    shutil.copytree(src, dst, symlinks=True)
-    return dst
-
-
 # ------------------------------------------------------------------------------------------------ real runs
-def _mlp_run(helpers, rd):
-    """A real watch: the MLP's first Linear overflows in fp16 at step 4 (input x 1e5); captures/4 is written."""
-    torch.manual_seed(0)
-    m = helpers["models"].mlp()
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    with ampdoctor.watch(m, opt, run_dir=rd):
-        for i in range(6):
-            opt.zero_grad()
-            x = torch.randn(4, 8) * (1e5 if i == 4 else 1.0)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = m(x).float().pow(2).mean()
-            if torch.isfinite(loss):
-                loss.backward()
-                opt.step()
-    assert os.path.isdir(os.path.join(rd, "captures", "4"))
-    return rd
-
-
 def _tied_run(helpers, rd, factory):
     """A real watch of the tied-weights LM: `mid` overflows at step 3 (its input x 1e5); captures/3."""
     torch.manual_seed(0)
@@ -215,7 +149,8 @@ def _tied_run(helpers, rd, factory):
 
 @pytest.fixture(scope="module")
 def mlp_run(helpers, tmp_path_factory):
-    return _mlp_run(helpers, str(tmp_path_factory.mktemp("mlp") / "run"))
+    """A real watch: the MLP's first Linear overflows in fp16 at step 4 (input x 1e5); captures/4 is written."""
+    return overflow_run(helpers["models"], str(tmp_path_factory.mktemp("mlp") / "run"), oracle=False)
 
 
 @pytest.fixture(scope="module")
@@ -231,15 +166,6 @@ def run_copy(mlp_run, tmp_path):
 @pytest.fixture()
 def cap_copy(mlp_cap, tmp_path):
     return copy(mlp_cap, str(tmp_path / "cap"))
-
-
-def _edit_manifest(cap, **fields):
-    mp = os.path.join(cap, "manifest.json")
-    with open(mp) as f:
-        m = json.load(f)
-    m.update(fields)
-    with open(mp, "w") as f:
-        json.dump(m, f)
 
 
 def _records(rd):
@@ -430,7 +356,7 @@ def test_report_with_a_bad_loss_spec_is_refused(helpers, mlp_run):
 
 # (was a strict xfail until the session that fixed it; see git log)
 def test_report_model_on_a_moved_run_dir_replays_its_own_capture(helpers, tmp_path):
-    orig = _mlp_run(helpers, str(tmp_path / "orig"))
+    orig = overflow_run(helpers["models"], str(tmp_path / "orig"), oracle=False)
     moved = str(tmp_path / "moved")
     shutil.move(orig, moved)
     os.unlink(os.path.join(moved, "replay-0.json"))      # the saved replay gone: --model is the way to the op
@@ -548,7 +474,7 @@ def test_hostile_capture_files_are_refused(helpers, mlp_cap, mlp_run, tmp_path):
     with open(os.path.join(trav, "manifest.json")) as f:
         files = json.load(f)["files"]
     files["state"]["name"] = "../../../../etc/passwd"
-    _edit_manifest(trav, files=files)
+    edit_manifest(trav, files=files)
     mlink = copy(mlp_cap, str(tmp_path / "mlink"))
     os.unlink(os.path.join(mlink, "manifest.json"))
     os.symlink("/etc/passwd", os.path.join(mlink, "manifest.json"))
@@ -565,7 +491,7 @@ def test_hostile_capture_files_are_refused(helpers, mlp_cap, mlp_run, tmp_path):
 def test_capture_naming_a_factory_spec_is_never_imported(helpers, cap_copy, tmp_path):
     """The manifest names an importable `module:factory` (as --model would) as its model class and in `extra`;
     without --model ampdoctor asks for one, with --model it uses the user's: the named module never loads."""
-    _edit_manifest(cap_copy, model_class="ad_cli2_evil:factory",
+    edit_manifest(cap_copy, model_class="ad_cli2_evil:factory",
                    extra={"model": "ad_cli2_evil:factory", "loss_fn": "ad_cli2_evil:loss",
                           "factory": "ad_cli2_evil:factory"})
     marker = helpers["marker"]

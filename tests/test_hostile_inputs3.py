@@ -72,23 +72,20 @@ generator and the manifest's scaler numbers):
     replay/modelio.py set_rng's RuntimeError is raised inside run_step, which replay/__init__.py _replay catches as
     a `forward_error` (a model that raised) instead of a corrupt capture.
 """
-import concurrent.futures
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import ampdoctor
+from probe_harness import (case_registry, copy, edit_manifest, edit_record, error_line, load_models, no_traceback,
+                           one_line_or_report, overflow_run, records_raw, run_cases, strict_json, write_raw)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = "ad_h3_models"
 
 MODELS_SRC = '''
@@ -131,115 +128,6 @@ class _Evil:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _digest(p):
-    if os.path.islink(p):
-        return ("link", os.readlink(p))
-    if os.path.isdir(p):
-        return ("dir",)
-    with open(p, "rb") as f:
-        return ("file", hashlib.sha256(f.read()).hexdigest())
-
-
-def snapshot(*roots) -> dict:
-    """Every path under `roots` (links not followed) with its kind and content hash."""
-    out = {}
-    for root in map(str, roots):
-        if not os.path.lexists(root):
-            continue
-        out[root] = _digest(root)
-        if os.path.isdir(root) and not os.path.islink(root):
-            for dp, dns, fns in os.walk(root):
-                for n in dns + fns:
-                    out[os.path.join(dp, n)] = _digest(os.path.join(dp, n))
-    return out
-
-
-def stderr_lines(p) -> list[str]:
-    """stderr without Python warnings (the `...Warning: ...` line and the source line under it) and blank lines."""
-    out, skip_indented = [], False
-    for ln in p.stderr.splitlines():
-        if "Warning:" in ln:
-            skip_indented = True
-            continue
-        if skip_indented and ln.startswith(" "):
-            continue
-        skip_indented = False
-        if ln.strip():
-            out.append(ln)
-    return out
-
-
-def error_line(p) -> str:
-    """The one `ampdoctor: ...` line of a refused run: exit 2, no traceback, nothing else on stderr."""
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert p.returncode == 2, f"exit {p.returncode}\nstderr: {p.stderr[-2000:]}\nstdout: {p.stdout[-1500:]}"
-    lines = stderr_lines(p)
-    assert len(lines) == 1 and lines[0].startswith("ampdoctor: "), p.stderr
-    return lines[0]
-
-
-def no_traceback(p):
-    assert "Traceback" not in p.stderr and "Error:" not in "\n".join(
-        ln for ln in stderr_lines(p) if not ln.startswith("ampdoctor: ")), p.stderr[-3000:]
-
-
-def one_line_or_report(p, outputs=()):
-    """Bad input handled either way the standard allows: one line and exit 2, or a report (exit 0/1, no traceback)
-    whose outputs were all written."""
-    no_traceback(p)
-    if p.returncode == 2:
-        error_line(p)
-        return "refused"
-    assert p.returncode in (0, 1), p.stderr[-2000:]
-    for o in outputs:
-        assert os.path.exists(o), (o, p.stdout[-1500:])
-    return "report"
-
-
-def strict_json(path):
-    def refuse(tok):
-        raise ValueError(f"non-standard JSON token {tok}")
-    with open(path, encoding="utf-8") as f:
-        return json.loads(f.read(), parse_constant=refuse)
-
-
-def copy(src, dst):
-    shutil.copytree(src, dst, symlinks=True)
-    return str(dst)
-
-
-def records_raw(rd) -> list[bytes]:
-    with open(os.path.join(rd, "steps.jsonl"), "rb") as f:
-        return f.read().splitlines(keepends=True)
-
-
-def write_raw(rd, lines):
-    with open(os.path.join(rd, "steps.jsonl"), "wb") as f:
-        f.write(b"".join(lines))
-
-
-def edit_record(rd, which, **fields):
-    """Set fields of step `step`'s record (Python's json: NaN/Infinity written as such)."""
-    lines = records_raw(rd)
-    for i, ln in enumerate(lines):
-        d = json.loads(ln)
-        if d.get("step") == which and "end" not in d:
-            d.update(fields)
-            lines[i] = (json.dumps(d) + "\n").encode()
-            write_raw(rd, lines)
-            return
-    raise AssertionError(f"no record of step {which}")
-
-
-def edit_manifest(cap, **fields):
-    mp = os.path.join(cap, "manifest.json")
-    with open(mp) as f:
-        m = json.load(f)
-    m.update(fields)
-    with open(mp, "w") as f:
-        f.write(json.dumps(m))
-
-
 def file_entry(path):
     with open(path, "rb") as f:
         return {"name": os.path.basename(path), "bytes": os.path.getsize(path),
@@ -250,76 +138,26 @@ def file_entry(path):
 @pytest.fixture(scope="module")
 def helpers(tmp_path_factory):
     d = tmp_path_factory.mktemp("h3helpers")
-    (d / f"{MODELS}.py").write_text(MODELS_SRC)
-    spec = importlib.util.spec_from_file_location(MODELS, d / f"{MODELS}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return {"dir": str(d), "models": mod}
+    return {"dir": str(d), "models": load_models(d, MODELS, MODELS_SRC)}
 
 
 @pytest.fixture(scope="module")
 def base_run(helpers, tmp_path_factory):
     """A real watch, no GradScaler: the MLP's first Linear overflows fp16 at step 4 (its input x 1e5); the watch
     writes captures/4 and replays it at close (replay-0.json)."""
-    rd = str(tmp_path_factory.mktemp("h3run") / "run")
-    torch.manual_seed(0)
-    m = helpers["models"].mlp()
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    finite = []
-    hook = m[0].register_forward_hook(lambda mod, inp, out: finite.append(bool(torch.isfinite(out).all())))
-    with ampdoctor.watch(m, opt, run_dir=rd):
-        for i in range(6):
-            opt.zero_grad()
-            x = torch.randn(4, 8) * (1e5 if i == 4 else 1.0)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = m(x).float().pow(2).mean()
-            if torch.isfinite(loss):
-                loss.backward()
-                opt.step()
-        hook.remove()                           # (before close(), whose replay of the capture runs `0` again)
-    assert finite == [True, True, True, True, False, True]        # the overflow is real, in `0`, at step 4 only
-    assert os.path.isdir(os.path.join(rd, "captures", "4")) and os.path.isfile(os.path.join(rd, "replay-0.json"))
+    rd = overflow_run(helpers["models"], str(tmp_path_factory.mktemp("h3run") / "run"))
+    assert os.path.isfile(os.path.join(rd, "replay-0.json"))
     return rd
 
 
-CASES = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def _run(helpers, argv, cwd, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, helpers["dir"]]))
-    env.pop("COLUMNS", None)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run([sys.executable, "-m", "ampdoctor", *map(str, argv)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+CASES, case = case_registry()
 
 
 @pytest.fixture(scope="module")
 def cli(helpers, base_run, tmp_path_factory):
     """Every CLI call of this module, set up by the `case` builders below and run on a pool of 3; {name: ctx} with
     ctx["p"] the CompletedProcess, ctx["before"] the snapshot of what the case guards, ctx["cwd"] an empty cwd."""
-    root = tmp_path_factory.mktemp("h3cli")
-    ctxs = {}
-    for name, build in CASES.items():
-        d = root / name
-        d.mkdir()
-        cwd = d / "cwd"
-        cwd.mkdir()
-        ctx = {"dir": d, "cwd": cwd, "guard": []}
-        ctx.update(build(helpers, base_run, d, ctx))
-        ctx["before"] = snapshot(*ctx["guard"])
-        ctxs[name] = ctx
-    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as ex:
-        futs = {name: ex.submit(_run, helpers, ctx["argv"], ctx["cwd"]) for name, ctx in ctxs.items()}
-        for name, fut in futs.items():
-            ctxs[name]["p"] = fut.result()
-    for ctx in ctxs.values():
-        ctx["after"] = snapshot(*ctx["guard"])
-    return ctxs
+    return run_cases(CASES, helpers, base_run, tmp_path_factory.mktemp("h3cli"))
 
 
 # ------------------------------------------------------------------------------------------------ the cases

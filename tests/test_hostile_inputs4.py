@@ -58,22 +58,18 @@ What ampdoctor got wrong (strict xfails first, fixed since):
 16. save_batch(run_dir) replaced the run's manifest.json with a capture manifest (the run was lost): save_batch now
     writes only into a new or empty directory or over an earlier capture.
 """
-import concurrent.futures
-import hashlib
-import importlib.util
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
 import ampdoctor
+from probe_harness import (case_registry, copy, edit_record, error_line, finite_oracle, load_models, no_traceback,
+                           one_line_or_report, overflow_run, records_raw, run_cases, snapshot, strict_json,
+                           train_overflow, write_raw)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = "ad_h4_models"
 
 MODELS_SRC = '''
@@ -110,174 +106,25 @@ def exits0():
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _digest(p):
-    if os.path.islink(p):
-        return ("link", os.readlink(p))
-    if os.path.isdir(p):
-        return ("dir",)
-    with open(p, "rb") as f:
-        return ("file", hashlib.sha256(f.read()).hexdigest())
-
-
-def snapshot(*roots) -> dict:
-    """Every path under `roots` (links not followed) with its kind and content hash."""
-    out = {}
-    for root in map(str, roots):
-        if not os.path.lexists(root):
-            continue
-        out[root] = _digest(root)
-        if os.path.isdir(root) and not os.path.islink(root):
-            for dp, dns, fns in os.walk(root):
-                for n in dns + fns:
-                    out[os.path.join(dp, n)] = _digest(os.path.join(dp, n))
-    return out
-
-
-def stderr_lines(p) -> list[str]:
-    """stderr without Python warnings (the `...Warning: ...` line and the source line under it) and blank lines."""
-    out, skip_indented = [], False
-    for ln in p.stderr.splitlines():
-        if "Warning:" in ln:
-            skip_indented = True
-            continue
-        if skip_indented and ln.startswith(" "):
-            continue
-        skip_indented = False
-        if ln.strip():
-            out.append(ln)
-    return out
-
-
-def error_line(p) -> str:
-    """The one `ampdoctor: ...` line of a refused run: exit 2, no traceback, nothing else on stderr."""
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert p.returncode == 2, f"exit {p.returncode}\nstderr: {p.stderr[-2000:]}\nstdout: {p.stdout[-1500:]}"
-    lines = stderr_lines(p)
-    assert len(lines) == 1 and lines[0].startswith("ampdoctor: "), p.stderr
-    return lines[0]
-
-
-def no_traceback(p):
-    assert "Traceback" not in p.stderr and "Error:" not in "\n".join(
-        ln for ln in stderr_lines(p) if not ln.startswith("ampdoctor: ")), p.stderr[-3000:]
-
-
-def one_line_or_report(p, outputs=()):
-    """Bad input handled either way the standard allows: one line and exit 2, or a report (exit 0/1, no traceback)
-    whose outputs were all written."""
-    no_traceback(p)
-    if p.returncode == 2:
-        error_line(p)
-        return "refused"
-    assert p.returncode in (0, 1), p.stderr[-2000:]
-    for o in outputs:
-        assert os.path.exists(o), (o, p.stdout[-1500:])
-    return "report"
-
-
-def strict_json(path):
-    def refuse(tok):
-        raise ValueError(f"non-standard JSON token {tok}")
-    with open(path, encoding="utf-8") as f:
-        return json.loads(f.read(), parse_constant=refuse)
-
-
-def copy(src, dst):
-    shutil.copytree(src, dst, symlinks=True)
-    return str(dst)
-
-
-def records_raw(rd) -> list[bytes]:
-    with open(os.path.join(rd, "steps.jsonl"), "rb") as f:
-        return f.read().splitlines(keepends=True)
-
-
-def write_raw(rd, lines):
-    with open(os.path.join(rd, "steps.jsonl"), "wb") as f:
-        f.write(b"".join(lines))
-
-
-def edit_record(rd, which, **fields):
-    """Set fields of step `which`'s record."""
-    lines = records_raw(rd)
-    for i, ln in enumerate(lines):
-        d = json.loads(ln)
-        if d.get("step") == which and "end" not in d:
-            d.update(fields)
-            lines[i] = (json.dumps(d) + "\n").encode()
-            write_raw(rd, lines)
-            return
-    raise AssertionError(f"no record of step {which}")
-
-
 def first_finding(path):
     f0 = strict_json(path)["findings"][0]
     return f0["rule"], f0["module"], f0["step"]
-
-
-def _train_overflow(model, opt, bad_step, steps, after_step=None):
-    """The user's loop: fp16 autocast, no GradScaler; the batch of `bad_step` is x 1e5 (overflows the first Linear);
-    a non-finite loss skips backward/step as a careful loop does. `after_step(i)` runs after each iteration."""
-    for i in range(steps):
-        opt.zero_grad()
-        x = torch.randn(4, 8) * (1e5 if i == bad_step else 1.0)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().pow(2).mean()
-        if torch.isfinite(loss):
-            loss.backward()
-            opt.step()
-        if after_step is not None:
-            after_step(i)
-
-
-def _finite_oracle(layer):
-    """An independent forward hook: per call, whether `layer`'s output is all finite."""
-    seen = []
-    handle = layer.register_forward_hook(lambda mod, inp, out: seen.append(bool(torch.isfinite(out).all())))
-    return seen, handle
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def helpers(tmp_path_factory):
     d = tmp_path_factory.mktemp("h4helpers")
-    (d / f"{MODELS}.py").write_text(MODELS_SRC)
-    spec = importlib.util.spec_from_file_location(MODELS, d / f"{MODELS}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return {"dir": str(d), "models": mod}
+    return {"dir": str(d), "models": load_models(d, MODELS, MODELS_SRC)}
 
 
 @pytest.fixture(scope="module")
 def base_run(helpers, tmp_path_factory):
     """A real watch, no GradScaler: the MLP's first Linear overflows fp16 at step 4; the watch writes captures/4."""
-    rd = str(tmp_path_factory.mktemp("h4run") / "run")
-    torch.manual_seed(0)
-    m = helpers["models"].mlp()
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    finite, hook = _finite_oracle(m[0])
-    with ampdoctor.watch(m, opt, run_dir=rd):
-        _train_overflow(m, opt, bad_step=4, steps=6)
-        hook.remove()                           # (before close(), whose replay of the capture runs `0` again)
-    assert finite == [True, True, True, True, False, True]        # the overflow is real, in `0`, at step 4 only
-    assert os.path.isdir(os.path.join(rd, "captures", "4"))
-    return rd
+    return overflow_run(helpers["models"], str(tmp_path_factory.mktemp("h4run") / "run"))
 
 
-CASES = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def _run(helpers, argv, cwd, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, helpers["dir"]]))
-    env.pop("COLUMNS", None)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run([sys.executable, "-m", "ampdoctor", *map(str, argv)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+CASES, case = case_registry()
 
 
 @pytest.fixture(scope="module")
@@ -285,23 +132,7 @@ def cli(helpers, base_run, tmp_path_factory):
     """Every CLI call of this module, set up by the `case` builders below and run on a pool of 3; {name: ctx} with
     ctx["p"] the CompletedProcess, ctx["before"]/ctx["after"] the snapshots of what the case guards, ctx["cwd"] an
     empty cwd."""
-    root = tmp_path_factory.mktemp("h4cli")
-    ctxs = {}
-    for name, build in CASES.items():
-        d = root / name
-        d.mkdir()
-        cwd = d / "cwd"
-        cwd.mkdir()
-        ctx = {"dir": d, "cwd": cwd, "guard": []}
-        ctx.update(build(helpers, base_run, d, ctx))
-        ctx["before"] = snapshot(*ctx["guard"])
-        ctxs[name] = ctx
-    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as ex:
-        futs = {name: ex.submit(_run, helpers, ctx["argv"], ctx["cwd"]) for name, ctx in ctxs.items()}
-        for name, fut in futs.items():
-            ctxs[name]["p"] = fut.result()
-            ctxs[name]["after"] = snapshot(*ctxs[name]["guard"])
-    return ctxs
+    return run_cases(CASES, helpers, base_run, tmp_path_factory.mktemp("h4cli"), after_each=True)
 
 
 def _cap(base_run, d, name="cap"):
@@ -615,7 +446,7 @@ def test_14_diagnose_a_run_dir_while_its_watch_is_writing(helpers, tmp_path):
     torch.manual_seed(1)
     m = helpers["models"].mlp()
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    finite, hook = _finite_oracle(m[0])
+    finite, hook = finite_oracle(m[0])
     mid = {}
 
     def read_now(i):
@@ -626,7 +457,7 @@ def test_14_diagnose_a_run_dir_while_its_watch_is_writing(helpers, tmp_path):
             mid[i] = rep
 
     with ampdoctor.watch(m, opt, run_dir=rd) as w:
-        _train_overflow(m, opt, bad_step=3, steps=7, after_step=read_now)
+        train_overflow(m, opt, bad_step=3, steps=7, after_step=read_now)
         hook.remove()
     assert finite == [True, True, True, False, True, True, True]  # the overflow is real, in `0`, at step 3 only
     early, late = mid[1], mid[5]
@@ -655,9 +486,9 @@ def test_15_watch_a_model_whose_submodule_is_already_watched(helpers):
     except Exception as e:                                        # refused: one line, and the first watch intact
         assert "\n" not in str(e) and str(e), repr(e)
         w2 = None
-    finite, hook = _finite_oracle(inner[0])
+    finite, hook = finite_oracle(inner[0])
     try:
-        _train_overflow(outer, opt, bad_step=3, steps=6)
+        train_overflow(outer, opt, bad_step=3, steps=6)
     finally:
         hook.remove()
         if w2 is not None:
