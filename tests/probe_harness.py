@@ -7,6 +7,8 @@ copied from one another. It owns
 - `train_loop`: the ordinary fp16 autocast + GradScaler loop under ampdoctor.watch that reports what the oracle saw;
 - `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
 - `at_top3`, `error_at`: checks that a report names a rule at a module among its first three findings;
+- the HF failure files' loop and checks (test_hf_failures3/4, ...): `hf_train`, `first_bad_log`, `falls`,
+  `fp16_accelerator` (the body of their `fp16_on_cpu` fixture);
 - `xf`: a strict xfail mark;
 - `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines;
 - the hostile-input files' harness (test_hostile_*): `snapshot` (hashes of what a probe guards), `stderr_lines`,
@@ -65,16 +67,18 @@ class Producer:
     w.r.t. its inputs or its own parameters is non-finite while the gradient w.r.t. its outputs was finite
     (`first_bwd`; `bwd_call`: the forward call of a shared module it belongs to, backward running the calls in
     reverse). With `leaf_backward` instead only full backward hooks on the leaf modules: the first (module, step) whose
-    input gradient is non-finite while its output gradient was finite."""
+    input gradient is non-finite while its output gradient was finite. `with_kwargs`: a forward's keyword inputs
+    must be finite too (as its positional ones)."""
 
-    def __init__(self, m, backward=False, *, own_params=True, leaf_backward=False, call_in_first=False, stack=False):
+    def __init__(self, m, backward=False, *, own_params=True, leaf_backward=False, call_in_first=False, stack=False,
+                 with_kwargs=False):
         self.step, self.first, self.bad_weights, self.first_bwd, self.bwd_call = 0, None, None, None, None
-        self.own_params, self.call_in_first = own_params, call_in_first
+        self.own_params, self.call_in_first, self.with_kwargs = own_params, call_in_first, with_kwargs
         self.gout_ok, self.calls, self.bcalls, self.stack, self.hs = {}, {}, {}, [], []
         for n, mod in m.named_modules():
             if stack:
                 self.hs.append(mod.register_forward_pre_hook(self._enter(n)))
-            self.hs.append(mod.register_forward_hook(self._fwd(n)))
+            self.hs.append(mod.register_forward_hook(self._fwd(n), with_kwargs=with_kwargs))
             if backward and leaf_backward:
                 if not list(mod.children()):
                     self.hs.append(mod.register_full_backward_hook(self._bwd(n)))
@@ -95,16 +99,18 @@ class Producer:
         return f
 
     def _fwd(self, n):
-        def f(mod, inp, out):
+        def f(mod, inp, out, kwargs=None):
             if self.stack and self.stack[-1] == n:
                 self.stack.pop()
             k = self.calls[(n, self.step)] = self.calls.get((n, self.step), 0) + 1
-            if self.first is None and finite(inp) and not finite(out):
+            if self.first is None and finite(inp) and finite(kwargs) and not finite(out):
                 own = all(torch.isfinite(p).all() for p in mod.parameters(recurse=False))
                 if own or not self.own_params:
                     self.first = (n, self.step, k) if self.call_in_first else (n, self.step)
                     if not own:
                         self.bad_weights = n
+        if self.with_kwargs:
+            return lambda mod, args, kwargs, out: f(mod, args, out, kwargs)
         return f
 
     def _pre(self, n):
@@ -216,17 +222,21 @@ def real_bwd(r, name, step):
     assert r["skipped"] and r["skipped"][0] == step, r
 
 
-def at_top3(rep, rules, module, step=None, phase=None, severity=None):
-    """The finding of one of `rules` at `module` among the first three (asserted), at `step`/`phase`/`severity`."""
-    # step / phase may be one value or a tuple of accepted ones; severity a collection of accepted ones.
+def at_top3(rep, rules, module, step=None, phase=None, ops=None, severity=None):
+    """The finding of one of `rules` at `module` among the first three (asserted), at `step`/`phase`/op/`severity`."""
+    # rules may be one rule or a tuple; step / phase / severity one value or a tuple of accepted ones; ops a
+    # collection of accepted ops.
+    rules = (rules,) if isinstance(rules, str) else rules
     f = in_top3(rep, rules, module)
     if step is not None:
         steps = step if isinstance(step, tuple) else (step,)
         assert f.step in steps, (f.one_line(), lines(rep))
     if phase is not None:
         assert f.phase in ((phase,) if isinstance(phase, str) else phase), (f.one_line(), lines(rep))
+    if ops is not None:
+        assert f.op in ops, (f.one_line(), lines(rep))
     if severity is not None:
-        assert f.severity in severity, (f.one_line(), lines(rep))
+        assert f.severity in ((severity,) if isinstance(severity, str) else severity), (f.one_line(), lines(rep))
     return f
 
 
@@ -241,6 +251,77 @@ def error_at(rep, rules, module, step=None, phase=None, hidden_op=None, top3=Tru
             and (phase is None or f.phase in (None, phase) or hidden_op is not None and f.op == hidden_op)]
     assert hits, (module, rules, step, phase, lines(rep))
     return hits[0]
+
+
+def hf_train(model, batch, steps, inject=None, every=None, lr=1e-4, scaler=True, autocast=True, loss_fn=None,
+             oracle=True):
+    """The user's ordinary loop on a transformers model: fp16 CPU autocast, GradScaler, unscale_ + clip, step, update.
+    Returns (the report, per step (loss finite, the scaler skipped the step, loss), the oracle's producer)."""
+    # scaler=False: backward + step. `batch(k)` (or a fixed batch) gives step k's kwargs; `inject(k, model)` runs
+    # under no_grad before step k; the loss is `loss_fn(out)` (default out.loss). The oracle is a Producer (own
+    # params not required finite, keyword inputs checked); its producer is None with oracle=False.
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sc = torch.amp.GradScaler("cpu") if scaler else None
+    kw = {} if every is None else {"every": every}
+    log = []
+    prod = Producer(model, own_params=False, with_kwargs=True) if oracle else None
+    try:
+        with ampdoctor.watch(model, optimizer=opt, scaler=sc, **kw) as w:
+            for k in range(steps):
+                if prod is not None:
+                    prod.step = k
+                if inject is not None:
+                    with torch.no_grad():
+                        inject(k, model)
+                b = batch(k) if callable(batch) else batch
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                    out = model(**b)
+                loss = out.loss if loss_fn is None else loss_fn(out)
+                if sc is not None:
+                    s0 = sc.get_scale()
+                    sc.scale(loss).backward()
+                    sc.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    sc.step(opt)
+                    sc.update()
+                    skipped = sc.get_scale() < s0
+                else:
+                    loss.backward()
+                    opt.step()
+                    skipped = False
+                log.append((math.isfinite(loss.item()), skipped, loss.item()))
+    finally:
+        if prod is not None:
+            prod.remove()
+    return w.report(), log, (prod.first if prod is not None else None)
+
+
+def first_bad_log(log):
+    """(first step with a non-finite loss, first step the scaler skipped) in an `hf_train` log."""
+    nf = next((k for k, e in enumerate(log) if not e[0]), None)
+    sk = next((k for k, e in enumerate(log) if e[1]), None)
+    return nf, sk
+
+
+def falls(losses, window=2):
+    """Every loss finite, and the mean of the last third (at least `window`) below the mean of the first third."""
+    assert all(math.isfinite(v) for v in losses), losses
+    n = max(window, len(losses) // 3)
+    assert sum(losses[-n:]) / n < sum(losses[:n]) / n, losses
+
+
+def fp16_accelerator(monkeypatch):
+    """An `fp16_on_cpu` fixture's body: force(acc) gives a Trainer's Accelerator what Accelerator.__init__ gives it
+    for CUDA fp16, on CPU (default GradScaler settings, as accelerate builds it); the rest is accelerate's own code."""
+    pytest.importorskip("accelerate")
+
+    def force(acc):
+        monkeypatch.setattr(acc, "scaler", torch.amp.GradScaler("cpu"))
+        monkeypatch.setattr(acc, "native_amp", True)
+        monkeypatch.setattr(acc.state, "_mixed_precision", "fp16")
+        return acc
+    return force
 
 
 def xf(reason):

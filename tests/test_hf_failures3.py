@@ -60,8 +60,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 T = pytest.importorskip("transformers")
 
-import ampdoctor  # noqa: E402
-from scenarios import in_top3, lines, no_error_at, one_thread  # noqa: E402
+from probe_harness import (Producer, at_top3 as _at, falls as _falls, first_bad_log as _first_bad,  # noqa: E402
+                           fp16_accelerator, hf_train as _train, quiet_report)
+from scenarios import lines, no_error_at, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -69,112 +70,6 @@ F16 = torch.float16
 LINEAR = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::_to_copy")
 EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
 CONV = ("aten::convolution", "aten::_convolution", "aten::conv1d", "aten::_to_copy")
-
-
-# ---------------------------------------------------------------------------------------------------- the oracle
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict) or hasattr(x, "keys") and hasattr(x, "values"):  # dicts and ModelOutputs
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs
-    (positional and keyword) and its own parameters were finite. Hooks fire children first, so the first hit is the
-    innermost producer."""
-
-    def __init__(self, m):
-        self.step, self.first, self.bad_weights = 0, None, None
-        self.hs = [mod.register_forward_hook(self._hook(n), with_kwargs=True) for n, mod in m.named_modules()]
-
-    def _hook(self, n):
-        def f(mod, args, kwargs, out):
-            if self.first is None and _finite(args) and _finite(kwargs) and not _finite(out):
-                self.first = (n, self.step)
-                if not all(torch.isfinite(p).all() for p in mod.parameters(recurse=False)):
-                    self.bad_weights = n
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
-
-
-# ---------------------------------------------------------------------------------------------------- the loop
-
-def _train(model, batch, steps, inject=None, every=None, lr=1e-4, scaler=True, autocast=True, loss_fn=None):
-    """The user's ordinary loop: fp16 CPU autocast, GradScaler, unscale_ + clip, step, update (or, with
-    scaler=False, backward + step). `batch(k)` gives step k's kwargs; `inject(k, model)` runs under no_grad before
-    step k. Returns the report, per step (loss finite, scaler skipped the step, loss), and the oracle's producer."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu") if scaler else None
-    kw = {} if every is None else {"every": every}
-    log = []
-    prod = Producer(model)
-    try:
-        with ampdoctor.watch(model, optimizer=opt, scaler=sc, **kw) as w:
-            for k in range(steps):
-                prod.step = k
-                if inject is not None:
-                    with torch.no_grad():
-                        inject(k, model)
-                b = batch(k) if callable(batch) else batch
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=F16, enabled=autocast):
-                    out = model(**b)
-                loss = out.loss if loss_fn is None else loss_fn(out)
-                if sc is not None:
-                    s0 = sc.get_scale()
-                    sc.scale(loss).backward()
-                    sc.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    sc.step(opt)
-                    sc.update()
-                    skipped = sc.get_scale() < s0
-                else:
-                    loss.backward()
-                    opt.step()
-                    skipped = False
-                log.append((math.isfinite(loss.item()), skipped, loss.item()))
-    finally:
-        prod.remove()
-    return w.report(), log, prod.first
-
-
-def _first_bad(log):
-    """(first step with a non-finite loss, first step the scaler skipped)."""
-    nf = next((k for k, e in enumerate(log) if not e[0]), None)
-    sk = next((k for k, e in enumerate(log) if e[1]), None)
-    return nf, sk
-
-
-def _at(rep, rules, module, step=None, phase=None, ops=None):
-    """`rules` at `module` among the first three findings, at `step` (an int or a tuple), phase, op."""
-    rules = (rules,) if isinstance(rules, str) else rules
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        assert f.step in (step if isinstance(step, tuple) else (step,)), (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase == phase, (f.one_line(), lines(rep))
-    if ops is not None:
-        assert f.op in ops, (f.one_line(), lines(rep))
-    return f
-
-
-def _quiet(rep):
-    bad = [f.one_line() for f in rep.findings if f.severity in ("warning", "error")]
-    assert not bad, bad
-
-
-def _falls(losses):
-    assert all(math.isfinite(v) for v in losses), losses
-    n = max(2, len(losses) // 3)
-    assert sum(losses[-n:]) / n < sum(losses[:n]) / n, losses
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -277,18 +172,7 @@ class SentenceEncoder(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------- Trainer (fp16 on CPU)
 
-@pytest.fixture()
-def fp16_on_cpu(monkeypatch):
-    """Give a Trainer's Accelerator what Accelerator.__init__ gives it for CUDA fp16, on CPU (default GradScaler
-    settings, as accelerate builds it); everything after is accelerate's own code."""
-    pytest.importorskip("accelerate")
-
-    def force(acc):
-        monkeypatch.setattr(acc, "scaler", torch.amp.GradScaler("cpu"))
-        monkeypatch.setattr(acc, "native_amp", True)
-        monkeypatch.setattr(acc.state, "_mixed_precision", "fp16")
-        return acc
-    return force
+fp16_on_cpu = pytest.fixture(name="fp16_on_cpu")(fp16_accelerator)
 
 
 class _ClsData(torch.utils.data.Dataset):
@@ -407,7 +291,7 @@ def test_wav2vec2_trainer_on_unnormalised_int16_pcm_overflows_the_first_conv_fro
     m = wav2vec2()
     tr, cb = _trainer(tmp_path, m, _PcmData(), 5, 1e-4)
     acc = fp16_on_cpu(tr.accelerator)
-    prod = Producer(m)
+    prod = Producer(m, own_params=False, with_kwargs=True)
     rec = _Scales(acc, prod)
     tr.add_callback(rec)
     try:
@@ -592,7 +476,7 @@ def test_healthy_wav2vec2_on_normalised_audio_is_quiet():
     rep, log, first = _train(m, batch, 12, lr=1e-3)
     assert first is None and not any(e[1] for e in log)
     _falls([e[2] for e in log])
-    _quiet(rep)
+    quiet_report(rep, saw_steps=False)
 
 
 def test_healthy_sentence_encoder_normalising_in_float32_is_quiet():
@@ -609,7 +493,7 @@ def test_healthy_sentence_encoder_normalising_in_float32_is_quiet():
     rep, log, first = _train(m, batch, 12, lr=1e-3)
     assert first is None
     _falls([e[2] for e in log])
-    _quiet(rep)
+    quiet_report(rep, saw_steps=False)
 
 
 def test_healthy_llama_packed_mask_from_float16_min_is_quiet():
@@ -620,7 +504,7 @@ def test_healthy_llama_packed_mask_from_float16_min_is_quiet():
     rep, log, first = _train(m, lambda k: b(k % 3), 12, lr=3e-3)  # the empty row at steps 2, 5, 8, 11
     assert first is None and not any(e[1] for e in log)
     _falls([e[2] for e in log])
-    _quiet(rep)
+    quiet_report(rep, saw_steps=False)
 
 
 def test_healthy_distilbert_trainer_fp16_is_quiet(tmp_path, fp16_on_cpu):
@@ -633,4 +517,4 @@ def test_healthy_distilbert_trainer_fp16_is_quiet(tmp_path, fp16_on_cpu):
     tr.train()
     assert rec.scales == [65536.0] * 10
     assert all(math.isfinite(v) for v in rec.losses) and min(rec.losses[-3:]) < rec.losses[0], rec.losses
-    _quiet(cb.report)
+    quiet_report(cb.report, saw_steps=False)

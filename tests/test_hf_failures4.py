@@ -96,8 +96,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 T = pytest.importorskip("transformers")
 
-import ampdoctor  # noqa: E402
-from scenarios import in_top3, lines, no_error_at, one_thread  # noqa: E402
+from probe_harness import (Producer, at_top3 as _at, falls as _falls, first_bad_log as _first_bad,  # noqa: E402
+                           fp16_accelerator, hf_train as _train, quiet_report)
+from scenarios import lines, no_error_at, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -106,107 +107,6 @@ LINEAR = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::_to_
 SCORES = ("aten::bmm", "aten::matmul", "aten::baddbmm")
 CONV = ("aten::convolution", "aten::_convolution", "aten::conv1d", "aten::_to_copy")
 EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
-
-
-# ---------------------------------------------------------------------------------------------------- the oracle
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict) or hasattr(x, "keys") and hasattr(x, "values"):  # dicts and ModelOutputs
-        return all(_finite(t) for t in x.values())
-    return True
-
-
-class Producer:
-    """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs
-    (positional and keyword) and its own parameters were finite. Hooks fire children first, so the first hit is the
-    innermost producer."""
-
-    def __init__(self, m):
-        self.step, self.first, self.bad_weights = 0, None, None
-        self.hs = [mod.register_forward_hook(self._hook(n), with_kwargs=True) for n, mod in m.named_modules()]
-
-    def _hook(self, n):
-        def f(mod, args, kwargs, out):
-            if self.first is None and _finite(args) and _finite(kwargs) and not _finite(out):
-                self.first = (n, self.step)
-                if not all(torch.isfinite(p).all() for p in mod.parameters(recurse=False)):
-                    self.bad_weights = n
-        return f
-
-    def remove(self):
-        for h in self.hs:
-            h.remove()
-
-
-# ---------------------------------------------------------------------------------------------------- the loop
-
-def _train(model, batch, steps, inject=None, every=None, lr=1e-4, oracle=True):
-    """The user's ordinary loop: fp16 CPU autocast, GradScaler, unscale_ + clip, step, update. `batch(k)` gives step
-    k's kwargs; `inject(k, model)` runs under no_grad before step k. Returns the report, per step (loss finite, the
-    scaler skipped the step, loss), and the oracle's producer (None with oracle=False)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu")
-    kw = {} if every is None else {"every": every}
-    log = []
-    prod = Producer(model) if oracle else None
-    try:
-        with ampdoctor.watch(model, optimizer=opt, scaler=sc, **kw) as w:
-            for k in range(steps):
-                if prod is not None:
-                    prod.step = k
-                if inject is not None:
-                    with torch.no_grad():
-                        inject(k, model)
-                b = batch(k) if callable(batch) else batch
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=F16):
-                    loss = model(**b).loss
-                s0 = sc.get_scale()
-                sc.scale(loss).backward()
-                sc.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                sc.step(opt)
-                sc.update()
-                log.append((math.isfinite(loss.item()), sc.get_scale() < s0, loss.item()))
-    finally:
-        if prod is not None:
-            prod.remove()
-    return w.report(), log, (prod.first if prod is not None else None)
-
-
-def _first_bad(log):
-    """(first step with a non-finite loss, first step the scaler skipped)."""
-    nf = next((k for k, e in enumerate(log) if not e[0]), None)
-    sk = next((k for k, e in enumerate(log) if e[1]), None)
-    return nf, sk
-
-
-def _at(rep, rules, module, step=None, phase=None, ops=None):
-    """`rules` at `module` among the first three findings, at `step` (an int or a tuple), phase, op."""
-    rules = (rules,) if isinstance(rules, str) else rules
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        assert f.step in (step if isinstance(step, tuple) else (step,)), (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase == phase, (f.one_line(), lines(rep))
-    if ops is not None:
-        assert f.op in ops, (f.one_line(), lines(rep))
-    return f
-
-
-def _quiet(rep):
-    bad = [f.one_line() for f in rep.findings if f.severity in ("warning", "error")]
-    assert not bad, bad
-
-
-def _falls(losses):
-    assert all(math.isfinite(v) for v in losses), losses
-    n = max(2, len(losses) // 3)
-    assert sum(losses[-n:]) / n < sum(losses[:n]) / n, losses
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -340,18 +240,7 @@ def patchtst():
 
 # ------------------------------------------------------------------------------------------- Trainer (fp16 on CPU)
 
-@pytest.fixture()
-def fp16_on_cpu(monkeypatch):
-    """Give a Trainer's Accelerator what Accelerator.__init__ gives it for CUDA fp16, on CPU (default GradScaler
-    settings, as accelerate builds it); everything after is accelerate's own code."""
-    pytest.importorskip("accelerate")
-
-    def force(acc):
-        monkeypatch.setattr(acc, "scaler", torch.amp.GradScaler("cpu"))
-        monkeypatch.setattr(acc, "native_amp", True)
-        monkeypatch.setattr(acc.state, "_mixed_precision", "fp16")
-        return acc
-    return force
+fp16_on_cpu = pytest.fixture(name="fp16_on_cpu")(fp16_accelerator)
 
 
 def _trainer(tmp_path, model, data, steps, cls=None, **kw):
@@ -470,7 +359,7 @@ def test_mixtral_trainer_with_accumulation_router_blowup_is_named_at_the_gate(tm
     m = mixtral(output_router_logits=True)
     tr, cb = _trainer(tmp_path, m, _Data(_lm_item), 5, gradient_accumulation_steps=2)
     acc = fp16_on_cpu(tr.accelerator)
-    prod = Producer(m)
+    prod = Producer(m, own_params=False, with_kwargs=True)
     rec = _Scales(acc, prod)
     tr.add_callback(rec)
     tr.add_callback(_Inject(2, lambda m: m.model.layers[0].mlp.gate.weight.mul_(1e6)))
@@ -513,7 +402,7 @@ def test_whisper_trainer_loud_clip_in_the_second_micro_batch_is_named_at_its_ste
     tr, cb = _trainer(tmp_path, m, _Data(item), 5, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                       train_sampling_strategy="sequential")
     acc = fp16_on_cpu(tr.accelerator)
-    prod = Producer(m)
+    prod = Producer(m, own_params=False, with_kwargs=True)
     rec = _Scales(acc, prod)
     tr.add_callback(rec)
     try:
@@ -747,7 +636,7 @@ def test_qwen2_trainer_label_smoothing_on_a_batch_without_completion_tokens_is_n
     tr, cb = _trainer(tmp_path, m, _Data(item), 5, cls=_StepLosses, label_smoothing_factor=0.1,
                       train_sampling_strategy="sequential")
     acc = fp16_on_cpu(tr.accelerator)
-    prod = Producer(m)
+    prod = Producer(m, own_params=False, with_kwargs=True)
     rec = _Scales(acc, prod)
     tr.add_callback(rec)
     try:
@@ -766,7 +655,7 @@ def _healthy(m, batch, steps=12, lr=1e-3, max_skips=0):
     assert first is None
     assert sum(e[1] for e in log) <= max_skips, log
     _falls([e[2] for e in log])
-    _quiet(rep)
+    quiet_report(rep, saw_steps=False)
 
 
 def test_healthy_mamba_slow_path_is_quiet():

@@ -107,7 +107,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 T = pytest.importorskip("transformers")
 
 import ampdoctor  # noqa: E402
-from scenarios import in_top3, lines, no_error_at, one_thread  # noqa: E402
+from probe_harness import at_top3 as _at, falls as _falls, quiet_report  # noqa: E402
+from scenarios import lines, no_error_at, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -241,32 +242,6 @@ def _first_bad(r):
     nf = next((k for k, v in enumerate(r.losses) if not math.isfinite(v)), None)
     sk = next((k for k, s in enumerate(r.skipped) if s), None)
     return nf, sk
-
-
-def _at(rep, rules, module, step=None, phase=None, ops=None, severity=None):
-    """`rules` at `module` among the first three findings, at `step`, phase, op, severity."""
-    rules = (rules,) if isinstance(rules, str) else rules
-    f = in_top3(rep, rules, module)
-    if step is not None:
-        assert f.step in (step if isinstance(step, tuple) else (step,)), (f.one_line(), lines(rep))
-    if phase is not None:
-        assert f.phase == phase, (f.one_line(), lines(rep))
-    if ops is not None:
-        assert f.op in ops, (f.one_line(), lines(rep))
-    if severity is not None:
-        assert f.severity == severity, (f.one_line(), lines(rep))
-    return f
-
-
-def _quiet(rep):
-    bad = [f.one_line() for f in rep.findings if f.severity in ("warning", "error")]
-    assert not bad, bad
-
-
-def _falls(losses):
-    assert all(math.isfinite(v) for v in losses), losses
-    n = max(2, len(losses) // 3)
-    assert sum(losses[-n:]) / n < sum(losses[:n]) / n, losses
 
 
 def _twin(build, batch, steps, **kw):
@@ -674,7 +649,7 @@ def test_vit_half_with_a_gradscaler_is_fp16_master_weights_at_step_0():
 def _healthy(r, max_skips=0):
     assert sum(r.skipped) <= max_skips, r.skipped
     _falls(r.losses)
-    _quiet(r.rep)
+    quiet_report(r.rep, saw_steps=False)
 
 
 def test_healthy_bert_mlm_with_dropout_is_quiet_and_bitwise_identical():

@@ -89,22 +89,13 @@ L = pytest.importorskip("lightning.pytorch")
 import ampdoctor  # noqa: E402,F401
 from ampdoctor.integrations import AmpDoctorCallback, AmpDoctorLightningCallback  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
-from scenarios import in_top3, lines, no_error_at, one_thread  # noqa: E402
+from probe_harness import at_top3, falls, finite, quiet_report  # noqa: E402
+from scenarios import lines, no_error_at, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 
 # ---------------------------------------------------------------------------------------------------- the oracle
-
-def _finite(x):
-    if torch.is_tensor(x):
-        return not x.is_floating_point() or bool(torch.isfinite(x).all())
-    if isinstance(x, (tuple, list)):
-        return all(_finite(t) for t in x)
-    if isinstance(x, dict) or hasattr(x, "keys") and hasattr(x, "values"):  # dicts and ModelOutputs
-        return all(_finite(t) for t in x.values())
-    return True
-
 
 class Producer:
     """Forward hooks on every module: the first (module, step) whose output is non-finite while its inputs
@@ -119,9 +110,9 @@ class Producer:
         def f(mod, args, kwargs, out):
             if not mod.training:
                 return
-            if not _finite(out):
+            if not finite(out):
                 self.nonfinite_out.add(self.step)
-                if (self.first is None and _finite(args) and _finite(kwargs)
+                if (self.first is None and finite(args) and finite(kwargs)
                         and all(torch.isfinite(p).all() for p in mod.parameters(recurse=False))):
                     self.first = (n, self.step)
         return f
@@ -129,26 +120,6 @@ class Producer:
     def remove(self):
         for h in self.hs:
             h.remove()
-
-
-def _at(rep, rules, module, step):
-    """An error finding of one of `rules` at `module` among the first three, at optimizer step `step`."""
-    rules = (rules,) if isinstance(rules, str) else rules
-    f = in_top3(rep, rules, module)
-    assert f.severity == "error", (f.one_line(), lines(rep))
-    assert f.step == step, (f.one_line(), lines(rep))
-    return f
-
-
-def _quiet(rep):
-    bad = [f.one_line() for f in rep.findings if f.severity in ("warning", "error")]
-    assert not bad, bad
-
-
-def _falls(losses):
-    assert losses and all(math.isfinite(v) for v in losses), losses
-    n = max(1, len(losses) // 3)
-    assert sum(losses[-n:]) / n < sum(losses[:n]) / n, losses
 
 
 # ------------------------------------------------------------------------------------ Trainer (fp16 on CPU)
@@ -290,7 +261,7 @@ def test_1_trainer_llama_mlp_blown_up_at_step_3_overflows_down_proj(tmp_path, fp
     rep, prod, rec = _run(tr, fp16_on_cpu, _Inject(3, blow))
     assert prod.first == ("model.layers.1.mlp.down_proj", 3), prod.first
     assert rec.scales[:3] == [65536.0] * 3 and rec.scales[3] < rec.scales[2], rec.scales  # real: step 3 skipped
-    _at(rep, "overflow", "model.layers.1.mlp.down_proj", 3)
+    at_top3(rep, "overflow", "model.layers.1.mlp.down_proj", 3, severity="error")
     no_error_at(rep, {"model.layers.1.mlp", "model.layers.1", "model.norm", "lm_head"})
 
 
@@ -299,7 +270,7 @@ def test_2_trainer_gpt2_accum2_c_fc_blown_up_at_optimizer_step_2(tmp_path, fp16_
     rep, prod, rec = _run(tr, fp16_on_cpu, _Inject(2, lambda m: m.transformer.h[0].mlp.c_fc.weight.mul_(1e6)))
     assert prod.first == ("transformer.h.0.mlp.c_fc", 2), prod.first
     assert rec.scales[:2] == [65536.0] * 2 and rec.scales[2] < rec.scales[1], rec.scales
-    _at(rep, "overflow", "transformer.h.0.mlp.c_fc", 2)
+    at_top3(rep, "overflow", "transformer.h.0.mlp.c_fc", 2, severity="error")
     no_error_at(rep, {"transformer.h.0.mlp", "transformer.h.0.mlp.act", "transformer.h.0.mlp.c_proj"})
 
 
@@ -310,13 +281,13 @@ def test_3_trainer_label_smoothing_all_ignored_batch_is_nan_outside_the_model(tm
     losses = tr.step_losses()
     if not empty:
         assert prod.first is None and rec.scales == [65536.0] * 6, rec.scales
-        _falls(losses)
-        _quiet(rep)
+        falls(losses, window=1)
+        quiet_report(rep, saw_steps=False)
         return
     assert [math.isfinite(v) for v in losses] == [True, True, True, False, True, True], losses
     assert prod.first is None and not prod.nonfinite_out  # the model's outputs were finite throughout
     assert rec.scales == [65536.0] * 6, rec.scales  # zero gradients: nothing skipped
-    _at(rep, "nan_origin", None, 3)
+    at_top3(rep, "nan_origin", None, 3, severity="error")
 
 
 def _tab_item(bad=None):
@@ -350,15 +321,15 @@ def test_4_trainer_accum4_one_bad_micro_batch(tmp_path, fp16_on_cpu, bad):
     losses = tr.step_losses()
     if bad is None:
         assert prod.first is None and rec.scales == [65536.0] * 12, rec.scales
-        _falls(losses)
-        _quiet(rep)
+        falls(losses, window=1)
+        quiet_report(rep, saw_steps=False)
         return
     # real: micro-batch 1 of step 2 (examples 36-39) is the only non-finite one; the scaler skips step 2 only
     assert [k for k, v in tr.micro if not math.isfinite(v)] == [2], tr.micro
     assert [i for i, (k, v) in enumerate(tr.micro) if not math.isfinite(v)] == [9]
     assert prod.first == ("net.0", 2), prod.first
     assert rec.scales == [65536.0] * 2 + [32768.0] * 10, rec.scales
-    _at(rep, "overflow", "net.0", 2)
+    at_top3(rep, "overflow", "net.0", 2, severity="error")
     no_error_at(rep, {"net.1", "net.2", "net.4", ""})
 
 
@@ -405,7 +376,7 @@ def test_5_trainer_max_grad_norm_custom_compute_loss_log_of_zero_is_nan_outside_
     assert tr.p_one.index(True) == onset and tr.max_logit[onset] > 16, (tr.p_one, tr.max_logit)  # the mechanism
     assert prod.first is None and not prod.nonfinite_out  # the logits were finite: the NaN is the loss's own
     assert rec.scales[onset] < rec.scales[onset - 1] == 65536.0, rec.scales  # the NaN gradients were skipped
-    _at(rep, "nan_origin", None, onset)
+    at_top3(rep, "nan_origin", None, onset, severity="error")
 
 
 # ==================================================================================================== 6-8: Lightning
@@ -507,12 +478,12 @@ def test_6_lightning_auto_clip_unscaled_attention_scores_overflow_at_step_3(tmp_
     rep, prod, orc = _lit_fit(tmp_path, module, 8, _seq_data(), k=3, fn=fn, gradient_clip_val=1.0)
     if fn is None:
         assert prod.first is None and orc.scales == [65536.0] * 8, orc.scales
-        _falls(module.losses)
-        _quiet(rep)
+        falls(module.losses, window=1)
+        quiet_report(rep, saw_steps=False)
         return
     assert prod.first == ("attn", 3), prod.first
     assert orc.scales[:3] == [65536.0] * 3 and orc.scales[3] < 65536.0, orc.scales
-    _at(rep, "overflow", "attn", 3)
+    at_top3(rep, "overflow", "attn", 3, severity="error")
     no_error_at(rep, {"attn.q", "attn.k", "norm", "head.0", ""})
 
 
@@ -579,8 +550,8 @@ def test_7_lightning_manual_value_clip_before_opt_step_from_step_3(tmp_path, mod
     assert [s[0] for s in module.clip_seen] == list(range(3, 12)), module.clip_seen
     if mode == "clip_in_hook":
         assert {s[1] for s in module.clip_seen} == {"UNSCALED"} and max(s[2] for s in module.clip_seen) < 100
-        _falls(module.losses)
-        _quiet(rep)
+        falls(module.losses, window=1)
+        quiet_report(rep, saw_steps=False)
         return
     # real: the clip ran before the scaler's unscale_ (stage READY) on gradients ~65536x too large, so clamping them
     # to 0.5 and then unscaling leaves updates of at most 0.5 / 65536
