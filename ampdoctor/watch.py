@@ -374,6 +374,7 @@ class Watch:
             if name not in env.setdefault("deprecated_amp", []):
                 env["deprecated_amp"].append(name)
         self._patches.append(ScalerPatch(scaler, self.machine))
+        self.machine.scaler_adopted = True  # (its first recorded call says so: rules/callorder.py)
         st = self.machine.st
         if getattr(scaler, "_scale", None) is not None:  # its scale() of this iteration ran before it was found
             st.scale_t, st.scaled_since_update = scaler._scale, True

@@ -43,19 +43,16 @@ torch.optim.Optimizer) given to GradScaler and to watch(); T7 HF Trainer's `opti
 scale_after` (scheduler stepped only on applied steps) with init_scale 2**20, whose first steps the scaler skips
 (info only).
 
-What ampdoctor got wrong (strict xfails, 4 of 13):
- - M2: no warning or error; only '[info] overflow at head step 7 ... as designed' and '[info] skipped_steps step 5:
-   skipped 3 of 8 steps; a normal rate', although step 4 applied x1024 gradients (loss 0.62 -> 3e5, every later step
-   skipped). Should be scaler_misorder, error, step 3 (or 4), at the logging unscale_ line.
- - M2b: '[error] missing_scaler_update step 4' (an iteration ended without update()), but every iteration called
-   update(). Should be scaler_misorder, error, step 3 (or 4), at the logging unscale_ line.
+What ampdoctor got wrong (strict xfails, 1 of 13; fixed since: M2, M2b and M4 were not named - M2 gave only infos,
+M2b "missing_scaler_update" though every iteration updated, M4 an empty report; rules/callorder.py now names an
+unscale_/scaler.step with no scale() since the last update() as scaler_misorder at that call, and the unscale_ that
+raises after it is not read as a missing update):
  - M3: '[error] clip_before_unscale step 0 ... the scaled norm was clipped', but the clip saw the true norm; the
    double division by scaler.step is not named (and the suggested fix would not cure it). Should be
    scaler_misorder, error, step 0.
- - M4: empty report, verdict "Healthy"; from step 3 no scale() at all in the iteration while unscale_/step/update
-   run. Should be scaler_misorder, error, step 3.
 
-Right: M1 (scaler_misorder at step 0 at the helper's unscale_ line, with the sequence), M5 (scaler_misorder at step 3
+Right: M1 (scaler_misorder at step 0 at the helper's unscale_ line, with the sequence), M2, M2b and M4
+(scaler_misorder at the logging unscale_ / at step 3), M5 (scaler_misorder at step 3
 at the scaler.step line), and every twin T1-T7 quiet.
 """
 import copy
@@ -276,12 +273,6 @@ def log_after_update_run(variant):
     return rep, raised, ratios, logged, losses
 
 
-@xf("empty of errors: only '[info] overflow at head step 7 ... GradScaler skipped them ... as designed' and "
-    "'[info] skipped_steps step 5: skipped 3 of 8 steps; a normal rate', although step 4 applied x1024 gradients "
-    "(loss 0.62 -> 3.0e5, every later step skipped). The logging unscale_ runs after step 3's update(), so "
-    "record/monitorsink.py notes no grads_after_unscale on step 4's scaler.step, and rules/callorder.py "
-    "_backward_after_unscale is never asked. Should be: scaler_misorder error at step 3 (or 4) at the logging "
-    "unscale_ line.")
 def test_m2_grad_norm_logging_unscales_after_update_so_the_next_step_applies_scaled_gradients():
     rep, raised, ratios, logged, _ = log_after_update_run("unscale")
     # real: steps 0-3 apply the true update; step 4 (after the logging unscale_ at 3) applies it x1024, silently;
@@ -293,11 +284,6 @@ def test_m2_grad_norm_logging_unscales_after_update_so_the_next_step_applies_sca
     expect(rep, "scaler_misorder", tag="log-unscale", steps=(3, 4))
 
 
-@xf("'[error] missing_scaler_update at (run) GradScaler.unscale_ step 4: An iteration ended without "
-    "`scaler.update()`' (sequence zero_grad, scale, unscale_!), but every iteration called update(): the cause is "
-    "the logging unscale_ AFTER step 3's update() (rules/callorder.py call_order's unscale_-twice branch reads a "
-    "zero_grad after the earlier unscale_ as a new iteration and blames a missing update). Should be: "
-    "scaler_misorder error at step 3 (or 4) at the logging unscale_ line.")
 def test_m2b_grad_norm_logging_unscales_after_update_and_the_next_unscale_raises():
     rep, raised, ratios, _, _ = log_after_update_run("unscale+clip")
     # real: every iteration called update(); step 4's own unscale_ raises because of the logging unscale_ at 3
@@ -426,10 +412,6 @@ def phase_run(ok):
     return rep, raised, ratios, losses
 
 
-@xf("empty report: from step 3 no iteration calls scaler.scale() (the fp32 helper runs loss.backward()), yet "
-    "unscale_ + scaler.step + update run each iteration and every SGD update is 1024x too small; "
-    "the summary's verdict is 'Healthy: no problems found in 10 step(s)'; rules/callorder.py has no branch for an "
-    "unscale_/scaler.step with no scale() since the previous update(). Should be: scaler_misorder error at step 3.")
 def test_m4_phase_two_helper_backpropagates_the_raw_loss_from_step_3():
     rep, raised, ratios, _ = phase_run(ok=False)
     # real: steps 0-2 apply the true update; from 3 on every update is 1024x too small (the raw gradients divided)

@@ -67,6 +67,9 @@ class MonitorCallbacks:
         ev = self.event(kind, 5, stage=stage)
         if opt is not None:  # several optimizers may share one scaler (one step each, one update)
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
+            if self.scaler_adopted:  # the first call of a scaler found now: its scale() ran unseen
+                ev.extra["adopted"] = True
+                self.scaler_adopted = False
             if kind == "unscale_":
                 st.unscaled_opts.append(opt)
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself

@@ -35,7 +35,11 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                            e.step, msg, fix, dict({"file": e.file, "line": e.line, "sequence": seq,
                                                    "error": e.error, "rank_hint": 4}, **(extra or {}))))
 
+    enabled = (run.meta.scaler or {}).get("enabled", True) is not False
+    last_update = None  # index of the latest update() before events[i]
     for i, e in enumerate(events):
+        if i and events[i - 1].kind == "update":
+            last_update = i - 1
         prev = events[:i]
         since_update = []
         for p in reversed(prev):
@@ -56,6 +60,21 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "fp16 gradients had no protection from underflow and the scaler cannot unscale or skip them.",
                 "Backpropagate the scaled loss — `scaler.scale(loss).backward()`, or the framework's own "
                 "backward (`accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`):\n" + ORDER)
+        elif e.kind in ("unscale_", "step") and not e.error and enabled and last_update is not None and \
+                not e.extra.get("adopted") and \
+                first_scale is not None and first_scale < last_update and _unscaled_since_update(since_update, e) \
+                and not _no_inf_follows(events, i):
+            after = not since_update  # right after update(): a logging block at the end of the loop body
+            add("scaler_misorder", e, f"`scaler.{e.kind}()` at {_loc(e)} ran with no `scaler.scale(loss)` since "
+                f"`scaler.update()` at {_loc(events[last_update])}" + (
+                    ": it unscales the gradients the last step already applied, and leaves the optimizer marked "
+                    "as unscaled, so the next `scaler.step()` applies the next iteration's gradients still "
+                    "multiplied by the loss scale (or the next `unscale_()` raises)." if after and e.kind == "unscale_"
+                    else ": this iteration's backward ran on the raw loss, so `scaler.step()` divides gradients that "
+                    "were never multiplied by the scale — every update is that many times too small, and fp16 "
+                    "gradients get no protection from underflow."),
+                "Scale every backward and unscale only between it and the step (read a gradient norm for the logs "
+                "before `scaler.update()`, from the unscaled gradients):\n" + ORDER)
         elif e.kind == "step" and (_CLOSURE in (e.error or "") or e.extra.get("closure")):
             add("scaler_misorder", e, f"`scaler.step(optimizer, closure)` at {_loc(e)}: GradScaler does not support "
                 "closures (given as `closure=` it raises 'Closure use is not currently supported'; given positionally "
@@ -92,6 +111,10 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     "Call update() after step():\n" + ORDER)
         elif e.kind == "unscale_" and (_UNSCALE_TWICE in (e.error or "") or
                                         any(p.kind == "unscale_" for p in since_update)):
+            if last_update is not None and _unscaled_since_update(
+                    since_update[:[p.kind for p in since_update].index("unscale_")] if any(
+                        p.kind == "unscale_" for p in since_update) else since_update, e):
+                continue  # the earlier unscale_ came with no scale() after an update(): named above, at that call
             new_iter = False
             seen_unscale = False
             for p in since_update:
@@ -186,6 +209,22 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     + ORDER)
                 break
     return out
+
+
+def _unscaled_since_update(since_update: list[CallEvent], e: CallEvent) -> bool:
+    """No loss was scaled (and no other optimizer unscaled or stepped) between the last update() and `e`."""
+    return not any(p.kind in ("scale", "unscale_", "step", "optimizer.step") for p in since_update)
+
+
+def _no_inf_follows(events: list[CallEvent], i: int) -> bool:
+    """The iteration's scaler.step after `events[i]` found no inf checks (no backward reached the optimizer at all:
+    that branch names it)."""
+    for p in events[i:]:
+        if p.kind == "step" and _NO_INF in (p.error or ""):
+            return True
+        if p.kind in ("update", "scale", "zero_grad") and p is not events[i]:
+            return False
+    return False
 
 
 def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallEvent | None:
