@@ -295,3 +295,15 @@ def quiet(reps):
     """Every report (w.report(), diagnose(run_dir), ...) has no warning or error and exit code 0."""
     for rep in reps:
         assert alarms(rep.findings) == [] and rep.exit_code == 0, [f.one_line() for f in rep.findings]
+
+
+def quiet_watch(w, *, close=False, internal=False):
+    """w's report (after w.close() with `close`) has no warning or error (info is fine); returns the report."""
+    # `internal`: and ampdoctor watched the whole run (no internal error in the summary).
+    if close:
+        w.close()
+    rep = w.report()
+    summary = rep.to_dict()["summary"] if internal else {}
+    assert not alarms(rep.findings) and not summary.get("internal_error"), [f.one_line() for f in rep.findings] + (
+        [summary.get("verdict"), summary.get("internal_error")] if internal else [])
+    return rep

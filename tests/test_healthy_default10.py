@@ -67,6 +67,7 @@ weight or past a huge factor, and update_spike's causes follow the optimizer (Ad
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -79,9 +80,11 @@ import torch.nn.functional as F
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, one_thread  # noqa: E402
+from scenarios import gen, one_thread, quiet_watch  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
+
+quiet = functools.partial(quiet_watch, close=True, internal=True)  # closed first; no internal error either
 
 FP16, BF16 = torch.float16, torch.bfloat16
 EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
@@ -96,16 +99,6 @@ def seeded():
 
 def watch(model, opt, sc, every):
     return ampdoctor.watch(model, optimizer=opt, scaler=sc, **({} if every is None else {"every": every}))
-
-
-def quiet(w):
-    """No warning, no error (info is fine), and ampdoctor watched the whole run (no internal error)."""
-    w.close()
-    rep = w.report()
-    summary = rep.to_dict()["summary"]
-    assert not alarms(rep.findings) and not summary.get("internal_error"), \
-        [f.one_line() for f in rep.findings] + [summary.get("verdict"), summary.get("internal_error")]
-    return rep
 
 
 def healthy(losses, scales=(), *, fall=0.9, k=None, first=10, max_late_backoffs=2):

@@ -58,6 +58,7 @@ warmup from lr 0 (no update to round); record/params.py update_check_pre skips a
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 from pathlib import Path
@@ -70,9 +71,11 @@ import torch.nn.functional as F
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, one_thread  # noqa: E402
+from scenarios import gen, one_thread, quiet_watch  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
+
+quiet = functools.partial(quiet_watch, close=True, internal=True)  # closed first; no internal error either
 
 BF16, FP16 = torch.bfloat16, torch.float16
 LOW = (BF16, FP16)
@@ -88,16 +91,6 @@ def seeded():
 
 def watch(model, opt, sc=None, every=None):
     return ampdoctor.watch(model, optimizer=opt, scaler=sc, **({} if every is None else {"every": every}))
-
-
-def quiet(w):
-    """No warning, no error (info is fine), and ampdoctor watched the whole run (no internal error)."""
-    w.close()
-    rep = w.report()
-    summary = rep.to_dict()["summary"]
-    assert not alarms(rep.findings) and not summary.get("internal_error"), \
-        [f.one_line() for f in rep.findings] + [summary.get("verdict"), summary.get("internal_error")]
-    return rep
 
 
 def falls(losses, fall=0.8, k=None):

@@ -67,6 +67,7 @@ benign up to 1 in 8 steps (`PROBE_SHARE`).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 from pathlib import Path
@@ -80,9 +81,11 @@ from torch.utils.checkpoint import checkpoint
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, one_thread  # noqa: E402
+from scenarios import gen, one_thread, quiet_watch  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
+
+quiet = functools.partial(quiet_watch, close=True, internal=True)  # closed first; no internal error either
 
 FP16, BF16 = torch.float16, torch.bfloat16
 EVERY = pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
@@ -98,16 +101,6 @@ def seeded():
 
 def watch(model, opt, sc=None, every=None):
     return ampdoctor.watch(model, optimizer=opt, scaler=sc, **({} if every is None else {"every": every}))
-
-
-def quiet(w):
-    """No warning, no error (info is fine), and ampdoctor watched the whole run (no internal error)."""
-    w.close()
-    rep = w.report()
-    summary = rep.to_dict()["summary"]
-    assert not alarms(rep.findings) and not summary.get("internal_error"), \
-        [f.one_line() for f in rep.findings] + [summary.get("verdict"), summary.get("internal_error")]
-    return rep
 
 
 def falls(losses, fall=0.8, k=None):

@@ -33,21 +33,11 @@ from torch.utils.checkpoint import checkpoint
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import TinyGPT, gen, one_thread  # noqa: E402
+from scenarios import TinyGPT, gen, one_thread, quiet_watch as quiet  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 FP16, BF16 = torch.float16, torch.bfloat16
-
-
-def alarms(rep):
-    return [f.one_line() for f in rep.findings if f.severity in ("warning", "error")]
-
-
-def quiet(w):
-    rep = w.report()
-    assert not [f.one_line() for f in rep.findings if f.severity in ("warning", "error")], \
-        [f.one_line() for f in rep.findings]
 
 
 def healthy(losses, scales=(), fall=0.9, k=5, max_backoffs=5, bounded=None):

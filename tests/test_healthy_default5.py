@@ -55,16 +55,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, one_thread  # noqa: E402
+from scenarios import gen, one_thread, quiet_watch as quiet  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
 FP16, BF16 = torch.float16, torch.bfloat16
-
-
-def quiet(w):
-    rep = w.report()
-    assert not alarms(rep.findings), [f.one_line() for f in rep.findings]
 
 
 def healthy(losses, scales=(), fall=0.9, k=5, max_backoffs=5, drop=None):

@@ -70,7 +70,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, randn, one_thread  # noqa: E402
+from scenarios import gen, randn, one_thread, quiet_watch as quiet  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -84,13 +84,6 @@ FP16 = torch.float16
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
-
-def quiet(w):
-    """The report holds no warning and no error (info is fine)."""
-    rep = w.report()
-    assert not alarms(rep.findings), [f.one_line() for f in rep.findings]
-    return rep
-
 
 def healthy(losses, scales=(), *, fall=0.9, k=None, first=20, max_late_backoffs=1):
     """Every loss finite; the mean of the last k losses below `fall` x the mean of the first k (default k = a tenth

@@ -99,9 +99,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, one_thread, randn  # noqa: E402
+from scenarios import gen, one_thread, quiet_watch, randn  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
+
+quiet = functools.partial(quiet_watch, internal=True)  # the report has no internal error either
 
 
 @pytest.fixture(autouse=True)
@@ -115,16 +117,6 @@ Run = namedtuple("Run", "w losses scales")
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
-
-def quiet(w):
-    """The report holds no warning and no error (info is fine), and ampdoctor watched the whole run: it did not
-    switch itself off after an internal error (a RuntimeWarning to the user and a report that stops there)."""
-    rep = w.report()
-    summary = rep.to_dict()["summary"]
-    assert not alarms(rep.findings) and not summary.get("internal_error"), \
-        [f.one_line() for f in rep.findings] + [summary.get("verdict")]
-    return rep
-
 
 def healthy(losses, scales=(), *, fall=0.9, k=None, first=10, max_late_backoffs=1):
     """Every loss finite; the mean of the last k losses below `fall` x the mean of the first k (default k = a tenth

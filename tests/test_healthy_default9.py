@@ -100,6 +100,7 @@ same as in 4)."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 from collections import namedtuple
@@ -115,9 +116,11 @@ from torch.utils.checkpoint import checkpoint
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import alarms, gen, one_thread, randn  # noqa: E402
+from scenarios import gen, one_thread, quiet_watch, randn  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
+
+quiet = functools.partial(quiet_watch, internal=True)  # the report has no internal error either
 
 FP16, BF16 = torch.float16, torch.bfloat16
 Run = namedtuple("Run", "w losses scales grads extra", defaults=((),))
@@ -129,15 +132,6 @@ def seeded():
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
-
-def quiet(w):
-    """No warning, no error (info is fine), and ampdoctor watched the whole run (no internal error)."""
-    rep = w.report()
-    summary = rep.to_dict()["summary"]
-    assert not alarms(rep.findings) and not summary.get("internal_error"), \
-        [f.one_line() for f in rep.findings] + [summary.get("verdict")]
-    return rep
-
 
 def healthy(losses, scales=(), *, fall=0.9, k=None, first=10, max_late_backoffs=2):
     """Every loss finite; the mean of the last k losses below `fall` x the mean of the first k (k: a tenth of the
