@@ -60,20 +60,18 @@ layers take a sparse COO adjacency (`torch.sparse.mm`), jagged nested tensors (`
 
 Results: 22 runs, the same on the default oneDNN ISA and with ONEDNN_MAX_CPU_ISA=AVX2 / AVX512_CORE_BF16.
 
-What ampdoctor got wrong (5 strict xfails, 3 designs): it SWITCHES ITSELF OFF at step 0 of a healthy run (the
-report is then silent - no warning or error - but its verdict is "ampdoctor stopped watching at step 0 after an
-internal error", only 1 step is recorded and a RuntimeWarning is emitted), where it should watch the whole run and
-stay quiet:
-  - case 2 [default, every=1] and case 6 [func]: a functorch transform (torch.vmap, torch.func.grad) over a
-    REGISTERED module hands its forward pre-hook a wrapped tensor (BatchedTensor / GradTrackingTensor) with no
-    storage; record/cpustats.stats calls `data_ptr()` on it -> RuntimeError "Cannot access data pointer of Tensor
-    that doesn't have storage" (summary.internal_error, step 0). Case 1 (the template kept out of the module tree)
-    and case 6 [autograd] are fine;
+What ampdoctor got wrong (5 runs, 3 designs; all fixed since): it switched itself off at step 0 of a healthy run (the
+report then silent, its verdict "ampdoctor stopped watching at step 0 after an internal error"):
+  - case 2 [default, every=1] and case 6 [func]: a torch.func transform (torch.vmap, torch.func.grad) over a
+    REGISTERED module hands its hooks wrapped tensors (BatchedTensor / GradTrackingTensor) without storage;
+    record/cpustats.stats called `data_ptr()` on one -> RuntimeError. Now stats.is_measurable (and the headroom)
+    skip such wrappers;
   - case 4 [default, every=1]: a registered module whose parameters are on the 'meta' device (a functional_call
-    template) -> record/params.weight_amax -> norms() -> NotImplementedError "Cannot copy out of meta tensor; no
-    data!" (summary.internal_error, step 0). Case 3 (the same hypernetwork with a real target) is fine.
+    template) -> record/params.weight_amax -> NotImplementedError "Cannot copy out of meta tensor". Now the watch's
+    parameter list leaves meta parameters out.
 
-Right: a vmap ensemble over stack_module_state with an unregistered meta template; functional_call with substituted
+Right: a vmap ensemble over stack_module_state with an unregistered meta template (and, since the fixes, with it
+registered); the meta template of a hypernetwork; torch.func.grad inside the forward; functional_call with substituted
 parameters on a registered target; autograd.grad(create_graph=True) inside the forward (MAML's unscaled inner loss
 and double backward, a PINN's du/dx) with later single backoffs read as normal; custom autograd Functions under
 custom_fwd/custom_bwd (fp32-cast and fp16); lazy modules; a block registered three times and called thrice, tied
@@ -96,17 +94,6 @@ from scenarios import EVERY, alarms, lines, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 FP16 = dict(device_type="cpu", dtype=torch.float16)
-FUNCTORCH = ("ampdoctor switched itself off at step 0 (summary.internal_error: RuntimeError 'Cannot access data "
-             "pointer of Tensor that doesn't have storage', raised by record/cpustats.stats calling data_ptr() on the "
-             "{what} in a watched module's forward pre-hook, record/modulehooks._forward_pre); the rest of the run is "
-             "unwatched (1 of 30 steps recorded, 0 module records; verdict 'ampdoctor stopped watching at step 0'). "
-             "It should measure or skip functorch-wrapped tensors and stay on: no finding, internal_error None")
-META = ("ampdoctor switched itself off at step 0 (summary.internal_error: NotImplementedError 'Cannot copy out of meta "
-        "tensor; no data!', raised by record/params.weight_amax -> norms() on the 'meta' parameters of the template "
-        "`target`'s Linear in its forward pre-hook, record/modulehooks._forward_pre); the rest of the run is unwatched "
-        "(1 of 36 steps recorded, 0 module records). Parameters on the meta device (in no optimizer; functional_call "
-        "supplies the real weights) should be skipped: no finding, internal_error None")
-
 
 # --- harness ----------------------------------------------------------------------------------------------------------
 class Fit:
@@ -221,7 +208,6 @@ def test_vmap_ensemble_stack_module_state_base_outside_the_tree(every):
 
 
 @EVERY
-@pytest.mark.xfail(strict=True, reason=FUNCTORCH.format(what="BatchedTensor (torch.vmap) input of `base`"))
 def test_vmap_ensemble_template_registered_as_a_submodule(every):
     ensemble_run(True, every)
 
@@ -282,7 +268,6 @@ def test_hypernetwork_functional_call_on_a_registered_target(every):
 
 
 @EVERY
-@pytest.mark.xfail(strict=True, reason=META)
 def test_hypernetwork_generating_all_weights_of_a_meta_template(every):
     hyper_run("meta", every)
 
@@ -341,8 +326,7 @@ class PINN(nn.Module):
         return (du - torch.cos(2 * x.detach())).pow(2).mean() + u0.pow(2).mean()
 
 
-@pytest.mark.parametrize("how", ["autograd", pytest.param("func", marks=pytest.mark.xfail(
-    strict=True, reason=FUNCTORCH.format(what="GradTrackingTensor (torch.func.grad) input of `net`")))])
+@pytest.mark.parametrize("how", ["autograd", "func"])
 def test_pinn_derivative_of_the_output_inside_the_forward(how):
     torch.manual_seed(0)
     model = PINN(how)

@@ -44,18 +44,15 @@ running the CLI's main(argv) (what `python -m ampdoctor` runs; torch imported on
 literal `python -m ampdoctor replay` of case 1's capture must say the same. Same results with
 ONEDNN_MAX_CPU_ISA=AVX2 and AVX512_CORE_BF16.
 
-What ampdoctor got wrong (strict xfail):
+What ampdoctor got wrong (strict xfail, 1 of 16):
 - test_two_producers_the_second_is_named_too: at step 5 both blocks.0.fc1 and blocks.2.fc1 overflow from finite
   inputs (independent fields); w.report() and the replay name only `overflow at blocks.0.fc1 aten::_to_copy step 5`
   (+ skipped_steps) - nothing at blocks.2.fc1. replay/explain.py build_findings picks events[0] as the one forward
   origin (plus the first NaN-making op and the first backward producer), so a second forward event whose inputs were
   finite is dropped; it should also report overflow at `blocks.2.fc1` (step 5, forward), after blocks.0.fc1.
-- test_replay_without_loss_fn_dates_the_loss_outside_to_the_forward: replaying case 6's capture without --loss (README:
-  the captured output gradient replaces loss_fn) gives `nan_origin at module null, phase backward, step 4`, while the
-  watch says `overflow at module null, forward` for the same step and the capture's manifest holds
-  `extra.loss_finite: false`; replay/__init__.py _outside_loss_finding always writes phase "backward" (README's
-  "a gradient already non-finite when it reaches the model's output (the loss's own backward)") and takes the rule
-  from the gradient's NaN. It should be phase forward (the loss computation's forward made the inf).
+Fixed since: test_replay_without_loss_fn_dates_the_loss_outside_to_the_forward (replaying case 6's capture without
+--loss said phase backward though the capture's manifest holds `extra.loss_finite: false`; replay/__init__.py's
+_outside_loss_finding now dates it to the forward when the capture says the loss itself was not finite).
 Right: all seven, from the watch at the default sampling and from the replay of their capture: 1 overflow at
 blocks.1.mlp aten::mul step 4; 2 overflow at embed aten::mm step 5; 3 overflow at energy aten::div (SqrtBackward0)
 step 4 backward; 4 overflow at layer.mlp aten::mul step 4; 5 overflow at layers.0.attn aten::bmm step 3; 6 overflow at
@@ -620,11 +617,6 @@ XFAIL_SECOND = (
     "blocks.0.fc1 and blocks.2.fc1 both overflow from finite inputs at step 5; w.report() and the replay name only "
     "overflow at blocks.0.fc1 (aten::_to_copy): replay/explain.py build_findings takes events[0] as the one forward "
     "origin, so blocks.2.fc1's own overflow (finite input) is dropped; it should be reported after blocks.0.fc1")
-XFAIL_NOLOSS = (
-    "the replay of the loss-outside capture without --loss says nan_origin at module null, phase backward: "
-    "replay/__init__.py _outside_loss_finding always writes phase 'backward' although the capture holds "
-    "extra.loss_finite=false and the watch says overflow at module null, forward, step 4; it should be phase forward")
-
 
 @pytest.mark.xfail(strict=True, reason=XFAIL_SECOND)
 def test_two_producers_the_second_is_named_too(runs, replays):
@@ -638,7 +630,6 @@ def test_two_producers_the_second_is_named_too(runs, replays):
 
 
 
-@pytest.mark.xfail(strict=True, reason=XFAIL_NOLOSS)
 def test_replay_without_loss_fn_dates_the_loss_outside_to_the_forward(runs, replays):
     """README: the capture keeps the gradient that reached the model's outputs, so the replay runs the step's own
     backward without a loss_fn; a loss that turned inf/NaN in the loss computation outside the model is module null,

@@ -24,6 +24,7 @@ import torch
 
 from . import cpustats, fused
 from .series import encode, merge
+from .stats import is_wrapped
 from ..tensors import flatten_tensors
 
 __all__ = ["Headroom", "DTYPE_CODES"]
@@ -101,8 +102,9 @@ class Headroom:
                 if self.observing:
                     self.seen_alias.append((slot, self.last_slot, self.last_pass))
                 continue
-            if t.dtype not in _LOW or t.layout != _STRIDED:
+            if t.dtype not in _LOW or t.layout != _STRIDED or is_wrapped(t):
                 continue  # fp32 values have no fp16/bf16 range to lose; a cast into a low-precision op shows there
+                #           (a torch.func transform's wrapper has no values of its own: stats.is_measurable)
             nb = t.nbytes
             self.ft.append(t if nb <= READ_BYTES else _lead(t))  # not detached: the reduction runs under no_grad
             self.fs.append(slot)

@@ -47,7 +47,15 @@ def thresholds(dt: torch.dtype, ref: torch.dtype) -> tuple[float, float, float]:
 
 
 def is_measurable(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided and not x.is_meta
+    """A floating-point tensor with values of its own in memory: not a meta tensor, not one wrapped by a torch.func
+    transform (a module called inside torch.vmap / torch.func.grad gets those: they have no storage)."""
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided and not x.is_meta \
+        and not is_wrapped(x)
+
+
+_functorch = getattr(torch._C, "_functorch", None)
+is_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None) or (lambda x: False)
+"""Whether a tensor is a torch.func transform's wrapper (BatchedTensor, GradTrackingTensor)."""
 
 
 def ref_dtype(dt: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:

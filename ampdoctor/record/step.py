@@ -61,7 +61,9 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
         self.hr_hooks = HeadroomHooks(self)  # their life, and which routine steps record the series
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
-        self.params = [(n, p) for n, p in watch.model.named_parameters()]  # fixed for the watch's lifetime
+        # fixed for the watch's lifetime; not a parameter on the meta device (a template whose weights a
+        # hypernetwork or torch.func.functional_call supplies: it holds no values)
+        self.params = [(n, p) for n, p in watch.model.named_parameters() if not p.is_meta]
         self.param_info = {n: (str(p.dtype).replace("torch.", ""), p.numel()) for n, p in self.params}
         self.param_by_name = dict(self.params)
         self._dtype0 = self.params[0][1].dtype if self.params else None  # (a cast of the model: _new_step)

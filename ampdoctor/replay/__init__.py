@@ -168,7 +168,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             f for f in findings if f.rule not in ("overflow", "nan_origin")]
     if outside_bad and out_ok and not forward_error and not any(
             f.rule in ("overflow", "nan_origin") and f.phase == "forward" for f in findings):
-        findings.insert(0, _outside_loss_finding(outside_bad, cap.step))
+        findings.insert(0, _outside_loss_finding(outside_bad, cap.step, loss_bad=cap_loss_finite is False))
     data = {"capture": cap.path, "device": str(dev), "dtype": dtype_name, "scale": scale,
             "chain": explain.chain(tracer.events, loss_finite, grads_bad, tracer.constants,
                                    forward_error),
@@ -281,15 +281,18 @@ def _low_precision_first(events: list) -> list:
     return sorted(events, key=lambda e: (e.phase != "forward", e.absorbed, not lowp(e), e.seq))
 
 
-def _outside_loss_finding(bad: list, step) -> Finding:
+def _outside_loss_finding(bad: list, step, loss_bad: bool = False) -> Finding:
     """The gradient the capture kept for the model's output was already inf/NaN, and no loss_fn was given: the loss
     computation outside the model produced it (replayed without it, the model's own backward would only pass it
-    on)."""
+    on). `loss_bad`: the step's loss value itself was not finite (the capture's `loss_finite`), so the loss's
+    forward made it; otherwise its backward did."""
     nan = any(bool(torch.isnan(g).any()) for g in bad)
+    made = ("the loss value itself was not finite (the capture says so): the loss computation outside the model "
+            "produced it in its forward" if loss_bad else "the loss computation outside the model produced it")
     return Finding(
-        "nan_origin" if nan else "overflow", "error", "backward", None, None, step,
+        "nan_origin" if nan else "overflow", "error", "forward" if loss_bad else "backward", None, None, step,
         f"The gradient this step's loss gave the model's output was already {'NaN' if nan else 'inf'} (kept in the "
-        "capture): the loss computation outside the model produced it, not a module of the model.",
+        f"capture): {made}, not a module of the model.",
         "Replay with the loss function to see which op (`ampdoctor.replay(capture, loss_fn=...)`, CLI `--loss "
         "package.module:function`); compute the loss in fp32 (`logits.float()`), and keep exp/log/pow of the "
         "outputs in a safe range.",
