@@ -161,6 +161,8 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         if twin is not None and twin.severity == "info" and g.severity != "info":
             twin = None  # the replay alone judged it benign (its scale search): its words would contradict g's
         msg = twin.message if twin else f"{ev.get('op')} in `{ev['module']}` {what} ({ev.get('line')})."
+        if twin is not None and twin.evidence.get("also_producers"):  # (further producers of the step: explain.py)
+            evd["also_producers"] = twin.evidence["also_producers"]
         evd.pop("unlocated", None)
         findings[i] = Finding(rule, g.severity, ev.get("phase") or g.phase, ev["module"], ev.get("op"), onset(g.step),
                               msg, twin.fix if twin else g.fix, evd)

@@ -209,6 +209,17 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
     origins = [e for i, e in enumerate(picked) if i == 0 or not (e.in_has_inf or e.phase == picked[0].phase)]
     consequences = [e for e in picked if e not in origins]
     benign = bool(scaler_search and scaler_search.get("finite_at"))
+    # other forward ops that made inf/NaN from finite inputs in modules unrelated to the origin: the same defect
+    # repeated in later layers (each block's own mask constant or decay) or a second one; listed with the first
+    # finding, not as findings of their own (a defect repeated in every layer would fill the first three)
+    also: list[OpEvent] = []
+    if origins and origins[0].phase == "forward":
+        for x in events:
+            if len(also) >= 4:
+                break
+            if x.phase == "forward" and x not in picked and not x.in_has_inf and not x.absorbed and \
+                    x.module is not None and not any(modules_related(x.module, y.module) for y in [origins[0], *also]):
+                also.append(x)
     for i, e in enumerate(origins):
         rule = e.kind
         if rule == "overflow" and e.op.split("::")[-1] in _MASK_CAPABLE and is_mask_like(e.absmax_in) and (
@@ -229,6 +240,11 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
                     "role": "origin", "rank_hint": next(rank) + (0 if step_bad else 500)}
         if _at_pole(e):
             evidence["pole_zeros_in"] = e.in_zeros  # inputs at the op's singular point (see _pole_underflow)
+        if i == 0 and also:
+            evidence["also_producers"] = [{"module": x.module, "op": x.op, "kind": x.kind, "line": x.line}
+                                          for x in also]
+            msg += ("; the same step also made inf/NaN from finite inputs in "
+                    + ", ".join(f"{x.op} in {_where(x.module)}" for x in also))
         if i == 0 and consequences:
             evidence["consequences"] = [
                 {"phase": c.phase, "module": c.module, "op": c.op, "kind": c.kind, "line": c.line,
