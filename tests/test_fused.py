@@ -231,3 +231,39 @@ def test_every1_on_cuda_with_inplace_writes_after_hooks():
         assert set(got) == set(want), (r.step, set(want) - set(got))
         for n, v in want.items():
             assert got[n] == pytest.approx(v, rel=0, abs=0), (r.step, n, got[n], v)
+
+
+def test_fused_statistics_fall_back_when_the_kernels_cannot_launch(monkeypatch):
+    """A Triton that cannot compile or launch the statistics kernels here must not switch the watch off at a sampled
+    step: the rows already queued are filled with torch ops (the same numbers) and the eager path serves from then
+    on."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA")
+    import ampdoctor
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Broken:
+        def __getitem__(self, i):
+            raise RuntimeError("triton: cannot compile for this device")
+    monkeypatch.setattr(fused, "_KERNEL", Broken())
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cuda")
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc, every=1)
+    outs = {}
+    h = m[0].register_forward_hook(lambda mod, i, o: outs.__setitem__("0", o.detach().abs().max().item()))
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.mse_loss(m(torch.randn(8, 16, device="cuda")).float(), torch.zeros(8, 4, device="cuda"))
+        sc.scale(loss).backward()
+        sc.step(opt)
+        sc.update()
+    h.remove()
+    w.close()
+    recs = list(w.steps)
+    assert fused._KERNEL is False and len(recs) == 3 and not any(r.internal_error for r in recs)
+    got = next(c.out.absmax for c in recs[-1].calls if c.module == "0")
+    assert got == outs["0"]

@@ -49,6 +49,13 @@ def _kernel():
     return _KERNEL or None
 
 
+def _off() -> None:
+    """A kernel failed to compile or launch: the fused statistics are off from now on (`available` is False; the
+    callers' eager path serves; a buffer's pending rows are filled with torch ops)."""
+    global _KERNEL
+    _KERNEL = False
+
+
 def _build():
     from . import fusedkernels
     return fusedkernels.stats_kernel, fusedkernels.stats_table_kernel
@@ -149,8 +156,30 @@ class StatBuffer:
         near, tiny, ovf = thresholds
         blocks = triton_cdiv(n, _BLOCK)
         grid = min(blocks, _MAX_PROGRAMS)
-        _kernel()[0][(grid,)](x, n, triton_cdiv(blocks, grid), self.cnt[row], self.ext[row], tiny, near, ovf,
-                              BLOCK=_BLOCK)
+        k = _kernel()
+        try:
+            if k is None:
+                raise RuntimeError("the fused statistics kernel is off")
+            k[0][(grid,)](x, n, triton_cdiv(blocks, grid), self.cnt[row], self.ext[row], tiny, near, ovf,
+                          BLOCK=_BLOCK)
+        except Exception:  # a Triton that cannot compile or launch this here: the same numbers with torch ops
+            _off()
+            self._eager(x, row, thresholds)
+
+    def _eager(self, x: torch.Tensor, row: int, thresholds) -> None:
+        """What the kernels add into a row, with torch ops (the values compared as fp32, as the kernels do)."""
+        near, tiny, ovf = thresholds
+        v = x.detach().reshape(-1).float()
+        a = v.abs()
+        fin = torch.isfinite(v)
+        af = torch.where(fin, a, torch.zeros((), device=v.device))
+        cnt = torch.stack([torch.isnan(v).sum(), (v == math.inf).sum(), (v == -math.inf).sum(), (fin & (af == 0)).sum(),
+                           (fin & (af >= near)).sum(), (fin & (af > 0) & (af < tiny)).sum(), (fin & (af >= ovf)).sum()])
+        self.cnt[row] += cnt
+        amin = torch.where(fin & (af > 0), af, torch.full((), math.inf, device=v.device)).amin() if v.numel() else \
+            torch.full((), math.inf, device=v.device)
+        self.ext[row, 0] = torch.maximum(self.ext[row, 0], af.amax() if v.numel() else self.ext[row, 0])
+        self.ext[row, 1] = torch.minimum(self.ext[row, 1], amin)
 
     def flush(self) -> None:
         """Measure the pending values that wait (one table launch per group and size class), and compare every
@@ -188,7 +217,15 @@ class StatBuffer:
             ns = [e[0].numel() for e in cls]
             meta = self.ring.put([(e[0].data_ptr() - b) // size for e in cls] + ns + [e[1] for e in cls])
             P = max(1, min(_T_MAX_PROGRAMS, triton_cdiv(max(ns), span)))
-            _kernel()[1][(T, P)](base, meta, T, self.cnt, self.ext, tiny, near, ovf, BLOCK=_BLOCK, ALIGN=16 // size)
+            k = _kernel()
+            try:
+                if k is None:
+                    raise RuntimeError("the fused statistics kernel is off")
+                k[1][(T, P)](base, meta, T, self.cnt, self.ext, tiny, near, ovf, BLOCK=_BLOCK, ALIGN=16 // size)
+            except Exception:  # (see _launch)
+                _off()
+                for e in cls:
+                    self._eager(e[0], e[1], thresholds)
 
     def vectors(self) -> torch.Tensor:
         """All rows as float64 vectors laid out like records.STAT_FIELDS (one small kernel chain per step)."""
