@@ -395,6 +395,9 @@ def _groups(optimizer, model) -> list[dict]:
     out = []
     for g in optimizer.param_groups:
         d = {k: g[k] for k in ("lr", "eps", "weight_decay") if isinstance(g.get(k), (int, float))}
+        eps = g.get("eps")
+        if isinstance(eps, (tuple, list)) and all(e is None or isinstance(e, (int, float)) for e in eps):
+            d["eps"] = list(eps)  # (Adafactor's pair: eps1 for the squared gradient, eps2 for the update's scale)
         d["params"] = [[names.get(id(p), "?"), str(p.dtype).replace("torch.", "")] for p in g["params"]][:2000]
         out.append(d)
     return out

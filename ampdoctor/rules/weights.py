@@ -232,6 +232,8 @@ def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
     trained = _trained(run)
     for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
         eps = g.get("eps")
+        if isinstance(eps, list):  # a pair (Adafactor): the smallest one given
+            eps = min((e for e in eps if isinstance(e, (int, float)) and e > 0), default=None)
         low = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
                and p[1] == "float16" and (p[0] in trained or p[0] == "?")]
         if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
