@@ -227,7 +227,7 @@ def test_every1_on_cuda_with_inplace_writes_after_hooks():
     recs = list(w.steps)
     assert len(recs) == 4 and not any(r.internal_error for r in recs)
     for r, want in zip(recs, per_step):
-        got = {c.module: c.out.absmax for c in r.calls if c.out is not None and c.module in want}
+        got = {c.module: c.out.absmax for c in r.modules if c.out is not None and c.module in want}
         assert set(got) == set(want), (r.step, set(want) - set(got))
         for n, v in want.items():
             assert got[n] == pytest.approx(v, rel=0, abs=0), (r.step, n, got[n], v)
@@ -265,5 +265,5 @@ def test_fused_statistics_fall_back_when_the_kernels_cannot_launch(monkeypatch):
     w.close()
     recs = list(w.steps)
     assert fused._KERNEL is False and len(recs) == 3 and not any(r.internal_error for r in recs)
-    got = next(c.out.absmax for c in recs[-1].calls if c.module == "0")
+    got = next(c.out.absmax for c in recs[-1].modules if c.module == "0")
     assert got == outs["0"]
