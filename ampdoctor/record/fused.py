@@ -29,7 +29,7 @@ _MAX_PROGRAMS = 1024   # grid cap (a few waves on an H100/H200's 132 SMs)
 _T_ITERS = 8           # the table kernel: a program reads at least this many blocks of its tensor ...
 _T_MAX_PROGRAMS = 512  # ... and a tensor gets this many programs at most
 FLUSH_TENSORS = 128    # pending tensors that trigger one batched pass
-FLUSH_BYTES = 512 << 20  # ... or pending bytes (a gradient, a checkpointed activation: kept alive by the reference)
+FLUSH_BYTES = 128 << 20  # ... or pending bytes (a gradient, a checkpointed activation: kept alive by the reference)
 
 
 def available(t: torch.Tensor) -> bool:
