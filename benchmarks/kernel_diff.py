@@ -28,7 +28,8 @@ def per_kernel(v, batches, loss_of, steps):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             v.step(batches[i % len(batches)], loss_of)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     out: dict = collections.defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if str(getattr(e, "device_type", "")).endswith("CUDA"):
