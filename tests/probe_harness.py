@@ -587,3 +587,24 @@ def overflow_run(models, rd, oracle=True):
         assert finite == [True, True, True, True, False, True]
     assert os.path.isdir(os.path.join(rd, "captures", "4"))
     return rd
+
+
+def run_misuse(m, body, steps=8, **wkw):
+    """watch(m, **wkw) -> body(i) for each step -> close; an exception torch raises for a misuse stops the loop
+    (recorded as (iteration, message)). Returns (report, raised)."""
+    w = ampdoctor.watch(m, **wkw)
+    raised = None
+    try:
+        for i in range(steps):
+            body(i)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raised = (i, str(e))
+    finally:
+        w.close()
+    return w.report(), raised
+
+
+def learned(losses, k=2, factor=0.9):
+    """Every loss finite and the last `k` below `factor` times the first `k` (the run learned)."""
+    assert all(map(math.isfinite, losses)), losses
+    assert sum(losses[-k:]) / k < factor * sum(losses[:k]) / k, losses

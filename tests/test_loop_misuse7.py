@@ -65,9 +65,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ampdoctor
 from scenarios import lines, one_thread, randn
-from probe_harness import expect as _expect, quiet_report, tag_line, xf
+from probe_harness import expect as _expect, learned as _learned, quiet_report, run_misuse, tag_line, xf
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -136,24 +135,10 @@ def scaler(init=SCALE, **kw):
     return torch.amp.GradScaler("cpu", init_scale=init, **kw)
 
 
-def run(m, body, steps=8, **wkw):
-    """watch(m, **wkw) -> body(i) for each step -> close; an exception torch raises for a misuse stops the loop
-    (recorded as (iteration, message)). Returns (report, raised)."""
-    w = ampdoctor.watch(m, **wkw)
-    raised = None
-    try:
-        for i in range(steps):
-            body(i)
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raised = (i, str(e))
-    finally:
-        w.close()
-    return w.report(), raised
+run = run_misuse
 
 
-def learned(losses, k=3, factor=0.8):
-    assert all(map(math.isfinite, losses)), losses
-    assert sum(losses[-k:]) / k < factor * sum(losses[:k]) / k, losses
+learned = partial(_learned, k=3, factor=0.8)
 
 
 def sgd_ratio(m, before, grads, lr):
