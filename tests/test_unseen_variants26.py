@@ -31,17 +31,15 @@ Healthy twins (the fix applied; no warning, no error): 1 with fp32 weights under
 MultiStepLR; 2 with a default GradScaler; 3 with fp32 weights under fp16 autocast + GradScaler and the same
 Adafactor(eps=(1e-30, 1e-3)); 4 with fp32 weights under fp16 autocast + GradScaler and the same RMSprop.
 
-What ampdoctor got wrong (strict xfails, 1 of 8; 3 fixed since):
- 2. no scaler, a sequence-length jump at step 12 that makes 100% of the gradients into `head`/`fc` subnormal: an
-    empty report at the default sampling. Per-module gradients are recorded on step 0 (clean) and on bad steps; with
-    no inf, no skip and no loss jump no later step is sampled (README "Known limitations": gradients drifting into
-    the subnormal range between sampled steps are found at the next sampled step; here there is none in the run).
-    With every=1 it is right: `[error] underflow at head step 12`. Should be `underflow` (backward) at `head`,
-    step 12, at the default too (a 2000x change of the input's shape/token count is a cheap trigger to sample).
+What ampdoctor got wrong (both fixed since):
+ 2. (fixed since) no scaler, a sequence-length jump at step 12 that makes 100% of the gradients into `head`/`fc`
+    subnormal: an empty report at the default sampling (per-module gradients were recorded on step 0 and on bad
+    steps only). A batch with more than 8x the input values of any before now makes its step sampled
+    (record/modulehooks._input_jump): `underflow at head step 12`.
  3. (fixed since) Adafactor eps=(1e-30, 1e-3) on fp16 weights gave no eps_underflow: rules/weights.py optimizer_eps
     read `group["eps"]` only as a number, and torch's Adafactor keeps the pair (eps1, eps2); the watch now records
     the pair and the rule reads its smallest value.
-Right: 1 (update_underflow at blocks.0.norm and blocks.1.norm, step 12, nothing at the Linear layers), 3, 4
+Right: 1 (update_underflow at blocks.0.norm and blocks.1.norm, step 12, nothing at the Linear layers), 2, 3, 4
 (eps_underflow, step 0), and the four twins are quiet. Tried and dropped (premise too weak to call a failure): a
 classifier converging without a scaler (the gradients into the deep layers 50-90% subnormal, yet every weight
 gradient within 0.1% of fp32's), and a raw first shard that backs GradScaler off to 0.5 (70% subnormal gradients
@@ -229,10 +227,6 @@ def _seq_warmup(scaler):
     return w, sub, errs, losses
 
 
-@pytest.mark.xfail(strict=True, reason="an empty report: from step 12 (the sequence-length jump) 100% of the nonzero "
-                   "gradients flowing into head and fc are fp16 subnormals and the embedding's gradient is >5% off fp32's "
-                   "(no inf, no skip, no loss jump), but the default sampling records per-module gradients only at "
-                   "step 0 and samples no later step; should be underflow (backward) at head near step 12")
 def test_fp16_without_gradscaler_sequence_length_warmup_makes_the_gradients_subnormal():
     w, sub, errs, losses = _seq_warmup(scaler=False)
     # real: before the jump < 25% of the gradients into head/fc are subnormal and the weight gradients are within

@@ -49,6 +49,8 @@ class ModuleHookCallbacks:
             st = self.st
             if torch.is_grad_enabled():
                 st.micro += 1
+                if st.micro == 1:
+                    self._input_jump(st, args, kwargs)
                 if self.copy_inputs:  # this model writes into its own inputs: keep them as it received them
                     st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng_state()))
                 else:
@@ -88,6 +90,19 @@ class ModuleHookCallbacks:
             if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)
                 c.grad_inputs = input_nodes(ins)  # their nodes now: an in-place forward replaces them
                 c.seq0 = sequence_nr()
+
+    def _input_jump(self, st, args, kwargs) -> None:
+        """The batch holds INPUT_JUMP times more values than any before (a sequence-length or resolution curriculum
+        jumping by orders of magnitude): this step takes the full statistics, as a sampled step does (what such a
+        jump does to the gradients, e.g. makes them subnormal, shows nowhere else on an unsampled step)."""
+        n = sum(t.numel() for t in args if isinstance(t, torch.Tensor))
+        if kwargs:
+            n += sum(v.numel() for v in kwargs.values() if isinstance(v, torch.Tensor))
+        seen, self.max_input = self.max_input, max(self.max_input, n)
+        if seen and n > INPUT_JUMP * seen and not st.sampled and not self.compiled and not self.hr.observing:
+            st.sampled = True
+            self.hr_hooks.start(True)  # (the series comes from the full statistics, as on any sampled step)
+            self.sync_module_hooks()
 
     def forward_post(self, module, args, kwargs, output):
         if self.disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
@@ -180,5 +195,7 @@ class ModuleHookCallbacks:
         return hook
 
 
+INPUT_JUMP = 8
+"""How many times more input values than any earlier batch make a step sampled (modulehooks._input_jump)."""
 _HALF = (torch.float16, torch.bfloat16)
 _WIDE = (torch.float32, torch.float64)

@@ -78,6 +78,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
         self.buffers = BufferWatch(watch.model)  # the buffers the training writes: finite? (buffers.py)
         self.outside_snap = None  # frozen fp16/bf16 weights as a sampled step found them (params.outside_snapshot)
         self.routine_weight_checks = 0  # bad routine steps whose weights were read (transfer.resolve; a few only)
+        self.max_input = 0  # the most input values a batch held so far (modulehooks._input_jump)
         self.scaler_adopted = False  # a scaler was just found (Watch.adopt_scaler): its next call is marked
         self.disabled = False
         self.suspended = False
