@@ -88,8 +88,7 @@ class _Step:
     found_inf_t: object = None
     grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (params.grads_after_unscale)
     param_names: list = field(default_factory=list)
-    upd: list = field(default_factory=list)  # params.update_check_pre's items (their norms before: upd_pre)
-    upd_pre: object = None
+    upd: list = field(default_factory=list)  # params.update_check_pre's items
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
     in_versions: list | None = None                   # (tensor, _version) of the root's inputs (input_writes)
     bad_batch: int = -1                                # index into batches of the first non-finite output

@@ -123,7 +123,6 @@ def update_check_pre(m, opt) -> None:
     for i, it in enumerate(items):
         it[5] = pre[i]
     st.upd = items
-    st.upd_pre = pre
 
 
 LOW_CHECK_EVERY = 4
@@ -188,7 +187,7 @@ def update_check_post(m, opt) -> None:
     post = norms([local(it[1].detach()) for it in items], 2)
     # one matrix, its rows the items' results (a few kernels in all, not a few per parameter: GPT-2 has 148)
     res = torch.zeros((len(items), 4), dtype=torch.float64, device=post.device)
-    res[:, 2] = m.st.upd_pre.to(post.device)
+    res[:, 2] = torch.stack([it[5] for it in items]).to(post.device)  # (the norms before: update_check_pre)
     res[:, 3] = post
     sampled, counts = [], []
     for i, item in enumerate(items):

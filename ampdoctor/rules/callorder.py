@@ -62,7 +62,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "backward (`accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`):\n" + ORDER)
         elif e.kind in ("unscale_", "step") and not e.error and enabled and last_update is not None and \
                 not e.extra.get("adopted") and \
-                first_scale is not None and first_scale < last_update and _unscaled_since_update(since_update, e) \
+                first_scale is not None and first_scale < last_update and _unscaled_since_update(since_update) \
                 and not _no_inf_follows(events, i):
             after = not since_update  # right after update(): a logging block at the end of the loop body
             add("scaler_misorder", e, f"`scaler.{e.kind}()` at {_loc(e)} ran with no `scaler.scale(loss)` since "
@@ -111,9 +111,8 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     "Call update() after step():\n" + ORDER)
         elif e.kind == "unscale_" and (_UNSCALE_TWICE in (e.error or "") or
                                         any(p.kind == "unscale_" for p in since_update)):
-            if last_update is not None and _unscaled_since_update(
-                    since_update[:[p.kind for p in since_update].index("unscale_")] if any(
-                        p.kind == "unscale_" for p in since_update) else since_update, e):
+            first_u = next((k for k, p in enumerate(since_update) if p.kind == "unscale_"), len(since_update))
+            if last_update is not None and _unscaled_since_update(since_update[:first_u]):
                 continue  # the earlier unscale_ came with no scale() after an update(): named above, at that call
             new_iter = False
             seen_unscale = False
@@ -211,8 +210,8 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
     return out
 
 
-def _unscaled_since_update(since_update: list[CallEvent], e: CallEvent) -> bool:
-    """No loss was scaled (and no other optimizer unscaled or stepped) between the last update() and `e`."""
+def _unscaled_since_update(since_update: list[CallEvent]) -> bool:
+    """No loss was scaled (and no optimizer unscaled or stepped) in these events since the last update()."""
     return not any(p.kind in ("scale", "unscale_", "step", "optimizer.step") for p in since_update)
 
 
