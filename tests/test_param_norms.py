@@ -34,3 +34,26 @@ def test_norms_of_fp16_values_inside_a_bf16_autocast_region():
         got_cpu = cpustats.absmax(ts).tolist()
     assert got_inf == want and got_cpu == want, (got_inf, got_cpu, want)
     assert got_l2 == [torch.linalg.vector_norm(t.float()).item() for t in small]
+
+
+def test_cpu_absmax_one_call_equals_torch_on_every_layout():
+    """cpustats.absmax measures a whole list in one C call: permuted, sliced, expanded and empty tensors, each float
+    dtype, NaN over inf over any finite value, a negative extreme."""
+    from ampdoctor.record import cpustats
+    if not cpustats.available():
+        import pytest
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(64, 48, generator=g)
+    nan_inf = torch.randn(300, generator=g)
+    nan_inf[7], nan_inf[200] = float("-inf"), float("nan")
+    only_inf = torch.randn(70000, generator=g)
+    only_inf[69999] = float("inf")
+    neg = torch.randn(129, generator=g)
+    neg[5] = -1e30
+    ts = [base, base.t(), base[:, 3:17], base[::2], torch.randn(5, generator=g).expand(4, 5), torch.empty(0),
+          nan_inf, only_inf, neg, base.half() * 300, base.bfloat16(), base.double() * 1e200, torch.zeros(9)]
+    got = cpustats.absmax(ts).tolist()
+    want = [t.double().abs().max().item() if t.numel() else 0.0 for t in ts]
+    assert [repr(x) for x in got] == [repr(x) for x in want]
+    assert [repr(x) for x in cpustats._absmax_torch(ts).tolist()] == [repr(x) for x in want]

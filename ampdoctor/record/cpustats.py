@@ -120,6 +120,33 @@ KERNEL(ad_stats_f16, int16_t, uint16_t, int16_t, 16384, 0x7fff, 0x7c00, f16_valu
 KERNEL(ad_stats_bf16, int16_t, uint16_t, int16_t, 16384, 0x7fff, 0x7f80, bf16_value)
 KERNEL(ad_stats_f32, int32_t, uint32_t, int32_t, 65536, 0x7fffffff, 0x7f800000, f32_value)
 KERNEL(ad_stats_f64, int64_t, uint64_t, int64_t, 65536, 0x7fffffffffffffffLL, 0x7ff0000000000000LL, f64_value)
+
+/* Many tensors in one call (a parameter pass: every weight or gradient of a model): each one's abs-max,
+   NaN-propagating (on the cleared-sign bit patterns NaN orders above inf above every finite value).
+   kinds: 0 f32, 1 f16, 2 bf16, 3 f64. */
+#define AMAX(NAME, S, MASK, INF, DECODE)                                                                    \
+CLONES static double NAME(const S *p, int64_t n) {                                                        \
+    S mx = 0;                                                                                              \
+    _Pragma("omp simd reduction(max:mx)")                                                                  \
+    for (int64_t i = 0; i < n; i++) { S a = p[i] & (S)MASK; mx = a > mx ? a : mx; }                        \
+    return mx > (S)INF ? (double)NAN : DECODE(mx);                                                         \
+}
+AMAX(amax_f16, int16_t, 0x7fff, 0x7c00, f16_value)
+AMAX(amax_bf16, int16_t, 0x7fff, 0x7f80, bf16_value)
+AMAX(amax_f32, int32_t, 0x7fffffff, 0x7f800000, f32_value)
+AMAX(amax_f64, int64_t, 0x7fffffffffffffffLL, 0x7ff0000000000000LL, f64_value)
+
+void ad_amax_many(int64_t k, const int64_t *ptrs, const int64_t *ns, const int64_t *kinds, double *out) {
+    for (int64_t j = 0; j < k; j++) {
+        const void *p = (const void *)ptrs[j];
+        switch (kinds[j]) {
+            case 0: out[j] = amax_f32((const int32_t *)p, ns[j]); break;
+            case 1: out[j] = amax_f16((const int16_t *)p, ns[j]); break;
+            case 2: out[j] = amax_bf16((const int16_t *)p, ns[j]); break;
+            default: out[j] = amax_f64((const int64_t *)p, ns[j]); break;
+        }
+    }
+}
 """
 
 _LIB = None
@@ -171,6 +198,8 @@ def _build():
         fn.restype = None
         fns[dt] = fn
     lib.fns = fns
+    lib.ad_amax_many.argtypes = [i64, vp, vp, vp, vp]
+    lib.ad_amax_many.restype = None
     return lib
 
 
@@ -220,6 +249,16 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and available()
 
 
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """x's values as one dense run of memory (order does not matter for a norm)."""
+    if x.is_contiguous():
+        return x
+    return x.as_strided((x.numel(),), (1,), x.storage_offset()) if is_dense(x) else x.contiguous()
+
+
 SMALL = 1 << 16        # elements: a smaller tensor is cheaper in one multi-tensor call with the others than in a C call
 CHUNK_BYTES = 64 << 20  # of small tensors one multi-tensor call takes (their absolute values are copies)
 _foreach_max = getattr(torch, "_foreach_max", None)
@@ -227,7 +266,25 @@ _foreach_max = getattr(torch, "_foreach_max", None)
 
 def absmax(ts: list[torch.Tensor]) -> torch.Tensor:
     """The abs-max of each CPU tensor, NaN-propagating (NaN when any value is, else inf when any is ±inf; 0 for an
-    empty one), as a float64 vector: a tensor of SMALL elements or more by the one-pass C statistics (no copy,
+    empty one), as a float64 vector: one C call for the whole list (a model's weights or gradients: one pass over
+    each, no copies, no ATen call per tensor; ~2x faster than the torch ops on a small GPT's weights). Tensors of other
+    dtypes, or without storage of their own (torch.func's wrapped ones), go to the torch ops."""
+    k = len(ts)
+    if not k or not available() or not all(t.dtype in _KIND and t.device.type == "cpu" for t in ts):
+        return _absmax_torch(ts)
+    try:
+        flats = [_flat(t.detach()) for t in ts]  # (kept alive through the call)
+        ptrs = (ctypes.c_int64 * k)(*[f.data_ptr() for f in flats])
+    except RuntimeError:
+        return _absmax_torch(ts)
+    out = torch.empty(k, dtype=_F64)
+    _LIB.ad_amax_many(k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
+                      (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]), out.data_ptr())
+    return out
+
+
+def _absmax_torch(ts: list[torch.Tensor]) -> torch.Tensor:
+    """`absmax` by torch ops: a tensor of SMALL elements or more by the one-pass C statistics (no copy,
     several times faster there), the small ones together by `_foreach_max(_foreach_abs(...))` (~1.7x faster than a C call or
     an abs().amax() each)."""
     out = torch.zeros(len(ts), dtype=_F64)
