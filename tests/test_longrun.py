@@ -102,3 +102,25 @@ def test_spilled_records_read_back_as_the_run_dir_holds_them(tmp_path):
     assert len(recs._offsets) > 0  # some did spill
     _, on_disk = read_run(str(rd))
     assert [r.to_dict() for r in recs] == [r.to_dict() for r in on_disk]
+
+
+def test_records_with_many_modules_held_in_memory_by_weight():
+    """every=1 on a deep model: each record holds a ModuleCall and four statistics per module call; the store keeps
+    at most MEMORY_OBJECTS of them in memory (Python's full collections walk every object), the rest read back from
+    the spill file equal to what was stored."""
+    from ampdoctor.record.storage import MEMORY_OBJECTS, _weight
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(40)])
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(4, 8)
+    with ampdoctor.watch(m, opt, every=1) as w:
+        for _ in range(60):
+            opt.zero_grad(set_to_none=True)
+            m(x).pow(2).mean().backward()
+            opt.step()
+    recs = w.steps
+    assert len(recs) == 60 and _weight(recs[-1]) > 400
+    assert sum(_weight(r) for r in recs._hot) <= MEMORY_OBJECTS and len(recs._hot) < 60
+    small = StepStore(list(recs), objects=2_000)
+    assert len(small._hot) <= 2_000 // 400 + 1
+    assert [r.to_dict() for r in small] == [r.to_dict() for r in recs]

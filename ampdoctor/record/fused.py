@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .hostcopy import current_stream
+
 __all__ = ["available", "StatBuffer", "AbsMaxTable", "absmax_available", "absmax_kernel_ready", "disable_absmax"]
 
 _KERNEL = None
@@ -94,7 +96,8 @@ class StatBuffer:
         self.factor: list[int] = []
         self.plan = plan
         self.learning = plan is not None and not plan.learned
-        # pending (tensor, row, version, key, deferred), grouped by (stream, dtype, thresholds), and their bytes
+        # pending (tensor, row, version, key, deferred, address, numel), grouped by (stream, dtype, thresholds), and
+        # their bytes
         self.pending: dict = {}
         self.n_pending = 0
         self.bytes = 0
@@ -115,22 +118,22 @@ class StatBuffer:
         row = len(self.numel)
         if row >= self.cnt.shape[0]:
             self._grow()
-        x = x.detach()
-        n = x.numel()
+        n = x.numel()  # (x itself, not a detached alias: only its memory is read, by the kernels)
         self.numel.append(n)
         version = _version(x) if self.plan is not None and n else None
-        if version is not None and x.data_ptr() % 16 == 0 and (x.is_contiguous() or is_dense(x)):
+        if version is not None and (ptr := x.data_ptr()) % 16 == 0 and (x.is_contiguous() or is_dense(x)):
             self.factor.append(1)
             deferred = not self.learning and key not in self.plan.volatile
             if not deferred:
                 self._launch(x, n, row, thresholds)
-            group = (torch.cuda.current_stream(self.device), x.dtype, thresholds)
-            self.pending.setdefault(group, []).append((x, row, version, key, deferred))
+            group = (current_stream(self.device), x.dtype, thresholds)
+            self.pending.setdefault(group, []).append((x, row, version, key, deferred, ptr, n))
             self.n_pending += 1
             self.bytes += x.nbytes
             if self.n_pending >= FLUSH_TENSORS or self.bytes >= FLUSH_BYTES:
                 self.flush()
             return row
+        x = x.detach()  # (the views below must make no autograd node)
         factor = 1
         if n and not x.is_contiguous():
             # Order does not matter for these statistics: read a dense tensor's memory as it lies; measure an
@@ -152,7 +155,7 @@ class StatBuffer:
     def _launch(self, x: torch.Tensor, n: int, row: int, thresholds) -> None:
         """The per-tensor kernel, now (x dense: read as it lies in memory)."""
         if not x.is_contiguous():
-            x = x.as_strided((n,), (1,), x.storage_offset())
+            x = x.detach().as_strided((n,), (1,), x.storage_offset())
         near, tiny, ovf = thresholds
         blocks = triton_cdiv(n, _BLOCK)
         grid = min(blocks, _MAX_PROGRAMS)
@@ -189,7 +192,7 @@ class StatBuffer:
         plan = self.plan
         for (stream, _, thresholds), entries in self.pending.items():
             late = [e for e in entries if e[4]]
-            for x, _, version, key, _ in entries:
+            for x, _, version, key, *_ in entries:
                 if x._version != version:
                     plan.volatile.add(key)
             if late:
@@ -207,15 +210,15 @@ class StatBuffer:
         classes: dict = {}
         span = _BLOCK * _T_ITERS
         for e in entries:
-            need = min(_T_MAX_PROGRAMS, triton_cdiv(e[0].numel(), span))
+            need = min(_T_MAX_PROGRAMS, triton_cdiv(e[6], span))
             classes.setdefault(need.bit_length(), []).append(e)
         near, tiny, ovf = thresholds
         for cls in classes.values():
             base = cls[0][0]
-            b, size = base.data_ptr(), base.element_size()
+            b, size = cls[0][5], base.element_size()
             T = len(cls)
-            ns = [e[0].numel() for e in cls]
-            meta = self.ring.put([(e[0].data_ptr() - b) // size for e in cls] + ns + [e[1] for e in cls])
+            ns = [e[6] for e in cls]
+            meta = self.ring.put([(e[5] - b) // size for e in cls] + ns + [e[1] for e in cls])
             P = max(1, min(_T_MAX_PROGRAMS, triton_cdiv(max(ns), span)))
             k = _kernel()
             try:

@@ -12,7 +12,7 @@ import torch
 from .openstep import StepPhase
 from .params import grads_after_unscale, update_check_post, update_check_pre
 from .monitor import scaler_stage
-from .transfer import found_inf_all, presync
+from .transfer import found_inf_all, presync, stage_rows
 from ..tensors import local
 
 __all__ = ["MonitorCallbacks"]
@@ -109,6 +109,7 @@ class MonitorCallbacks:
                 ev.extra["closure"] = True
             if st.in_scaler_step == 0:
                 self.hr.stage()  # queue the headroom reductions before the scaler's synchronisation
+                stage_rows(self)  # (and gather the sampled step's statistics: host work while the device computes)
                 before = (st.unscaled_grads or {}).get(id(opt))
                 if before is not None and _grad_versions(opt) != before:
                     ev.extra["grads_after_unscale"] = True  # rules/scaler.py call_order: scaler_misorder

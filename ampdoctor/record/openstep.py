@@ -88,7 +88,7 @@ class _Step:
     found_inf_t: object = None
     grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (params.grads_after_unscale)
     param_names: list = field(default_factory=list)
-    upd: list = field(default_factory=list)  # params.update_check_pre's items
+    upd: object = None  # params.UpdateCheck of the optimizer step (update_check_pre / update_check_post)
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
     in_versions: list | None = None                   # (tensor, _version) of the root's inputs (input_writes)
     bad_batch: int = -1                                # index into batches of the first non-finite output
@@ -115,6 +115,7 @@ class _Step:
     loss_node: object = None                           # the scaled loss's autograd node (loss_ops, bad steps only)
     out_seq: int | None = None                         # autograd's next node number when the root's forward returned
     vec_order: dict = field(default_factory=dict)
+    staged: tuple | None = None  # (rows then, {device: (indices, matrix)}): transfer.stage_rows, read at presync
     seen: dict = field(default_factory=dict)
     pending: object = None  # hostcopy.Pending: the values on their way to the host, until resolve reads them
     fbuf: dict = field(default_factory=dict)

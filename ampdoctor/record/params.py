@@ -13,7 +13,8 @@ from . import cpustats
 from ..records import ROUNDED_AWAY_SHARE, ROUNDING_MIN_SAMPLED
 from ..tensors import local
 
-__all__ = ["model_grads", "norms", "grads_after_unscale", "checked_weights", "weight_amax", "update_check_pre", "update_check_post"]
+__all__ = ["model_grads", "norms", "grads_after_unscale", "checked_weights", "weight_amax", "UpdateCheck",
+           "update_check_pre", "update_check_post"]
 
 
 def model_grads(m):
@@ -92,37 +93,60 @@ def weight_amax(m, st) -> torch.Tensor:
     return norms([local(m.params[i][1].detach()) for i in st.pw_index], math.inf)
 
 
+class UpdateCheck:
+    """One optimizer step's update check: each parameter's name, the parameter, its rounding sample (flat copy,
+    nonzero-gradient mask, how to take it again; Nones without one), the weights' L2 norms before the update (a
+    vector, update_check_pre) and the results after it (a matrix, rows [rounded away, sampled, norm before, norm
+    after], update_check_post): read at finalize in one transfer each, no per-parameter tensors."""
+
+    __slots__ = ("names", "params", "samples", "pre", "res")
+
+    def __init__(self, names: list, params: list, samples: list, pre: torch.Tensor):
+        self.names, self.params, self.samples, self.pre, self.res = names, params, samples, pre, None
+
+
+def _opt_params(m, opt) -> list:
+    """The optimizer's parameter groups as [(name, parameter)] of the model's floating-point strided parameters,
+    kept per optimizer until its parameter count changes (add_param_group)."""
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    hit = m.opt_params.get(id(opt))
+    if hit is None or hit[0] != n:
+        names = {id(p): n for n, p in m.w.model.named_parameters()}
+        hit = m.opt_params[id(opt)] = (n, [[(names[id(p)], p) for p in g["params"] if id(p) in names and
+                                           p.is_floating_point() and p.layout == torch.strided]
+                                          for g in opt.param_groups])
+    return hit[1]
+
+
 def update_check_pre(m, opt) -> None:
     """On a sampled step, just before `opt.step()`: each optimizer parameter's weight L2 norm (one multi-tensor
     kernel per device and dtype, read with the update results at finalize), and for low-precision parameters a
     copy of their first `update_sample` elements to see whether the update rounds away (w + Δw == w)."""
     st = m.st
-    st.upd = []
+    st.upd = None
     if not st.sampled and not lr_moved(m, opt) and not (st.step % LOW_CHECK_EVERY == 0 and not m.rounding_seen
                                                          and _low(m, opt)):
         return
-    names = {id(p): n for n, p in m.w.model.named_parameters()}
     k = m.cfg.update_sample
-    items, ws = [], []
-    for g in opt.param_groups:
+    names, params, samples, ws = [], [], [], []
+    for g, group in zip(opt.param_groups, _opt_params(m, opt)):
         frozen = g.get("lr") == 0  # (a warmup from 0: the update is exactly zero, nothing rounds)
-        for p in g["params"]:
-            if id(p) not in names or not p.is_floating_point() or p.layout != torch.strided:
-                continue
+        for name, p in group:
             w = local(p.detach())
             if not w.numel():
                 continue
-            flat = gnz = rows = None  # (rows: the sample's stride, or a sparse gradient's row indices)
+            sample = _NO_SAMPLE  # (flat, gnz, rows: the sample's stride, or a sparse gradient's row indices)
             if k > 0 and p.dtype in _LOW and p.grad is not None and not frozen:
-                flat, gnz, rows = _update_sample(w, local(p.grad.detach()), k)
-            items.append([names[id(p)], p, flat, gnz, None, None, rows])
+                sample = _update_sample(w, local(p.grad.detach()), k)
+            names.append(name)
+            params.append(p)
+            samples.append(sample)
             ws.append(w)
-    if not items:
-        return
-    pre = norms(ws, 2)
-    for i, it in enumerate(items):
-        it[5] = pre[i]
-    st.upd = items
+    if names:
+        st.upd = UpdateCheck(names, params, samples, norms(ws, 2))
+
+
+_NO_SAMPLE = (None, None, None)
 
 
 LOW_CHECK_EVERY = 4
@@ -180,27 +204,26 @@ def lr_moved(m, opt) -> bool:
 
 def update_check_post(m, opt) -> None:
     """Right after `opt.step()`: the weight norms again, and how many sampled low-precision elements with a
-    nonzero gradient did not change. Each item's result is [rounded away, sampled, norm before, norm after]."""
-    items = m.st.upd
-    if not items:
+    nonzero gradient did not change, into the check's result matrix (see UpdateCheck)."""
+    chk = m.st.upd
+    if chk is None:
         return
-    post = norms([local(it[1].detach()) for it in items], 2)
-    # one matrix, its rows the items' results (a few kernels in all, not a few per parameter: GPT-2 has 148)
-    res = torch.zeros((len(items), 4), dtype=torch.float64, device=post.device)
-    res[:, 2] = torch.stack([it[5] for it in items]).to(post.device)  # (the norms before: update_check_pre)
+    post = norms([local(p.detach()) for p in chk.params], 2)
+    # one matrix (a few kernels in all, not a few per parameter: GPT-2 has 148)
+    res = torch.zeros((len(chk.names), 4), dtype=torch.float64, device=post.device)
+    res[:, 2] = chk.pre.to(post.device)
     res[:, 3] = post
     sampled, counts = [], []
-    for i, item in enumerate(items):
-        _, p, before, gnz, _, _, rows = item
+    for i, (before, gnz, rows) in enumerate(chk.samples):
         if before is not None:
-            w = local(p.detach())
+            w = local(chk.params[i].detach())
             after = (w.reshape(-1)[::rows] if isinstance(rows, int) else w.index_select(0, rows).reshape(-1))[
                 :before.numel()]
             sampled.append(i)
             counts.append(torch.stack([((after == before) & gnz).sum(), gnz.sum()]).to(post.device))
-        item[4] = res[i]
     if sampled:
         res[torch.tensor(sampled, device=post.device), :2] = torch.stack(counts).double()
+    chk.res = res
 
 
 OUTSIDE_SAMPLE = 4096

@@ -73,6 +73,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
             mod = n.rpartition(".")[0]
             self.param_modules[mod] = self.param_modules.get(mod, 0) + p.numel()
         self.low_opts: dict[int, bool] = {}    # id(optimizer) -> holds fp16/bf16 parameters (params.lr_moved)
+        self.opt_params: dict[int, tuple] = {}  # id(optimizer) -> its named parameters per group (params._opt_params)
         self.rounding_seen = False             # a check found updates rounding away (params.LOW_CHECK_EVERY)
         self.lr_checked: dict[int, list] = {}  # id(optimizer) -> its learning rates at the last update check
         self.buffers = BufferWatch(watch.model)  # the buffers the training writes: finite? (buffers.py)

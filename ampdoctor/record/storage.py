@@ -11,7 +11,10 @@ thinned is detail only:
   always for step 0, bad steps, steps with a capture and the 8 steps after a bad one.
 
 `StepStore` holds the newest records in memory and spills older ones to an unnamed temporary file (one JSON
-line each, plus an 8-byte offset), so a watch's memory stays flat in the number of steps.
+line each, plus an 8-byte offset), so a watch's memory stays flat in the number of steps. In memory it holds
+at most MEMORY_STEPS records and MEMORY_OBJECTS of their detail objects (a module call's record and its four
+statistics, a parameter's): with `every=1` on GPT-2 a record holds ~1,000, and Python's full garbage collections,
+which walk every object the process holds, took ~150 ms each with 256 such records kept.
 """
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ from collections.abc import Sequence
 
 from ..records import StepRecord
 
-__all__ = ["store", "StepStore", "keeps_detail", "MEMORY_STEPS", "FULL_DETAIL_STEPS", "FOLLOWUP_STEPS"]
+__all__ = ["store", "StepStore", "keeps_detail", "MEMORY_STEPS", "MEMORY_OBJECTS", "FULL_DETAIL_STEPS",
+           "FOLLOWUP_STEPS"]
 
 MEMORY_STEPS = 256          # newest records held in memory; older ones live in the spill file
+MEMORY_OBJECTS = 16384      # ... and at most this many of their detail objects (see _weight)
 FULL_DETAIL_STEPS = 1000    # sampled steps that all keep their module/parameter statistics
 FOLLOWUP_STEPS = 8          # steps after a bad one that keep their detail
 
@@ -45,6 +50,12 @@ def keeps_detail(sampled_seen: int, since_bad: int | None, rec: StepRecord) -> b
     return sampled_seen % _stride(sampled_seen) == 0
 
 
+def _weight(rec: StepRecord) -> int:
+    """The objects a record holds in memory, roughly: itself, a module call's record with its four statistics, a
+    parameter's record."""
+    return 1 + 5 * len(rec.modules) + len(rec.params)
+
+
 def _slim(rec: StepRecord, drop_events: bool = False) -> StepRecord:
     """The record without its detail: module/parameter statistics, and its call events when they repeat."""
     if rec.modules or rec.params or (drop_events and rec.events):
@@ -55,8 +66,11 @@ def _slim(rec: StepRecord, drop_events: bool = False) -> StepRecord:
 class StepStore(Sequence):
     """A sequence of StepRecords: the newest `hot` in memory, the rest in a spill file read back on access."""
 
-    def __init__(self, initial=(), hot: int = MEMORY_STEPS):
+    def __init__(self, initial=(), hot: int = MEMORY_STEPS, objects: int = MEMORY_OBJECTS):
         self._hot: list[StepRecord] = []
+        self._weights: list[int] = []        # per hot record: _weight of what it holds in memory
+        self._objects_max = max(int(objects), 1)
+        self._held = 0                       # sum of _weights
         self._slim: list = []                # per hot record: the thinned record to spill, or None (keep it)
         self._lines: list = []               # per hot record: the run-dir line written for it (the same record), or None
         self._hot_max = max(int(hot), 1)
@@ -95,8 +109,16 @@ class StepStore(Sequence):
         self._hot.append(rec)
         self._slim.append(slim)
         self._lines.append(line)
+        self._weights.append(_weight(rec))
+        self._held += self._weights[-1]
         if len(self._hot) > self._hot_max:
             self._spill_oldest(max(self._hot_max // 4, 1))
+        if self._held > self._objects_max and len(self._hot) > 1:  # the oldest records down to 3/4 of the limit
+            n, held = 0, self._held
+            while n < len(self._hot) - 1 and held > self._objects_max * 3 // 4:
+                held -= self._weights[n]
+                n += 1
+            self._spill_oldest(n)
 
     append = add
 
@@ -110,7 +132,8 @@ class StepStore(Sequence):
             # the run-dir line of the same record when there is one (its "run" key is ignored on reading)
             f.write(line if line is not None else json.dumps((slim or rec).to_dict(), separators=(",", ":")).encode()
                     + b"\n")
-        del self._hot[:n], self._slim[:n], self._lines[:n]
+        self._held -= sum(self._weights[:n])
+        del self._hot[:n], self._slim[:n], self._lines[:n], self._weights[:n]
 
     # ---------------------------------------------------------------------------------------------- reading
     def __len__(self) -> int:

@@ -25,7 +25,7 @@ from ..tensors import nonfinite_input
 from .stats import NSTAT, combine, integer_valued, vector_to_stats
 from .storage import store
 
-__all__ = ["presync", "resolve", "finalize", "found_inf_all"]
+__all__ = ["presync", "stage_rows", "resolve", "finalize", "found_inf_all"]
 
 
 def found_inf_all(m) -> None:
@@ -94,17 +94,16 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     if b_amax is not None:
         parts.append(("b_amax", b_amax))
     parts += [(f"norm{j}", t) for j, (_, t) in enumerate(st.norms)]  # gradient norms a clip or engine returned
-    if st.fbuf:  # rows computed by the fused kernel (ampdoctor/record/fused.py)
-        mats = {dev: buf.vectors() for dev, buf in st.fbuf.items()}
-        st.vecs = [mats[v[1]][v[2]] if isinstance(v, tuple) else v for v in st.vecs]
-        st.fbuf = {}
-    if st.vecs:
-        by_dev: dict = {}
-        for i, v in enumerate(st.vecs):
-            by_dev.setdefault(v.device, []).append(i)
-        for dev, idx in by_dev.items():
-            parts.append((f"vec:{dev}", torch.stack([st.vecs[i] for i in idx])))
-        st.vec_order = {str(dev): idx for dev, idx in by_dev.items()}
+    staged, st.staged = st.staged, None
+    if staged is None or staged[0] != len(st.vecs) or st.fbuf:  # (rows measured after stage_rows: gather anew)
+        if staged is not None:
+            for idx, mat in staged[1].values():
+                for k, i in enumerate(idx):
+                    st.vecs[i] = mat[k]
+        staged = (len(st.vecs), _gather_rows(st))
+    for dev, (idx, mat) in staged[1].items():
+        parts.append((f"vec:{dev}", mat))
+    st.vec_order = {str(dev): idx for dev, (idx, _) in staged[1].items()}
     if st.probes:  # small fp16/bf16 inputs: integer-valued beyond the dtype's exact range? (stats.integer_probe)
         parts.append(("intp", torch.stack(st.probes)))
         st.probes = []
@@ -114,6 +113,35 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     st.advance(StepPhase.STAGED)
     if not asynchronous:
         resolve(m)
+
+
+def stage_rows(m) -> None:
+    """On a sampled step, as scaler.step begins (before GradScaler reads found_inf, which waits for the device):
+    the step's statistic rows gathered into one matrix per device, the fused buffers flushed. This host work then
+    runs while the device still computes the backward, not while it waits for the optimizer step; presync takes
+    the matrices as they are."""
+    st = m.st
+    if st.sampled and st.phase is StepPhase.OPEN and st.vecs and st.staged is None:
+        st.staged = (len(st.vecs), _gather_rows(st))
+
+
+def _gather_rows(st) -> dict:
+    """{device: (indices into st.vecs, a matrix of their rows in that order)}: the fused buffers' rows (flushed;
+    ampdoctor/record/fused.py) and the rows measured otherwise, stacked per device. When every row is one buffer's,
+    in the order measured (the usual case on a GPU), the buffer's matrix is taken whole: no per-row work."""
+    mats = {dev: buf.vectors() for dev, buf in st.fbuf.items()}
+    st.fbuf = {}
+    vecs = st.vecs
+    if len(mats) == 1 and vecs:
+        dev, mat = next(iter(mats.items()))
+        if mat.shape[0] == len(vecs) and all(isinstance(v, tuple) and v[2] == i for i, v in enumerate(vecs)):
+            return {dev: (list(range(len(vecs))), mat)}
+    if mats:
+        st.vecs = vecs = [mats[v[1]][v[2]] if isinstance(v, tuple) else v for v in vecs]
+    by_dev: dict = {}
+    for i, v in enumerate(vecs):
+        by_dev.setdefault(v.device, []).append(i)
+    return {dev: (idx, torch.stack([vecs[i] for i in idx])) for dev, idx in by_dev.items()}
 
 
 def resolve(m) -> None:
@@ -260,17 +288,16 @@ def finalize(m) -> None:
                         grad_enabled=c.grad_enabled, int_input=_integer_input(c, probes)) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}
     upd = {}
-    # [rounded away, sampled, norm before, norm after] per item; a skipped step made no update, but its weights
-    # as the step found them (item[5]) show an earlier update's blow-up
+    # [rounded away, sampled, norm before, norm after] per parameter (params.UpdateCheck); a skipped step made no
+    # update, but its weights as the step found them (the norms before) show an earlier update's blow-up
     skipped = (s["found_inf"] or 0) > 0
-    k = 5 if skipped else 4
-    done = [it for it in st.upd if it[k] is not None]
-    if done:
-        vals = torch.stack([it[k] for it in done]).cpu().tolist()
-        upd = {it[0]: (0, 0, v, None) if skipped else v for it, v in zip(done, vals)}
-        if not skipped and not m.rounding_seen:
+    chk, st.upd = st.upd, None
+    if chk is not None and skipped:
+        upd = {n: (0, 0, v, None) for n, v in zip(chk.names, chk.pre.tolist())}
+    elif chk is not None and chk.res is not None:
+        upd = dict(zip(chk.names, chk.res.tolist()))
+        if not m.rounding_seen:
             m.rounding_seen = _rounding(upd)
-    st.upd = []
     params = []
     bad_param_modules = set()
     dtypes = m.param_info
