@@ -66,7 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from probe_harness import at_top3, healthy, real_bwd, real_fwd, train_loop, xf
-from scenarios import lines, no_error_at, one_thread
+from scenarios import no_error_at, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
