@@ -532,13 +532,6 @@ def test_lr_spike_x1000_at_20(every):
     assert f.severity in ("warning", "error") and f.step in (20, 21), (f.one_line(), lines(rep))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "two optimizers, the first one stepped spikes: ampdoctor reports only `overflow` at `4` (step 21, the head "
-    "whose mm overflowed on the blown-up input) and skipped_steps, no update_spike at `2`, whose weights the "
-    "update at step 20 multiplied x8.9 (the oracle's largest growth). record/params.update_check_pre keeps ONE "
-    "UpdateCheck per step (`st.upd = None` then the new check): the second optimizer's step overwrites the "
-    "first one's weight norms before transfer.finalize reads them. Stepping the spiked optimizer LAST names "
-    "update_spike at `2` (checked by hand), so the rule is fine; the recording drops all but the last optimizer"))
 @EVERY
 def test_lr_spike_in_first_of_two_opts(every):
     m = mlp()

@@ -88,7 +88,7 @@ class _Step:
     found_inf_t: object = None
     grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (params.grads_after_unscale)
     param_names: list = field(default_factory=list)
-    upd: object = None  # params.UpdateCheck of the optimizer step (update_check_pre / update_check_post)
+    upd: list = field(default_factory=list)  # params.UpdateCheck per optimizer stepped (update_check_pre / _post)
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
     in_versions: list | None = None                   # (tensor, _version) of the root's inputs (input_writes)
     bad_batch: int = -1                                # index into batches of the first non-finite output

@@ -99,9 +99,10 @@ class UpdateCheck:
     vector, update_check_pre) and the results after it (a matrix, rows [rounded away, sampled, norm before, norm
     after], update_check_post): read at finalize in one transfer each, no per-parameter tensors."""
 
-    __slots__ = ("names", "params", "samples", "pre", "res")
+    __slots__ = ("opt", "names", "params", "samples", "pre", "res")
 
-    def __init__(self, names: list, params: list, samples: list, pre: torch.Tensor):
+    def __init__(self, opt: int, names: list, params: list, samples: list, pre: torch.Tensor):
+        self.opt = opt  # id of the optimizer: a step of several optimizers keeps one check each
         self.names, self.params, self.samples, self.pre, self.res = names, params, samples, pre, None
 
 
@@ -123,7 +124,7 @@ def update_check_pre(m, opt) -> None:
     kernel per device and dtype, read with the update results at finalize), and for low-precision parameters a
     copy of their first `update_sample` elements to see whether the update rounds away (w + Δw == w)."""
     st = m.st
-    st.upd = None
+    st.upd = [c for c in st.upd if c.opt != id(opt)]  # (this optimizer stepped again: its newest check counts)
     if not st.sampled and not lr_moved(m, opt) and not (st.step % LOW_CHECK_EVERY == 0 and not m.rounding_seen
                                                          and _low(m, opt)):
         return
@@ -143,7 +144,7 @@ def update_check_pre(m, opt) -> None:
             samples.append(sample)
             ws.append(w)
     if names:
-        st.upd = UpdateCheck(names, params, samples, norms(ws, 2))
+        st.upd.append(UpdateCheck(id(opt), names, params, samples, norms(ws, 2)))
 
 
 _NO_SAMPLE = (None, None, None)
@@ -205,7 +206,7 @@ def lr_moved(m, opt) -> bool:
 def update_check_post(m, opt) -> None:
     """Right after `opt.step()`: the weight norms again, and how many sampled low-precision elements with a
     nonzero gradient did not change, into the check's result matrix (see UpdateCheck)."""
-    chk = m.st.upd
+    chk = next((c for c in m.st.upd if c.opt == id(opt) and c.res is None), None)
     if chk is None:
         return
     post = norms([local(p.detach()) for p in chk.params], 2)

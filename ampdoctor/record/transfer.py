@@ -291,13 +291,14 @@ def finalize(m) -> None:
     # [rounded away, sampled, norm before, norm after] per parameter (params.UpdateCheck); a skipped step made no
     # update, but its weights as the step found them (the norms before) show an earlier update's blow-up
     skipped = (s["found_inf"] or 0) > 0
-    chk, st.upd = st.upd, None
-    if chk is not None and skipped:
-        upd = {n: (0, 0, v, None) for n, v in zip(chk.names, chk.pre.tolist())}
-    elif chk is not None and chk.res is not None:
-        upd = dict(zip(chk.names, chk.res.tolist()))
-        if not m.rounding_seen:
-            m.rounding_seen = _rounding(upd)
+    checks, st.upd = st.upd, []
+    for chk in checks:  # (one per optimizer stepped)
+        if skipped:
+            upd.update({n: (0, 0, v, None) for n, v in zip(chk.names, chk.pre.tolist())})
+        elif chk.res is not None:
+            upd.update(zip(chk.names, chk.res.tolist()))
+    if upd and not skipped and not m.rounding_seen:
+        m.rounding_seen = _rounding(upd)
     params = []
     bad_param_modules = set()
     dtypes = m.param_info
