@@ -46,9 +46,9 @@ What ampdoctor got wrong (strict xfail):
 - 1 (default sampling): an empty report; step 4 is not sampled, and only a sampled step's statistics show the
   flushed rows. Should be overflow at blocks.0.norm1, step 4. (At every=1 it was empty too: silent_zeros took any
   "RMSNorm" for torch's own, which cannot flush; fixed, the every=1 case passes.)
-- 5, second test: `nan_origin at blocks.0.attn.rope aten::cos` ("NaN from NaN-free inputs"; fix: "remove the source
-  of the inf upstream"), while the first non-finite value is the +inf of rope's own int64 -> fp16 cast of the
-  position; should be overflow at blocks.0.attn.rope with the cast as its op.
+- 5, second test (fixed): the replay named `nan_origin at blocks.0.attn.rope aten::cos`, while the first non-finite
+  value is the +inf of rope's own int64 -> fp16 cast of the position (the op tracer read only floating inputs);
+  now overflow at blocks.0.attn.rope, aten::_to_copy.
 Right: 2 overflow at blocks.0.mlp aten::mul; 3 overflow at blocks.0.attn aten::bmm; 4 overflow at moe.router
 aten::exp; 5 nan_origin at blocks.0.attn.rope (the module); 6 overflow at decoder.layers.0.cross_attn aten::bmm;
 7 overflow at blocks.7.fc1 aten::addmm; 8 overflow at blocks.0.attn.k_norm (RsqrtBackward0) backward; all step 4,
@@ -586,10 +586,6 @@ def test_rotary_angles_in_fp16_are_inf_past_position_65504():
     no_error_at(rep, ("blocks.0.attn", "blocks.0", "blocks.0.attn.q_norm", "blocks.0.attn.k_norm", "blocks.1.attn.rope"))
 
 
-@xf("names `nan_origin at blocks.0.attn.rope aten::cos` ('produced NaN from NaN-free inputs'; fix: 'remove the "
-    "source of the inf upstream'), but cos only turned an inf into NaN: the first non-finite value is the +inf "
-    "that rope's own `pos.to(x.dtype)` (aten::_to_copy, int64 70000 -> fp16) made from finite positions; the int "
-    "-> fp16 cast is not checked. Right: overflow at blocks.0.attn.rope with the cast as its op")
 def test_rotary_first_inf_is_the_position_cast_not_cos():
     rep = _rope_run()
     at_top3(rep, ("overflow",), "blocks.0.attn.rope", step=4, phase="forward",

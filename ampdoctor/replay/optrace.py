@@ -333,9 +333,15 @@ class OpTracer:
         bad = [t for t in outs if not bool(torch.isfinite(t).all())]
         if not bad:
             return
-        ins = _floats(_read_args(func, args, kwargs))
+        read = _read_args(func, args, kwargs)
+        ins = _floats(read)
         if not ins:
-            return  # a factory (full, scalar_tensor...): constants.py judges its value
+            ints = [t for t in flatten_tensors(read, []) if t.numel() and not t.is_floating_point()
+                    and not t.is_complex() and t.dtype != torch.bool]
+            if ints and not any(bool(torch.isnan(t).any()) for t in bad):
+                # integers too large for the floating dtype they are cast to (a position 70000 -> fp16 is inf)
+                self._record(func, "overflow", bad, ints, False, float(max(int(t.abs().max()) for t in ints)))
+            return  # otherwise a factory (full, scalar_tensor...): constants.py judges its value
         const = _nonfinite_number(args, kwargs)
         if const == "nan":
             return  # an intended NaN constant
@@ -353,21 +359,29 @@ class OpTracer:
             kind = "overflow"
         else:
             return
-        mod, line, node = self._where()
-        if self.phase == "forward":
-            line = source_line()
         fin = [t[torch.isfinite(t)] for t in ins]
         pole = -1.0 if func._schema.name == "aten::log1p" else 0.0
         absmax = max((float(f.abs().max()) for f in fin if f.numel()), default=0.0)
+        self._record(func, kind, bad, ins, in_inf, absmax, before,
+                     in_zeros=sum(int((t == pole).sum()) for t in _pole_inputs(func, args, ins))
+                     if _has_pole(func, args) else 0, args=args, kwargs=kwargs)
+
+    def _record(self, func, kind: str, bad: list, ins: list, in_inf: bool, absmax: float, before=None,
+                in_zeros: int = 0, args=(), kwargs=None) -> None:
+        """Keep an OpEvent for `func`, which made the non-finite outputs `bad` from inputs `ins`."""
+        out_nan = sum(int(torch.isnan(t).sum()) for t in bad)
+        mod, line, node = self._where()
+        if self.phase == "forward":
+            line = source_line()
         self.events.append(OpEvent(
             seq=self.seq, phase=self.phase, module=mod, op=func._schema.name, kind=kind, line=line,
             autograd_node=node, out_dtype=str(bad[0].dtype).replace("torch.", ""), out_nan=out_nan,
             out_posinf=sum(int(torch.isposinf(t).sum()) for t in bad),
             out_neginf=sum(int(torch.isneginf(t).sum()) for t in bad), out_numel=sum(t.numel() for t in bad),
             absmax_in=absmax, in_dtypes=sorted({str(t.dtype).replace("torch.", "") for t in ins}),
-            in_has_inf=in_inf, in_zeros=sum(int((t == pole).sum()) for t in _pole_inputs(func, args, ins))
-            if _has_pole(func, args) else 0,
+            in_has_inf=in_inf, in_zeros=in_zeros,
             out_shape=list(bad[0].shape),
             in_sdpa=self.sdpa_depth > 0,
             mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None
-            and constants.mask_operand(args, kwargs), grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
+            and constants.mask_operand(args, kwargs or {}),
+            grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
