@@ -41,6 +41,24 @@ def _grad_versions(opt) -> list:
             for g in opt.param_groups for p in g["params"]]
 
 
+def _first_grad(opt) -> tuple | None:
+    """(parameter, its gradient's id, version) of the optimizer's first parameter holding a gradient: taken as a
+    scaler.step ends, to see whether the next iteration's backward adds onto those (already unscaled) gradients."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                return p, id(p.grad), p.grad._version
+    return None
+
+
+def _stale(mark, backwards: int) -> bool:
+    """Whether the gradient `mark` names is still the same tensor and moved by exactly `backwards` in-place
+    accumulations since: nothing zeroed it (zero_grad(set_to_none=False) would have moved it once more)."""
+    p, gid, ver = mark
+    g = p.grad
+    return g is not None and id(g) == gid and backwards > 0 and g._version - ver == backwards
+
+
 def _found_inf(scaler, opts: list):
     """The inf checks `scaler.unscale_` recorded for these optimizers this iteration, summed (a 0-d float64 tensor),
     or None when there are none."""
@@ -70,6 +88,12 @@ class MonitorCallbacks:
             if self.scaler_adopted:  # the first call of a scaler found now: its scale() ran unseen
                 ev.extra["adopted"] = True
                 self.scaler_adopted = False
+            mark = self.stepped_grads.pop(id(opt), None) if self.stepped_grads else None
+            if mark is not None and st.in_scaler_step == 0 and _stale(
+                    mark, sum(1 for e in st.events if e.kind == "scale")):
+                # no zero_grad since the last scaler.step: this iteration's scaled backward added onto the gradients
+                # that step had already unscaled, and they are about to be divided again (rules/callorder.py)
+                ev.extra["stale_grads"] = True
             if kind == "unscale_":
                 st.unscaled_opts.append(opt)
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
@@ -169,6 +193,8 @@ class MonitorCallbacks:
             fi = self._found_inf_of(opt)
             if fi is not None:
                 st.found_inf_t = fi
+            if opt is not None and st.in_scaler_step == 0:
+                self.stepped_grads[id(opt)] = _first_grad(opt)
             presync(self, opt)
             st.advance(StepPhase.ENDED)
             self.hr_hooks.ended()
@@ -199,6 +225,7 @@ class MonitorCallbacks:
             self.begin()
         ev = self.event("zero_grad", 5)
         ev.opt = self.opt_numbers.setdefault(id(optimizer), len(self.opt_numbers))
+        self.stepped_grads.pop(id(optimizer), None)
 
     def _awaits_update(self) -> bool:
         """The step ended with `scaler.step()` and its `update()` is still to come (`step; zero_grad; update`, or an

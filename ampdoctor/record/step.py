@@ -45,6 +45,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
         self.records: list[StepRecord] = []
         self.known_optimizers: set[int] = set()
         self.opt_numbers: dict[int, int] = {}  # id(optimizer) -> 0, 1, ... in order of first scaler call
+        self.stepped_grads: dict = {}  # id(optimizer) -> monitorsink._first_grad as its last scaler.step ended
         self._rejected_optimizers: set[int] = set()
         self._event_index = 0
         self.policy = CapturePolicy(self.cfg)  # which steps are sampled, which bad steps captured

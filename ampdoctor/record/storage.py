@@ -88,7 +88,8 @@ class StepStore(Sequence):
         """The same call sequence as the step before, nothing wrong in it, no capture: its events say nothing new."""
         evs = rec.events
         seq = tuple([e.kind for e in evs])
-        if rec.bad or rec.capture or seq != self._last_seq or [e for e in evs if e.error or e.scaled]:
+        if rec.bad or rec.capture or seq != self._last_seq or [e for e in evs if e.error or e.scaled or
+                                                               e.extra.get("stale_grads")]:
             self._last_seq = seq
             return False
         return True

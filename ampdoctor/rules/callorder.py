@@ -166,6 +166,14 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
         elif e.kind == "unscale_" and any(p.kind == "step" for p in since_update):
             add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()`.",
                 "Unscale before step:\n" + ORDER)
+        elif e.kind in ("unscale_", "step") and e.extra.get("stale_grads") and not e.internal:
+            add("scaler_misorder", e, f"The gradients were not zeroed after the previous `scaler.step()`: this "
+                f"iteration's scaled backward added onto gradients that step had already unscaled, and "
+                f"`scaler.{e.kind}()` at {_loc(e)} divides them by the loss scale again, so what the earlier "
+                "micro-batches contributed shrinks by the scale (a gradient-accumulation loop that steps every "
+                "micro-batch but zeroes only every k-th?).",
+                "Zero the gradients after every optimizer step, or step only at the accumulation boundary:\n"
+                + ORDER)
         elif e.kind == "scale" and e.extra.get("scaled_twice"):
             add("scaler_misorder", e, f"`scaler.scale()` at {_loc(e)} scaled a loss that `scaler.scale()` had already "
                 "scaled: the gradients are multiplied by the loss scale twice and `unscale_` divides once, so every "
