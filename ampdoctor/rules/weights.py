@@ -149,6 +149,7 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
     """module -> (worst share, the first step past `rounded_away_share`, the params past it, sampled, rounded
     away, a parameter of it) over the checked updates (see update_underflow)."""
     worst: dict[str, tuple] = {}
+    small: dict[str, list] = {}  # a module with fewer than _MIN_SAMPLED elements in all: [n, k, checks, first, ps]
     for r in run.steps:
         by_module: dict[str, list] = {}
         for p in r.params:
@@ -158,6 +159,17 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
         for module, ps in by_module.items():
             n = sum(p.update_sampled for p in ps)
             k = sum(p.update_rounded_away for p in ps)
+            if n < _MIN_SAMPLED and sum(p.numel for p in ps) < _MIN_SAMPLED:
+                # (a learnable temperature, a gate: one scalar can never hold 16 elements in one check; its
+                # checks are summed over the run instead)
+                acc = small.setdefault(module, [0, 0, 0, None, ps])
+                acc[0] += n
+                acc[1] += k
+                acc[2] += 1
+                if k and acc[3] is None:
+                    acc[3] = r.step
+                acc[4] = ps
+                continue
             if n < _MIN_SAMPLED or k < cfg.rounded_away_share * n:
                 continue
             share = k / n
@@ -167,7 +179,14 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
                 first = worst[module][1] if module in worst else r.step
                 worst[module] = (share, first, names or [p.name for p in ps], n, k,
                                  max(ps, key=lambda p: p.update_sampled))
+    for module, (n, k, checks, first, ps) in small.items():
+        if checks >= _MIN_CHECKS_SMALL and k >= _SMALL_SHARE * n and module not in worst:
+            worst[module] = (k / n, first, [p.name for p in ps], n, k, max(ps, key=lambda p: p.update_sampled))
     return worst
+
+
+_MIN_CHECKS_SMALL = 4   # checked updates of a module too small for one check to say anything (see _rounded) ...
+_SMALL_SHARE = 0.75     # ... of which at least this share of its sampled elements rounded away
 
 
 _MIN_SAMPLED = ROUNDING_MIN_SAMPLED  # (records.py: the recorder's extra checks end by the same count)
