@@ -40,6 +40,13 @@ import ampdoctor
 from scenarios import alarms, in_top3, lines
 
 
+def gnorm(gs):
+    """The total norm of a list of gradients (None skipped), by hand: no clipping API, whose calls ampdoctor records
+    (the loop-misuse files)."""
+    gs = [g for g in gs if g is not None]
+    return float(torch.stack([g.detach().float().norm() for g in gs]).norm()) if gs else 0.0
+
+
 def finite(x):
     """Whether every floating tensor in x (a tensor, or tuples/lists/dicts/ModelOutputs of them) is finite."""
     if torch.is_tensor(x):

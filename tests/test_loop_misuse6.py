@@ -80,7 +80,7 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, lines, one_thread, randn
-from probe_harness import expect as _expect, learned as _learned, quiet_report, run_misuse, tag_line
+from probe_harness import expect as _expect, learned as _learned, quiet_report, run_misuse, tag_line, gnorm
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -123,12 +123,6 @@ def fwd_loss(m, i):
     x, y = batch(i)
     with torch.autocast(**FP16):
         return F.mse_loss(m(x).float(), y)
-
-
-def gnorm(gs):
-    """The total gradient norm, by hand (no clipping API: ampdoctor records those calls)."""
-    gs = [g for g in gs if g is not None]
-    return float(torch.stack([g.detach().float().norm() for g in gs]).norm()) if gs else 0.0
 
 
 def true_grads(m, loss_of):

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import lines, one_thread, randn
-from probe_harness import expect as _expect, learned as _learned, quiet_report, run_misuse, xf
+from probe_harness import expect as _expect, learned as _learned, quiet_report, run_misuse, xf, gnorm
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -107,12 +107,6 @@ def fwd_loss(m, i):
     x, y = batch(i)
     with torch.autocast(**FP16):
         return F.mse_loss(m(x).float(), y)
-
-
-def gnorm(gs):
-    """The total norm of a list of gradients, by hand (no clipping API: ampdoctor records those calls)."""
-    gs = [g for g in gs if g is not None]
-    return float(torch.stack([g.detach().float().norm() for g in gs]).norm()) if gs else 0.0
 
 
 def true_grads(m, i):
