@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import subprocess
 import sys
@@ -230,15 +229,24 @@ def _thresholds(dt: torch.dtype, ref: torch.dtype) -> tuple[int, int, int]:
     return _THRESH[key]
 
 
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """x's values as one dense run of memory (order does not matter for these statistics: a dense, e.g. permuted,
+    tensor's memory is read as it lies)."""
+    if x.is_contiguous():
+        return x
+    return x.as_strided((x.numel(),), (1,), x.storage_offset()) if is_dense(x) else x.contiguous()
+
+
 def stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
     """All of STAT_FIELDS for one CPU tensor (float16/bfloat16/float32/float64), as a float64 row."""
     x = x.detach()
     n = x.numel()
     if n == 0:
         return torch.tensor([0.0, 0, 0, 0, 0, 0.0, float("inf"), 0, 0, 0], dtype=_F64)
-    # order does not matter for these statistics: read a dense (e.g. permuted) tensor's memory as it lies
-    flat = x if x.is_contiguous() else (x.as_strided((n,), (1,), x.storage_offset()) if is_dense(x)
-                                        else x.contiguous())
+    flat = _flat(x)
     near, tiny, ovf = _thresholds(x.dtype, ref)
     out = torch.empty(10, dtype=_F64)
     _LIB.fns[x.dtype](flat.data_ptr(), n, near, tiny, ovf, out.data_ptr())
@@ -249,62 +257,53 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and available()
 
 
-_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """x's values as one dense run of memory (order does not matter for a norm)."""
-    if x.is_contiguous():
-        return x
-    return x.as_strided((x.numel(),), (1,), x.storage_offset()) if is_dense(x) else x.contiguous()
-
-
-SMALL = 1 << 16        # elements: a smaller tensor is cheaper in one multi-tensor call with the others than in a C call
-CHUNK_BYTES = 64 << 20  # of small tensors one multi-tensor call takes (their absolute values are copies)
+CHUNK_BYTES = 64 << 20  # of the tensors one multi-tensor call of _absmax_torch takes (their absolute values are copies)
 _foreach_max = getattr(torch, "_foreach_max", None)
 
 
 def absmax(ts: list[torch.Tensor]) -> torch.Tensor:
     """The abs-max of each CPU tensor, NaN-propagating (NaN when any value is, else inf when any is ±inf; 0 for an
-    empty one), as a float64 vector: one C call for the whole list (a model's weights or gradients: one pass over
-    each, no copies, no ATen call per tensor; ~2x faster than the torch ops on a small GPT's weights). Tensors of other
-    dtypes, or without storage of their own (torch.func's wrapped ones), go to the torch ops."""
-    k = len(ts)
-    if not k or not available() or not all(t.dtype in _KIND and t.device.type == "cpu" for t in ts):
-        return _absmax_torch(ts)
-    try:
-        flats = [_flat(t.detach()) for t in ts]  # (kept alive through the call)
-        ptrs = (ctypes.c_int64 * k)(*[f.data_ptr() for f in flats])
-    except RuntimeError:
-        return _absmax_torch(ts)
-    out = torch.empty(k, dtype=_F64)
-    _LIB.ad_amax_many(k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
-                      (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]), out.data_ptr())
+    empty one), as a float64 vector: one C call for the float16/bfloat16/float32/float64 ones (a model's weights or
+    gradients: one pass over each, no copies, no ATen call per tensor; ~2x faster than the torch ops on a small
+    GPT's weights); other dtypes, or tensors without storage of their own (torch.func's wrapped ones), by torch ops."""
+    out = torch.zeros(len(ts), dtype=_F64)
+    mine = [i for i, t in enumerate(ts) if t.dtype in _KIND and t.device.type == "cpu"] if available() else []
+    if mine:
+        try:
+            flats = [_flat(ts[i].detach()) for i in mine]  # (kept alive through the call)
+            ptrs = (ctypes.c_int64 * len(mine))(*[f.data_ptr() for f in flats])
+        except RuntimeError:
+            mine = []
+        else:
+            k = len(mine)
+            got = torch.empty(k, dtype=_F64)
+            _LIB.ad_amax_many(k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
+                              (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]), got.data_ptr())
+            out[torch.tensor(mine)] = got
+    if len(mine) < len(ts):
+        done = set(mine)
+        rest = [i for i in range(len(ts)) if i not in done]
+        out[torch.tensor(rest)] = _absmax_torch([ts[i] for i in rest])
     return out
 
 
 def _absmax_torch(ts: list[torch.Tensor]) -> torch.Tensor:
-    """`absmax` by torch ops: a tensor of SMALL elements or more by the one-pass C statistics (no copy,
-    several times faster there), the small ones together by `_foreach_max(_foreach_abs(...))` (~1.7x faster than a C call or
-    an abs().amax() each)."""
+    """`absmax` by torch ops: `_foreach_max(_foreach_abs(...))` over chunks of CHUNK_BYTES."""
     out = torch.zeros(len(ts), dtype=_F64)
-    small, size, chunks = [], 0, []
+    chunks, cur, size = [], [], 0
     for i, t in enumerate(ts):
-        n = t.numel()
-        if n >= SMALL and supports(t):
-            r = stats(t, t.dtype).tolist()  # records.STAT_FIELDS order
-            out[i] = math.nan if r[1] else math.inf if r[2] + r[3] else r[5]
-        elif n:
-            small.append(i)
-            size += t.nbytes
-            if size >= CHUNK_BYTES:
-                chunks.append(small)
-                small, size = [], 0
-    if small:
-        chunks.append(small)
+        if not t.numel():
+            continue
+        cur.append(i)
+        size += t.nbytes
+        if size >= CHUNK_BYTES:
+            chunks.append(cur)
+            cur, size = [], 0
+    if cur:
+        chunks.append(cur)
     with torch.autocast("cpu", enabled=False):  # (stacking fp16 values inside a bf16 autocast region fails)
         for idx in chunks:
-            sub = [ts[i] for i in idx]
+            sub = [ts[i].detach() for i in idx]
             vals = _foreach_max(torch._foreach_abs(sub)) if _foreach_max is not None else [t.abs().amax() for t in sub]
             out[torch.tensor(idx)] = torch.stack(vals).to(_F64)
     return out

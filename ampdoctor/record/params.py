@@ -109,13 +109,14 @@ class UpdateCheck:
 def _opt_params(m, opt) -> list:
     """The optimizer's parameter groups as [(name, parameter)] of the model's floating-point strided parameters,
     kept per optimizer until its parameter count changes (add_param_group)."""
-    n = sum(len(g["params"]) for g in opt.param_groups)
+    count = sum(len(g["params"]) for g in opt.param_groups)
     hit = m.opt_params.get(id(opt))
-    if hit is None or hit[0] != n:
-        names = {id(p): n for n, p in m.w.model.named_parameters()}
-        hit = m.opt_params[id(opt)] = (n, [[(names[id(p)], p) for p in g["params"] if id(p) in names and
-                                           p.is_floating_point() and p.layout == torch.strided]
-                                          for g in opt.param_groups])
+    if hit is None or hit[0] != count:
+        names = {id(p): name for name, p in m.w.model.named_parameters()}
+        groups = [[(names[id(p)], p) for p in g["params"]
+                   if id(p) in names and p.is_floating_point() and p.layout == torch.strided]
+                  for g in opt.param_groups]
+        hit = m.opt_params[id(opt)] = (count, groups)
     return hit[1]
 
 

@@ -241,10 +241,10 @@ _ZERO_OK = ("ReLU", "Dropout", "Threshold", "Hardtanh", "Hardshrink", "Softshrin
             "Identity", "Sequential", "ModuleList")
 
 
-# torch.nn's norms (and nanoGPT's LayerNorm, which calls F.layer_norm): their statistics are accumulated in fp32
-# torch's norms that subtract a mean: in them a large offset cancels (x - mean) to zeros without any overflow. (An
-# RMSNorm subtracts nothing: its exact zeros from nonzero rows are an overflow, and "RMSNorm" is also the name of
-# the hand-written ones that square in fp16, LLaMA's and T5's without their upcast.)
+# torch.nn's norms that subtract a mean (and nanoGPT's LayerNorm, which calls F.layer_norm): their statistics are
+# accumulated in fp32, and in them a large offset cancels (x - mean) to zeros without any overflow. (An RMSNorm
+# subtracts nothing: its exact zeros from nonzero rows are an overflow, and "RMSNorm" is also the name of the
+# hand-written ones that square in fp16, LLaMA's and T5's without their upcast.)
 _NATIVE_NORMS = frozenset({"LayerNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
                            "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm"})
 

@@ -180,7 +180,7 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
                 worst[module] = (share, first, names or [p.name for p in ps], n, k,
                                  max(ps, key=lambda p: p.update_sampled))
     for module, (n, k, checks, first, ps) in small.items():
-        if checks >= _MIN_CHECKS_SMALL and k >= _SMALL_SHARE * n and module not in worst:
+        if checks >= _MIN_CHECKS_SMALL and k >= _SMALL_SHARE * n:  # (never in `worst`: judged only here)
             worst[module] = (k / n, first, [p.name for p in ps], n, k, max(ps, key=lambda p: p.update_sampled))
     return worst
 
