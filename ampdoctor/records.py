@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "Producer", "StepRecord", "RunMeta",
+__all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "MISUSE_FLAGS", "Producer", "StepRecord", "RunMeta",
            "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK"]
 
 # Order of the numbers in a device-side stats vector (ampdoctor/record/stats.py) and in TensorStats.
@@ -204,6 +204,11 @@ class ParamStat:
         return _fromd(cls, d)
 
 
+MISUSE_FLAGS = frozenset({"stale_grads", "grads_after_unscale", "scaled_twice", "closure", "adopted"})
+"""The `CallEvent.extra` keys the recorder sets on a call the rules judge (rules/callorder.py, rules/scaler.py);
+`extra["backward"] is False` (a scaled loss never backpropagated) is one more."""
+
+
 @dataclass
 class CallEvent:
     """A call to the scaler, the optimizer or a clipping function, in program order.
@@ -244,6 +249,13 @@ class CallEvent:
     """Free-form: what an integration records about its own engine's call, numbers, strings and booleans only
     (DeepSpeed's engine.backward/engine.step: boundary, micro_step, ds_scale, global_step, grads_measured,
     overflow, scale_after, skipped_steps; ampdoctor/integrations/deepspeed.py)."""
+
+    def flagged(self) -> bool:
+        """Whether the call carries something the call-order rules read beyond its kind (an error, scaled
+        gradients, one of MISUSE_FLAGS): a routine step's repeated call sequence is kept for it (record/storage.py)."""
+        x = self.extra
+        return bool(self.error or self.scaled or self.grads_scaled or x and (
+            x.get("backward") is False or not MISUSE_FLAGS.isdisjoint(x)))
 
     def to_dict(self) -> dict:
         return plain(self)

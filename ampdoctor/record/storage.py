@@ -85,11 +85,11 @@ class StepStore(Sequence):
 
     # ---------------------------------------------------------------------------------------------- writing
     def _repeats(self, rec: StepRecord) -> bool:
-        """The same call sequence as the step before, nothing wrong in it, no capture: its events say nothing new."""
+        """The same call sequence as the step before, nothing wrong in it (no call `flagged`), no capture: its
+        events say nothing new."""
         evs = rec.events
         seq = tuple([e.kind for e in evs])
-        if rec.bad or rec.capture or seq != self._last_seq or [e for e in evs if e.error or e.scaled or
-                                                               e.extra.get("stale_grads")]:
+        if rec.bad or rec.capture or seq != self._last_seq or any(e.flagged() for e in evs):
             self._last_seq = seq
             return False
         return True
