@@ -94,6 +94,50 @@ _NEGLIGIBLE_BELOW = 2.0 ** -3
 
 _PINNED_SHARE = 0.9
 _PINNED_LOW = 8.0  # a GradScaler whose scale never rises above this leaves small gradients as they would be
+_LOSS_FALL = 1e3   # a loss that fell this many times in one step (as autocapture.loss_jump samples the step after)
+_SCALE_CATCHUP = 16.0
+_FALL_WINDOW = 8
+
+
+def _fallen_onsets(steps: list) -> dict[int, int]:
+    """{step: the step its loss fell at} for the steps of a regime that began with the loss falling _LOSS_FALL-fold
+    or more in one step from its usual level (a loss weight of 1e-8, an inverse-frequency reweighting), every loss
+    since within that factor of the fall's, while the loss scale did not rise _SCALE_CATCHUP-fold to make up for it.
+    GradScaler grows by 2x per growth_interval (2000 steps by default): gradients that shrank 1000x at once stay
+    below fp16's range for thousands of steps, which is not a scaler's normal search.
+
+    "Its usual level": the median of the _FALL_WINDOW losses before, itself within _LOSS_FALL of the run's first
+    ones. A loss that converges (a classifier growing confident: per-batch losses of 1e-4 to 1e-8, jumping by
+    orders of magnitude from one batch to the next) falls step by step, and a converged one is not at its usual
+    level: neither is a fall."""
+    out: dict[int, int] = {}
+    onset = level = base_scale = None
+    first: list[float] = []
+    recent: list[float] = []
+    prev_scale = None
+    for q in steps:
+        loss = q.loss
+        if loss is None or not math.isfinite(loss) or loss == 0:
+            onset, recent = None, []
+            continue
+        a = abs(loss)
+        usual = _median(recent) if len(recent) >= 2 else None
+        if usual is not None and usual >= _LOSS_FALL * a and len(first) >= 2 and usual * _LOSS_FALL >= _median(first):
+            onset, level, base_scale = q.step, a, prev_scale
+        elif onset is not None and not 1.0 / _LOSS_FALL < a / level < _LOSS_FALL:
+            onset = None
+        if onset is not None and not (base_scale and q.scale and q.scale >= _SCALE_CATCHUP * base_scale):
+            out[q.step] = onset
+        if len(first) < _FALL_WINDOW:
+            first.append(a)
+        recent = (recent + [a])[-_FALL_WINDOW:]
+        prev_scale = q.scale
+    return out
+
+
+def _median(v: list[float]) -> float:
+    v = sorted(v)
+    return v[len(v) // 2]
 
 
 @register("underflow", emits=("underflow",))
@@ -103,6 +147,7 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     done: set[tuple[str, str]] = set()
     scales = [r.scale for r in run.steps if r.scale is not None]
     pinned = bool(scales) and max(scales) <= _PINNED_LOW
+    fallen = _fallen_onsets(run.steps) if run.has_scaler and not pinned else {}
     for r in run.steps:
         if r.forward_bad or (run.has_scaler and r.scale is not None and r.scale < 1.0):
             continue  # gradients of NaN activations, or of a collapsed scale: consequences, reported elsewhere
@@ -111,9 +156,10 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             for phase, s in (("backward", c.gout), ("forward", c.out)):
                 if s is None or s.ref != "float16" or (phase, c.module) in done:
                     continue
-                if phase == "backward" and run.has_scaler and not pinned:
+                if phase == "backward" and run.has_scaler and not pinned and r.step not in fallen:
                     # keeping gradients out of the subnormal range is the scaler's job (see collapse); a scale
-                    # that stays at a few at most all run (an init_scale of 1 with growth off) is not doing it
+                    # that stays at a few at most all run (an init_scale of 1 with growth off) is not doing it,
+                    # nor one that stayed put while the loss fell 1000x in one step (_fallen_onsets)
                     continue
                 if phase == "forward" and any(k in c.type for k in ("Dropout", "Softmax", "Identity")):
                     continue  # probabilities: tiny values are expected there
@@ -151,14 +197,22 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             if phase == "forward":
                 fix = ("Rescale these activations or keep the module in fp32 / use bf16:\n"
                        + fp32_snippet(c.module, autocast_device(run)))
+            onset = fallen.get(r.step) if scaled and not pinned else None
+            if onset is not None:
+                fix = (f"The loss fell {_LOSS_FALL:g}x or more in one step at step {onset} and the loss scale did not "
+                       "follow (GradScaler doubles it only every `growth_interval` steps): keep the loss at its "
+                       "usual magnitude (normalise loss weights to mean 1; put a tiny factor in the learning rate "
+                       "instead), compute it in fp32, or train in bf16.")
             out.append(Finding(
-                "underflow", "error" if phase == "backward" else "warning", phase, c.module, None, r.step,
+                "underflow", "error" if phase == "backward" else "warning", phase, c.module, None,
+                r.step if onset is None or any(q.modules for q in run.steps if onset <= q.step < r.step) else onset,
                 f"{share:.0%} of the nonzero {'gradients flowing into' if phase == 'backward' else 'outputs of'} "
                 f"`{c.module}` are below fp16's normal range (2^-14); "
                 f"{'values below 2^-24 are flushed to zero and learning stalls' if phase == 'backward' else 'they lose precision or vanish'}.",
                 fix, {"subnormal": s.subnormal, "nonzero": s.nonzero_finite, "zeros": s.zeros, "numel": s.numel,
                       "min_nonzero": s.min_nonzero, "absmax": s.absmax, "share": share,
-                      "loss_scale": r.scale, "rank_hint": 20}))
+                      "loss_scale": r.scale, "rank_hint": 20,
+                      **({"loss_fell_at": onset, "observed_step": r.step} if onset is not None else {})}))
     return out
 
 
