@@ -7,6 +7,7 @@ import warnings
 
 from ..errors import BadInput
 from ..findings import Finding, Report
+from ..fixes import modules_related
 from ..records import StepRecord
 from ..summary import verdict
 from .ranking import rank
@@ -15,6 +16,7 @@ __all__ = ["merge_capture_replay", "merge_replay", "pick_capture", "unexplained_
 
 
 _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow", "underflow")
+_CONSTANTS = ("mask_value_overflow", "eps_underflow")
 
 
 def merge_replay(rep: Report, watch) -> Report:
@@ -225,7 +227,12 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                     g.rule in ("overflow", "nan_origin") and g.phase == f.phase for g in findings):
                 continue  # (non-finite weights from an earlier update are not produced by this op)
         if not any(g.rule == f.rule and g.module == f.module for g in findings):
-            f.evidence["rank_hint"] = 13 if f.severity == "error" else f.evidence.get("rank_hint", 30)
+            # a constant the replay found feeding the failure (a -1e9 mask, an eps that is 0 in fp16) is the root
+            # cause of the inf/NaN a finding names in the same module: ranked before it
+            cause = f.rule in _CONSTANTS and f.severity == "error" and any(
+                g.rule in ("overflow", "nan_origin") and g.severity == "error" and g.phase == f.phase
+                and modules_related(g.module, f.module) for g in findings)
+            f.evidence["rank_hint"] = (9 if cause else 13) if f.severity == "error" else f.evidence.get("rank_hint", 30)
             f.evidence["from_replay"] = cap
             if f.step is None:
                 f.step = next((g.step for g in findings if g.module == f.module), None)
