@@ -47,9 +47,10 @@ own minimum as the fill on the same isolated node.
 
 What ampdoctor said. Right (1-11): overflow at reparam (aten::exp) 11, head (aten::mul) 8, rnn (aten::addmm) 13,
 features.3 (aten::convolution) 9, temb (aten::mul, "propagates to aten::sin") 13, criterion (aten::log, forward) 17,
-mdn (aten::exp) 19, convs.0 (aten::scatter_add_) 21; nan_origin at l2norm (aten::div) 23; at cos nan_origin
-(aten::div) first and eps_underflow (aten::clamp_min, eps 1e-12) second, step 6; at gat1 overflow (aten::mul) first
-and mask_value_overflow (-9e15) second, step 14; the three twins quiet.
+mdn (aten::exp) 19, convs.0 (aten::scatter_add_) 21; nan_origin at l2norm (aten::div) 23; at cos eps_underflow
+(aten::clamp_min, eps 1e-12) first and nan_origin (aten::div) second, step 6; at gat1 mask_value_overflow (-9e15)
+first and overflow (aten::mul) second, step 14 (each the other way round before the replay fold ranked a constant
+before the inf/NaN it explains); the three twins quiet.
 12 (fixed; was an empty report at the default sampling and at every=1 alike): underflow (backward) at head, dated at
 step 9, where the loss fell 1e8x and the loss scale did not follow. Twin: the same weights normalised to mean 1, quiet.
 
@@ -694,6 +695,8 @@ def test_cosine_classifier_f_normalize_eps_vanishes_in_fp16_on_a_black_frame():
     fp16_only(FaceNet, store["sd"], lambda mm: (lambda x, y: mm(x)), faces(FACE_BLACK))
     rep = r["w"].report()
     error_at(rep, ("eps_underflow",), "cos", step=FACE_BLACK, phase="forward")
+    # the vanished eps is the root cause of the NaN the same module's division made: ranked before it
+    assert (rep.findings[0].rule, rep.findings[0].module) == ("eps_underflow", "cos"), lines(rep)
     no_error_at(rep, ("backbone", "backbone.6"))
 
 
@@ -766,6 +769,8 @@ def test_gat_minus_9e15_mask_is_inf_in_fp16_and_an_isolated_node_softmaxes_to_na
     fp16_only(GAT, store["sd"], lambda mm: (lambda x, adj, y: mm(x, adj)), citation_graph(GAT_ISOLATED))
     rep = r["w"].report()
     error_at(rep, ("mask_value_overflow",), "gat1", step=GAT_ISOLATED, phase="forward")
+    # the constant is the root cause of the inf the same module's mul made: ranked before it
+    assert (rep.findings[0].rule, rep.findings[0].module) == ("mask_value_overflow", "gat1"), lines(rep)
     # (gat2 holds the same -9e15 and the same all-masked row: an error there is a second true producer, not a blame
     # of a propagator)
     no_error_at(rep, ("gat1.W", "gat1.a1", "gat1.a2", "gat2.W"))
