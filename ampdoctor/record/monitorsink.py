@@ -59,6 +59,20 @@ def _stale(mark, backwards: int) -> bool:
     return g is not None and id(g) == gid and backwards > 0 and g._version - ver == backwards
 
 
+def _reaches(node, target, limit: int = 16) -> bool:
+    """Whether autograd node `target` is `node` or among the first `limit` nodes of the graph behind it (breadth
+    first): the loss a scale() gets was made from an already-scaled one. Only the nodes next to the loss are walked
+    (a second micro-batch's separate graph never reaches the first's scaled node)."""
+    todo, seen = [node], 0
+    while todo and seen < limit:
+        n = todo.pop(0)
+        if n is target:
+            return True
+        seen += 1
+        todo.extend(f for f, _ in getattr(n, "next_functions", ()) if f is not None)
+    return False
+
+
 def _found_inf(scaler, opts: list):
     """The inf checks `scaler.unscale_` recorded for these optimizers this iteration, summed (a 0-d float64 tensor),
     or None when there are none."""
@@ -99,8 +113,11 @@ class MonitorCallbacks:
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
             out = args[0] if args else kwargs.get("outputs")
-            if isinstance(out, torch.Tensor) and out.grad_fn is not None and out.grad_fn is st.scaled_node:
-                ev.extra["scaled_twice"] = True  # scaler.scale(scaler.scale(loss)): rules/callorder.py
+            if isinstance(out, torch.Tensor) and out.grad_fn is not None and st.scaled_node is not None and \
+                    _reaches(out.grad_fn, st.scaled_node):
+                # scaler.scale(scaler.scale(loss)), or of a value made from it (a helper's `loss / accum`):
+                # rules/callorder.py
+                ev.extra["scaled_twice"] = True
             if isinstance(out, torch.Tensor) and out.numel() == 1:
                 st.losses.append(out.detach().reshape(()))
                 st.loss_node = out.grad_fn  # a reference only: read on a step whose loss went non-finite
@@ -167,9 +184,10 @@ class MonitorCallbacks:
             # the scale tensor itself: only update() changes it in place, after presync has queued its copy
             # (an update() that comes first takes a copy then, see before)
             st.scale_t = sc._scale
-        if ev.kind == "scale" and st.sampled and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        if ev.kind == "scale" and isinstance(out, torch.Tensor) and out.grad_fn is not None:
             # does the backward go through the scaled loss? (`scaler.scale(loss)` as a statement, then
-            # loss.backward(): unscale_ divides gradients that were never scaled) A node pre-hook only notes it
+            # loss.backward(): unscale_ divides gradients that were never scaled) A node pre-hook only notes it;
+            # every step, as a branch that begins doing so on a later step repeats the calls of the step before
             ran = [False]
             out.grad_fn.register_prehook(functools.partial(_ran, ran))
             st.scaled_outs.append((ev, ran))

@@ -13,8 +13,9 @@ _STEP_TWICE = "step() has already been called since the last update()"
 _NO_INF = "No inf checks were recorded"
 _CLOSURE = "Closure use is not currently supported"
 _NO_SCALE = "but _scale is None"  # GradScaler's unscale_/step/update before any scale() of this scaler
-_ITER_START = ("zero_grad", "step", "optimizer.step")  # between two unscale_s: a new iteration (a `scale` alone is
-#                                                       another micro-batch of the same one: gradient accumulation)
+_ITER_START = ("zero_grad", "step", "optimizer.step")  # between two unscale_s: a zero_grad, or a step and then a
+#  `scale`, is a new iteration (a `scale` alone is another micro-batch of the same one: gradient accumulation; a step
+#  alone, the same iteration unscaling again after its step)
 
 
 @register("call_order", emits=("scaler_misorder", "missing_scaler_update"))
@@ -114,14 +115,22 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
             first_u = next((k for k, p in enumerate(since_update) if p.kind == "unscale_"), len(since_update))
             if last_update is not None and _unscaled_since_update(since_update[:first_u]):
                 continue  # the earlier unscale_ came with no scale() after an update(): named above, at that call
-            new_iter = False
-            seen_unscale = False
+            # after the first unscale_: a zero_grad, or a step followed by the next backward's scale, began a new
+            # iteration (its update() is missing); a step right before this unscale_ is the same iteration's
+            new_iter = stepped = seen_unscale = False
             for p in since_update:
                 if p.kind == "unscale_":
                     seen_unscale = True
-                elif seen_unscale and p.kind in _ITER_START:
+                elif seen_unscale and p.kind == "zero_grad" or stepped and p.kind == "scale":
                     new_iter = True
-            if new_iter:
+                elif seen_unscale and p.kind in _ITER_START:
+                    stepped = True
+            if stepped and not new_iter:
+                add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()` in the same "
+                    "iteration (GradScaler raises 'unscale_() is being called after step()'); after step() the "
+                    "gradients are already unscaled.", "Unscale before step, once; read the norm after step() without "
+                    "a second unscale_:\n" + ORDER)
+            elif new_iter:
                 # dated at the iteration that lacked its update: its scaler.step (the unscale_ that fails is the
                 # next iteration's)
                 ended = next((p for p in reversed(since_update) if p.kind == "step" and p.opt == e.opt), e)
