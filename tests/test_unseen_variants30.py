@@ -161,7 +161,8 @@ def fp32_damage(make, sd, args, loss_fn, call, module, scale):
     rel_sub = float((g16[sub] - g32[sub]).norm() / g32[sub].norm()) if sub.any() else 0.0
     rel_g = float((g16 - g32).norm() / g32.norm())
     rel_w = float((w16 - w32).norm() / w32.norm())
-    return dict(flushed=flushed, rel_sub=rel_sub, rel_g=rel_g, rel_w=rel_w, g32_nonzero=float((g32 != 0).float().mean()))
+    return dict(flushed=flushed, rel_sub=rel_sub, rel_g=rel_g, rel_w=rel_w,
+                g32_nonzero=float((g32 != 0).float().mean()))
 
 
 def run(make, batch, loss_fn, steps, bad, *, call=None, lr=1e-3, init_scale=65536.0, growth_interval=2000,
