@@ -97,6 +97,7 @@ _PINNED_LOW = 8.0  # a GradScaler whose scale never rises above this leaves smal
 _LOSS_FALL = 1e3   # a loss that fell this many times in one step (as autocapture.loss_jump samples the step after)
 _SCALE_CATCHUP = 16.0
 _FALL_WINDOW = 8
+_RECOVERY_STEPS = 100
 
 
 def _fallen_onsets(steps: list) -> dict[int, int]:
@@ -104,7 +105,9 @@ def _fallen_onsets(steps: list) -> dict[int, int]:
     or more in one step from its usual level (a loss weight of 1e-8, an inverse-frequency reweighting), every loss
     since within that factor of the fall's, while the loss scale did not rise _SCALE_CATCHUP-fold to make up for it.
     GradScaler grows by 2x per growth_interval (2000 steps by default): gradients that shrank 1000x at once stay
-    below fp16's range for thousands of steps, which is not a scaler's normal search.
+    below fp16's range for thousands of steps, which is not a scaler's normal search; one that does rise that far
+    within _RECOVERY_STEPS of the fall (a growth_interval of 10-25) recovered the gradients itself: none of that
+    regime's steps is kept.
 
     "Its usual level": the median of the _FALL_WINDOW losses before, itself within _LOSS_FALL of the run's first
     ones. A loss that converges (a classifier growing confident: per-batch losses of 1e-4 to 1e-8, jumping by
@@ -122,11 +125,17 @@ def _fallen_onsets(steps: list) -> dict[int, int]:
             continue
         a = abs(loss)
         usual = _median(recent) if len(recent) >= 2 else None
-        if usual is not None and usual >= _LOSS_FALL * a and len(first) >= 2 and usual * _LOSS_FALL >= _median(first):
+        if usual is not None and usual >= _LOSS_FALL * a and len(first) >= 2 and usual * _LOSS_FALL >= _median(
+                first) and (onset is None or a * _LOSS_FALL <= level):  # (the steps after a fall: the same regime)
             onset, level, base_scale = q.step, a, prev_scale
         elif onset is not None and not 1.0 / _LOSS_FALL < a / level < _LOSS_FALL:
             onset = None
-        if onset is not None and not (base_scale and q.scale and q.scale >= _SCALE_CATCHUP * base_scale):
+        if onset is not None and base_scale and q.scale and q.scale >= _SCALE_CATCHUP * base_scale:
+            if q.step - onset <= _RECOVERY_STEPS:  # the scaler made up for the fall soon: its own search, not ours
+                for k in [k for k, v in out.items() if v == onset]:
+                    del out[k]
+            onset = None
+        if onset is not None:
             out[q.step] = onset
         if len(first) < _FALL_WINDOW:
             first.append(a)
