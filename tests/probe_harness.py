@@ -11,6 +11,7 @@ copied from one another. It owns
   `fp16_accelerator` (the body of their `fp16_on_cpu` fixture);
 - `xf`: a strict xfail mark;
 - `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines;
+- `misuse_net`, `misuse_batch`: the loop-misuse files' small regression model and its data;
 - the hostile-input files' harness (test_hostile_*): `snapshot` (hashes of what a probe guards), `stderr_lines`,
   `error_line`, `no_traceback`, `one_line_or_report` (the CLI's answer to bad input), `strict_json`, `copy`,
   `records_raw` / `write_raw` / `edit_record` / `edit_manifest` (run-dir and capture surgery), `load_models` (a
@@ -37,7 +38,33 @@ import pytest
 import torch
 
 import ampdoctor
-from scenarios import alarms, in_top3, lines
+from scenarios import alarms, in_top3, lines, randn
+
+
+class MisuseNet(torch.nn.Module):
+    """The loop-misuse files' model (test_loop_misuse7/8/9): Linear(8, 32) -> ReLU -> Linear(32, 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 32), torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def misuse_net(seed=0):
+    torch.manual_seed(seed)
+    return MisuseNet()
+
+
+MISUSE_W = randn(8, 1, seed=999) * 0.5
+
+
+def misuse_batch(i, cycle=4):
+    """A learnable regression batch for MisuseNet: y = x @ MISUSE_W (`cycle` distinct batches, cycled; None: a new
+    batch every step)."""
+    x = randn(16, 8, seed=i % cycle if cycle else i)
+    return x, x @ MISUSE_W
 
 
 def gnorm(gs):

@@ -65,8 +65,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scenarios import lines, one_thread, randn
-from probe_harness import expect as _expect, learned as _learned, quiet_report, run_misuse, tag_line, xf, gnorm
+from scenarios import lines, one_thread
+from probe_harness import (expect as _expect, learned as _learned, quiet_report, run_misuse, tag_line, xf, gnorm,
+                           misuse_net, misuse_batch)
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -86,27 +87,8 @@ def expect(rep, rule, step=None, tag=None, steps=None):
     return f
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body, self.head = nn.Linear(8, 32), nn.Linear(32, 1)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.body(x)))
-
-
-def net(seed=0):
-    torch.manual_seed(seed)
-    return Net()
-
-
-W_TRUE = randn(8, 1, seed=999) * 0.5
-
-
-def batch(i):
-    """A learnable regression batch: y = x @ W_TRUE."""
-    x = randn(16, 8, seed=i)
-    return x, x @ W_TRUE
+net = misuse_net  # (probe_harness: the loop-misuse files' model and data)
+batch = partial(misuse_batch, cycle=None)
 
 
 def fwd_loss(m, i):

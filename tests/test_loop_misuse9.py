@@ -69,8 +69,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor  # noqa: F401  (the public API, through probe_harness.run_misuse)
-from scenarios import one_thread, randn
-from probe_harness import expect as _expect, learned as _learned, quiet_report, run_misuse, xf, gnorm
+from scenarios import one_thread
+from probe_harness import (expect as _expect, learned as _learned, quiet_report, run_misuse, xf, gnorm,
+                           misuse_net, misuse_batch)
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -94,27 +95,8 @@ def expect(rep, rule, step, tag, severity=("error",)):
     return _expect(rep, rule, severity, step, tag, src=HERE, sequence=True)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body, self.head = nn.Linear(8, 32), nn.Linear(32, 1)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.body(x)))
-
-
-def net(seed=0):
-    torch.manual_seed(seed)
-    return Net()
-
-
-W_TRUE = randn(8, 1, seed=999) * 0.5
-
-
-def batch(i):
-    """A learnable regression batch: y = x @ W_TRUE (4 distinct batches, cycled)."""
-    x = randn(16, 8, seed=i % 4)
-    return x, x @ W_TRUE
+net = misuse_net  # (probe_harness: the loop-misuse files' model and data)
+batch = misuse_batch
 
 
 def fwd_loss(m, i, aux=False):
