@@ -229,8 +229,10 @@ def ce(out, x, y):
     "1 of 20 steps; a normal rate for dynamic loss scaling': no error, no module. True: the forward is finite "
     "everywhere, the muted utterance's embedding norm is ~1e-4 (nonzero), and the backward of `l2`'s "
     "z / vector_norm(z) turns a finite incoming gradient into inf/NaN at step 16 (the Producer oracle's first "
-    "backward producer: ('l2', 16)). With every=1 it says 'overflow at l2 aten::mul step 16', as it should at the "
-    "default too.")
+    "backward producer: ('l2', 16)). With every=1 it says 'overflow at l2 aten::mul step 16'. (Disputed: the "
+    "overflow depends on the loss scale; the scaler skips once, 1024 -> 512, and the run goes on, which the default "
+    "reads as GradScaler's search from the replay's scale search; every=1 calls the same event an error. The two "
+    "should agree; which way is open.)")
 def test_vector_norm_of_a_muted_utterances_tiny_embedding_is_nan_only_in_the_backward():
     torch.manual_seed(0)
     m, store = SpeakerEmbedder(), {}
