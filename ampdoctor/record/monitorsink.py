@@ -95,6 +95,8 @@ class MonitorCallbacks:
         opt = None
         if kind in ("unscale_", "step"):
             opt = args[0] if args else kwargs.get("optimizer")
+            if st.micro_stepped is None:
+                st.micro_stepped = st.micro
         stage = scaler_stage(self.w.scaler, opt) if opt is not None else None
         ev = self.event(kind, 5, stage=stage)
         if opt is not None:  # several optimizers may share one scaler (one step each, one update)
@@ -178,8 +180,9 @@ class MonitorCallbacks:
         ev, opt = tok
         st = self.st
         sc = self.w.scaler
-        if ev.kind == "scale" and isinstance(out, torch.Tensor):
-            st.scaled_node = out.grad_fn
+        loss = (args[0] if args else kwargs.get("outputs")) if ev.kind == "scale" else None
+        if ev.kind == "scale" and isinstance(out, torch.Tensor) and out is not loss:
+            st.scaled_node = out.grad_fn  # (a disabled GradScaler's scale() returns the loss itself: nothing scaled)
         if ev.kind == "scale" and getattr(sc, "_scale", None) is not None:
             # the scale tensor itself: only update() changes it in place, after presync has queued its copy
             # (an update() that comes first takes a copy then, see before)
@@ -190,7 +193,8 @@ class MonitorCallbacks:
             # every step, as a branch that begins doing so on a later step repeats the calls of the step before
             ran = [False]
             out.grad_fn.register_prehook(functools.partial(_ran, ran))
-            st.scaled_outs.append((ev, ran))
+            node = getattr(loss, "grad_fn", None)
+            st.scaled_outs.append((ev, ran, None if node is None else id(node), st.micro))
         if ev.kind == "unscale_" and opt is not None and st.sampled and self.owns(opt):  # (sampled steps only)
             grads_after_unscale(self, opt)
         if ev.kind == "update" and st.phase is StepPhase.OPEN and st.in_scaler_step == 0 and any(

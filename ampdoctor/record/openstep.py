@@ -128,7 +128,9 @@ class _Step:
     probe_seen: dict = field(default_factory=dict)
     bad_input: dict | None = None  # a bad step's non-finite model input (transfer.nonfinite_input)
     loss_in_model: bool | None = None  # the scaled loss's node was made before the root's forward returned
-    scaled_outs: list = field(default_factory=list)  # (scale CallEvent, [backward ran through it])
+    scaled_outs: list = field(default_factory=list)  # (scale CallEvent, [backward ran through it], id of the loss's
+    #                                                  node, micro-batch) per scale() (transfer.unpropagated)
+    micro_stepped: int | None = None  # `micro` at the step's first unscale_/step
     scaled_node: object = None  # the last scale()'s output node: a scale() of it scales the loss twice (monitorsink)
     _phase: StepPhase = field(default=StepPhase.OPEN, init=False, repr=False)
 

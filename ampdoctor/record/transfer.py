@@ -47,10 +47,6 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     st.scaled_node = None  # (nor the scaled loss's node: its graph holds the module hooks, and they the machine)
     if st.phase is not StepPhase.OPEN:
         return
-    for ev, ran in st.scaled_outs:  # the optimizer steps: has each scaled loss been backpropagated?
-        if not ran[0]:
-            ev.extra["backward"] = False
-    st.scaled_outs = []
     parts: list[tuple[str, torch.Tensor]] = []
     # few kernels on routine steps: no per-value conversions (torch.cat promotes to the widest dtype)
     if st.losses:
@@ -272,10 +268,26 @@ def _rounding(upd: dict) -> bool:
     return any(n >= MIN_SAMPLED and k >= ROUNDED_SHARE * n for k, n in mods.values())
 
 
+def unpropagated(st) -> None:
+    """The step's scaled losses that no backward went through (`scaler.scale(loss)` as a statement, then
+    `loss.backward()`: unscale_ divides gradients that were never scaled): `extra["backward"] = False` on their
+    scale() call (rules/callorder.py). Judged when the step ends, after all of its backward passes (an ensemble
+    scales every member's loss before the first member's backward and step). Not such a loss: a second scale() of a
+    loss whose scaled twin was backpropagated (`scaler.scale(loss).item()` for the logs), nor one that a later
+    forward left behind before the step's first unscale_/step (a batch a loss-spike guard dropped)."""
+    outs, st.scaled_outs = st.scaled_outs, []
+    done = {node for _, ran, node, _ in outs if ran[0] and node is not None}
+    for ev, ran, node, micro in outs:
+        if ran[0] or node in done or (st.micro_stepped is not None and micro < st.micro_stepped):
+            continue
+        ev.extra["backward"] = False
+
+
 def finalize(m) -> None:
     st = m.st
     if st.phase is StepPhase.OPEN:
         presync(m, None)
+    unpropagated(st)
     resolve(m)
     st.advance(StepPhase.FINAL)
     s = st.synced
