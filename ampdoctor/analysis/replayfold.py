@@ -108,6 +108,24 @@ def _follow_refined(findings: list[Finding], refined: set[int], before: list[str
             findings[i] = Finding(f.rule, f.severity, f.phase, new, f.op, f.step, msg, f.fix, f.evidence)
 
 
+def _benign_backward(findings: list[Finding], cap_step: int, search: dict) -> None:
+    """The replay of the captured step found its forward finite and its backward finite at a smaller loss scale
+    (`scaler_search.finite_at`): a backward overflow the records located at that step, and at no other, is
+    GradScaler's search (it skips the step and halves the scale), as the default sampling reads the same step from
+    the capture alone. `info`, as there; a backward that overflows again on later steps keeps its error."""
+    for i, g in enumerate(findings):
+        steps = g.evidence.get("steps") or [g.step]
+        if g.severity != "error" or g.phase != "backward" or g.rule not in ("overflow", "nan_origin") or \
+                g.step != cap_step or any(s != cap_step for s in steps):
+            continue
+        msg = (f"GradScaler's normal search for a loss scale: {g.message.rstrip('.')} at loss scale "
+               f"{search.get('capture_scale', 0):g}, and the same step is finite at {search['finite_at']:g}; the "
+               "forward was finite, so the scaler skipped this step and lowered the scale as designed")
+        findings[i] = Finding(g.rule, "info", g.phase, g.module, g.op, g.step, msg,
+                              "nothing to fix for this step; if the scale keeps falling (loss_scale_collapse) or most "
+                              "steps are skipped, fix the op above", dict(g.evidence, scaler_search=search))
+
+
 def _of_step(g: Finding, step: int | None) -> bool:
     """The finding `g` covers `step` (its own step, or one of its evidence's steps)."""
     return step is not None and (g.step == step or step in (g.evidence.get("steps") or ()))
@@ -171,6 +189,8 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         refined.add(id(findings[i]))
     fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
     search = (rr.data.get("replay") or {}).get("scaler_search") or {}
+    if search.get("finite_at") is not None and not fwd_bad and cap_step is not None:
+        _benign_backward(findings, cap_step, search)
     any_scale = bool(search.get("tried")) and search.get("finite_at") is None and any(
         t.get("scale") == 1.0 and t.get("finite") is False for t in search["tried"])
     for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
