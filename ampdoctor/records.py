@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "MISUSE_FLAGS", "Producer", "StepRecord", "RunMeta",
-           "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK"]
+           "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK", "LOSS_JUMP"]
 
 # Order of the numbers in a device-side stats vector (ampdoctor/record/stats.py) and in TensorStats.
 STAT_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "absmax", "min_nonzero", "near_max", "subnormal",
@@ -30,6 +30,11 @@ DTYPE_LIMITS = {
     "float32": (3.4028234663852886e38, 1.1754943508222875e-38, 2.0 ** 127),
     "float64": (1.7976931348623157e308, 2.2250738585072014e-308, 2.0 ** 1023),
 }
+
+LOSS_JUMP = 1e3
+"""A loss that moves by this factor or more in one step has jumped (a loss weight gone wrong, a divergence starting):
+the recorder samples the step after it (record/autocapture.py), and the rules read the regime it begins
+(rules/numeric.py: underflow after a fall, vanished_gradient's onset). One definition for both."""
 
 ROUNDED_AWAY_SHARE = 0.5
 ROUNDING_MIN_SAMPLED = 16

@@ -113,17 +113,15 @@ def _benign_backward(findings: list[Finding], cap_step: int, search: dict) -> No
     (`scaler_search.finite_at`): a backward overflow the records located at that step, and at no other, is
     GradScaler's search (it skips the step and halves the scale), as the default sampling reads the same step from
     the capture alone. `info`, as there; a backward that overflows again on later steps keeps its error."""
+    from ..replay.explain import scaler_search_text  # (the replay's own words for it; imported with the replay)
     for i, g in enumerate(findings):
         steps = g.evidence.get("steps") or [g.step]
         if g.severity != "error" or g.phase != "backward" or g.rule not in ("overflow", "nan_origin") or \
                 g.step != cap_step or any(s != cap_step for s in steps):
             continue
-        msg = (f"GradScaler's normal search for a loss scale: {g.message.rstrip('.')} at loss scale "
-               f"{search.get('capture_scale', 0):g}, and the same step is finite at {search['finite_at']:g}; the "
-               "forward was finite, so the scaler skipped this step and lowered the scale as designed")
-        findings[i] = Finding(g.rule, "info", g.phase, g.module, g.op, g.step, msg,
-                              "nothing to fix for this step; if the scale keeps falling (loss_scale_collapse) or most "
-                              "steps are skipped, fix the op above", dict(g.evidence, scaler_search=search))
+        msg, fix = scaler_search_text(g.message.rstrip("."), search)
+        findings[i] = Finding(g.rule, "info", g.phase, g.module, g.op, g.step, msg, fix,
+                              dict(g.evidence, scaler_search=search))
 
 
 def _of_step(g: Finding, step: int | None) -> bool:

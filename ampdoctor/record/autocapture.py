@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import warnings
 
-from ..records import BACKOFF_MAX_STREAK
+from ..records import BACKOFF_MAX_STREAK, LOSS_JUMP
 
 __all__ = ["CapturePolicy", "maybe_capture"]
 
@@ -82,7 +82,7 @@ class CapturePolicy:
         if sampled or loss is None or not prev or not loss:
             return
         r = abs(loss / prev)
-        if r >= 1e3 or r <= 1e-3:
+        if r >= LOSS_JUMP or r <= 1.0 / LOSS_JUMP:
             self.followup = max(self.followup, 1)
 
     def spend(self) -> bool:

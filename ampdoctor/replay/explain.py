@@ -166,6 +166,18 @@ def chain(events: list[OpEvent], loss_finite: bool | None, grads_bad: list[str],
     return out
 
 
+def scaler_search_text(what: str, ss: dict) -> tuple[str, str]:
+    """(message, fix) of a backward overflow `what` that the replay's scale search `ss` found finite at a smaller
+    loss scale, the forward being finite: GradScaler's normal search, nothing to fix (here, and where the replay
+    fold reads a records-located overflow the same way: analysis/replayfold.py)."""
+    msg = (f"GradScaler's normal search for a loss scale: {what} at loss scale {ss['capture_scale']:g}, and the same "
+           f"step is finite at {ss['finite_at']:g} ({ss['backoffs']} backoff{'s' if ss['backoffs'] != 1 else ''}); "
+           "the forward was finite, so the scaler skips this step and lowers the scale as designed")
+    fix = ("nothing to fix for this step; if the scale keeps falling (loss_scale_collapse) or most steps are "
+           "skipped, fix the op above")
+    return msg, fix
+
+
 def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool, step: int | None, device: str,
                    forward_error: str | None, fix: dict | None, suspects: list[dict], dtype: str,
                    error_module: str | None = None, softmax_inputs: list = (), sdpa_used: bool = False,
@@ -252,15 +264,9 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
             msg += "; it propagates to " + ", ".join(f"{c.op} in {_where(c.module)}" for c in consequences[:3])
         severity = "error" if step_bad else "info"
         if benign and e.phase == "backward":
-            ss = scaler_search
             severity = "info"
-            evidence["scaler_search"] = ss
-            msg = (f"GradScaler's normal search for a loss scale: {msg} at loss scale {ss['capture_scale']:g}, and "
-                   f"the same step is finite at {ss['finite_at']:g} ({ss['backoffs']} backoff"
-                   f"{'s' if ss['backoffs'] != 1 else ''}); the forward was finite, so the scaler skips this step "
-                   "and lowers the scale as designed")
-            fx = ("nothing to fix for this step; if the scale keeps falling (loss_scale_collapse) or most steps are "
-                  "skipped, fix the op above")
+            evidence["scaler_search"] = scaler_search
+            msg, fx = scaler_search_text(msg, scaler_search)
         found.append(Finding(rule, severity, e.phase, e.module, e.op, step, msg, fx, evidence))
         # (an eps that vanishes in the dtype, found above, is the more precise account of the same zeros)
         if i == 0 and rule == "overflow" and not any(f.rule == "eps_underflow" and modules_related(f.module, e.module)

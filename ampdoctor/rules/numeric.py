@@ -6,9 +6,11 @@ from __future__ import annotations
 import linecache
 import math
 import re
+from collections import deque
+from statistics import median_high
 
 from ..findings import Finding
-from ..records import DTYPE_LIMITS
+from ..records import DTYPE_LIMITS, LOSS_JUMP
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .origins import autocast_device
@@ -94,7 +96,7 @@ _NEGLIGIBLE_BELOW = 2.0 ** -3
 
 _PINNED_SHARE = 0.9
 _PINNED_LOW = 8.0  # a GradScaler whose scale never rises above this leaves small gradients as they would be
-_LOSS_FALL = 1e3   # a loss that fell this many times in one step (as autocapture.loss_jump samples the step after)
+_LOSS_FALL = LOSS_JUMP  # a loss that fell this many times in one step (autocapture.loss_jump samples the step after)
 _SCALE_CATCHUP = 16.0
 _FALL_WINDOW = 8
 _RECOVERY_STEPS = 100
@@ -116,16 +118,17 @@ def _fallen_onsets(steps: list) -> dict[int, int]:
     out: dict[int, int] = {}
     onset = level = base_scale = None
     first: list[float] = []
-    recent: list[float] = []
+    recent: deque = deque(maxlen=_FALL_WINDOW)
     prev_scale = None
     for q in steps:
         loss = q.loss
         if loss is None or not math.isfinite(loss) or loss == 0:
-            onset, recent = None, []
+            onset = None
+            recent.clear()
             continue
         a = abs(loss)
-        usual = _median(recent) if len(recent) >= 2 else None
-        if usual is not None and usual >= _LOSS_FALL * a and len(first) >= 2 and usual * _LOSS_FALL >= _median(
+        usual = median_high(recent) if len(recent) >= 2 else None
+        if usual is not None and usual >= _LOSS_FALL * a and len(first) >= 2 and usual * _LOSS_FALL >= median_high(
                 first) and (onset is None or a * _LOSS_FALL <= level):  # (the steps after a fall: the same regime)
             onset, level, base_scale = q.step, a, prev_scale
         elif onset is not None and not 1.0 / _LOSS_FALL < a / level < _LOSS_FALL:
@@ -139,14 +142,9 @@ def _fallen_onsets(steps: list) -> dict[int, int]:
             out[q.step] = onset
         if len(first) < _FALL_WINDOW:
             first.append(a)
-        recent = (recent + [a])[-_FALL_WINDOW:]
+        recent.append(a)
         prev_scale = q.scale
     return out
-
-
-def _median(v: list[float]) -> float:
-    v = sorted(v)
-    return v[len(v) // 2]
 
 
 @register("underflow", emits=("underflow",))
@@ -252,7 +250,7 @@ def vanished_gradient(run: RunData, cfg: RuleConfig) -> list[Finding]:
         # jump, when every step between it and this one was a routine step with a loss of the same size
         step = r.step
         for q in reversed([q for q in run.steps if q.step < r.step]):
-            if q.loss and not 1e-3 < abs(q.loss / r.loss) < 1e3:
+            if q.loss and not 1.0 / LOSS_JUMP < abs(q.loss / r.loss) < LOSS_JUMP:
                 break  # q is the jump (or a non-finite loss): the regime began after it
             if q.modules or q.loss is None or not math.isfinite(q.loss) or not q.loss:
                 step = r.step  # a sampled step saw its gradients, or nothing is known: no earlier onset
