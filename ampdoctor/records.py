@@ -321,7 +321,14 @@ def plain(obj):
         elif isinstance(obj, tuple):  # a namedtuple keeps its type, as with asdict
             return t(*(plain(v) for v in obj)) if hasattr(obj, "_fields") else t(plain(v) for v in obj)
         else:
-            return obj
+            return _builtin(obj)
+    d = getattr(obj, "__dict__", None)
+    if d is not None and len(d) == len(names):  # the fields themselves, in their order (set by __init__): copied
+        d = d.copy()                            # in one move, nested values rebuilt (0.6x of getattr per field)
+        for k, v in d.items():
+            if type(v) not in _PRIMITIVE:
+                d[k] = plain(v)
+        return d
     d = {}
     for k in names:
         v = getattr(obj, k)
@@ -330,6 +337,20 @@ def plain(obj):
 
 
 _PRIMITIVE = frozenset({int, float, str, bool, type(None)})
+
+
+def _builtin(obj):
+    """A number or string of another type (numpy's float64, a `str` Enum) as the built-in value JSON writes for it,
+    so that every writer of a record (the run directory's JSON, the spill file's marshal: record/storage.py) reads
+    back the same value; anything else as it is."""
+    import numbers
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, numbers.Integral) and not isinstance(obj, bool):
+        return int(obj)
+    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):
+        return float(obj)
+    return obj
 
 
 @dataclass
