@@ -6,6 +6,7 @@ run directory round-trips exactly (see ampdoctor/rundir.py for the on-disk layou
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -343,12 +344,11 @@ def _builtin(obj):
     """A number or string of another type (numpy's float64, a `str` Enum) as the built-in value JSON writes for it,
     so that every writer of a record (the run directory's JSON, the spill file's marshal: record/storage.py) reads
     back the same value; anything else as it is."""
-    import numbers
     if isinstance(obj, str):
         return str.__str__(obj)
-    if isinstance(obj, numbers.Integral) and not isinstance(obj, bool):
+    if isinstance(obj, numbers.Integral):  # (a bool is a _PRIMITIVE: it never comes here)
         return int(obj)
-    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):
+    if isinstance(obj, numbers.Real):
         return float(obj)
     return obj
 

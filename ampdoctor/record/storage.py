@@ -13,9 +13,8 @@ thinned is detail only:
 `StepStore` holds the newest records in memory and spills older ones to an unnamed temporary file (the run-dir
 line already written for the record, else the record's dict in `marshal` form, plus an 8-byte offset), so a watch's
 memory stays flat in the number of steps. (marshal, not JSON, for a record no run directory wrote: an `every=1`
-record of a 12-layer GPT encodes in 0.4 ms instead of 2.9; the file is this process's own, unnamed, and read back only
-by it.) In memory it holds
-at most MEMORY_STEPS records and MEMORY_OBJECTS of their detail objects (a module call's record and its four
+record of a 12-layer GPT encodes in 0.4 ms instead of 2.9; the file is this process's own, unnamed, and read back
+only by it.) In memory it holds at most MEMORY_STEPS records and MEMORY_OBJECTS of their detail objects (a module call's record and its four
 statistics, a parameter's): with `every=1` on GPT-2 a record holds ~1,000, and Python's full garbage collections,
 which walk every object the process holds, took ~150 ms each with 256 such records kept.
 """
@@ -187,7 +186,7 @@ _LEN = struct.Struct("<q")
 def _packed(d: dict) -> bytes:
     try:
         data = marshal.dumps(d)
-    except ValueError:  # a value marshal does not take (a numpy scalar a loop put in a call's arguments): JSON
+    except ValueError:  # a value marshal does not take (a namedtuple in a call's details): a JSON line
         return json.dumps(d, separators=(",", ":")).encode() + b"\n"
     return _MARSHAL + _LEN.pack(len(data)) + data
 
