@@ -530,18 +530,17 @@ def s3_scale_list(i, m, opts, sc):
     return l_reg.item() + l_cls.item()
 
 
-def s4_grad_penalty(i, m, opts, sc):
-    """https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-penalty"""
+def _grad_penalty(i, m, opts, sc, autocast: dict):
     opt = opts[0]
     opt.zero_grad()
     x, y = reg_batch(i)
     params = [p for n, p in m.named_parameters() if not n.startswith("aux")]
-    with torch.autocast(**FP16):
+    with torch.autocast(**autocast):
         loss = F.mse_loss(m(x).float(), y)
     scaled_grad_params = torch.autograd.grad(outputs=sc.scale(loss), inputs=params, create_graph=True)
     inv_scale = 1. / sc.get_scale()
     grad_params = [p * inv_scale for p in scaled_grad_params]
-    with torch.autocast(**FP16):
+    with torch.autocast(**autocast):
         grad_norm = 0
         for grad in grad_params:
             grad_norm += grad.pow(2).sum()
@@ -551,6 +550,11 @@ def s4_grad_penalty(i, m, opts, sc):
     sc.step(opt)
     sc.update()
     return loss.item()
+
+
+def s4_grad_penalty(i, m, opts, sc):
+    """https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-penalty"""
+    return _grad_penalty(i, m, opts, sc, FP16)
 
 
 def s5_accum4(i, m, opts, sc):
@@ -787,25 +791,7 @@ def test_C_gan_d_and_g_on_one_scaler():
 
 def s4_bf16(i, m, opts, sc):
     """s4's gradient-penalty recipe under bf16 autocast (the scaler disabled in the reference's stead)."""
-    opt = opts[0]
-    opt.zero_grad()
-    x, y = reg_batch(i)
-    params = [p for n, p in m.named_parameters() if not n.startswith("aux")]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = F.mse_loss(m(x).float(), y)
-    scaled_grad_params = torch.autograd.grad(outputs=sc.scale(loss), inputs=params, create_graph=True)
-    inv_scale = 1. / sc.get_scale()
-    grad_params = [p * inv_scale for p in scaled_grad_params]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        grad_norm = 0
-        for grad in grad_params:
-            grad_norm += grad.pow(2).sum()
-        grad_norm = grad_norm.sqrt()
-        loss = loss + 0.1 * grad_norm
-    sc.scale(loss).backward()
-    sc.step(opt)
-    sc.update()
-    return loss.item()
+    return _grad_penalty(i, m, opts, sc, {"device_type": "cpu", "dtype": torch.bfloat16})
 
 
 def test_C_disabled_scaler_grad_penalty_bf16():
