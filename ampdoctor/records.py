@@ -35,7 +35,7 @@ DTYPE_LIMITS = {
 LOSS_JUMP = 1e3
 """A loss that moves by this factor or more in one step has jumped (a loss weight gone wrong, a divergence starting):
 the recorder samples the step after it (record/autocapture.py), and the rules read the regime it begins
-(rules/numeric.py: underflow after a fall, vanished_gradient's onset). One definition for both."""
+(rules/underflow.py: underflow after a fall, vanished_gradient's onset). One definition for both."""
 
 ROUNDED_AWAY_SHARE = 0.5
 ROUNDING_MIN_SAMPLED = 16

@@ -46,7 +46,7 @@ Scenarios:
     below fp16's normal range as it learns.
 
 False alarms found (fixed since: a forward output whose abs-max is >= 2^-3 holds no underflow that matters,
-rules/numeric.py `_NEGLIGIBLE_BELOW`):
+rules/underflow.py `_NEGLIGIBLE_BELOW`):
  - 24: `underflow` warning, phase forward, module "0" (the RBF layer), step 0: "90% of the nonzero outputs of `0` are
    below fp16's normal range (2^-14); they lose precision or vanish." Far centres' kernel values are negligible by
    design: their contribution to the O(1) read-out is below fp16's resolution whatever their own precision.

@@ -44,7 +44,7 @@ Scenarios:
 17. SigLIP: a pairwise sigmoid loss with a learnable log-temperature (init log 10, clamped to [0, log 100] after each
     step) and a learnable bias (init -10).
 
-False alarms found (fixed since: a forward underflow is judged on fp16 outputs only, rules/numeric.py):
+False alarms found (fixed since: a forward underflow is judged on fp16 outputs only, rules/underflow.py):
  - 13 (both the default sampling and every=1): `underflow` warning, phase forward, module "blocks.0.ls1" (the first
    block's attention-branch LayerScale), op null, step 0: "100% of the nonzero outputs of `blocks.0.ls1` are below
    fp16's normal range (2^-14); they lose precision or vanish." (evidence: absmax 6.26e-6, share 1.0, loss_scale

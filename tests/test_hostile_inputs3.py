@@ -60,7 +60,7 @@ generator and the manifest's scaler numbers):
     _check_outputs the same), so an empty path silently becomes the default.
 11. the 15,000 scaler-less steps take tens of seconds against under one for the disabled-scaler twin (quadratic):
     rules/registry.py RunData.has_scaler is a property that, when meta.scaler is empty, scans every step
-    (`any(r.scale is not None for r in self.steps)`), and rules/numeric.py underflow and rules/outside.py unlocated
+    (`any(r.scale is not None for r in self.steps)`), and rules/underflow.py underflow and rules/outside.py unlocated
     read it inside their per-step loops: 2·N² generator steps (450 M at 15k steps; 10k took 16 s and 20k 62 s here,
     so a 100k-step bf16 run would take hours to report).
 13. scale Infinity: an OverflowError traceback from replay/__init__.py _scaler_search (`math.ceil(math.log(scale) /

@@ -49,7 +49,7 @@ underflow; 3, a sampled step's record has each parameter's dtype as it is then):
     update_check_pre samples only elements with a nonzero gradient (`gnz = grad != 0`), so w * (1 - lr * wd) == w
     where the gradient is zero is never counted.
  8. scale pinned at 1: an empty report, also at every=1, although step 0 records 100% subnormal gradients into the
-    root and `out` and all-zero ones into every `enc` module. rules/numeric.py underflow() skips backward statistics
+    root and `out` and all-zero ones into every `enc` module. rules/underflow.py underflow() skips backward statistics
     whenever the run has a GradScaler (`if phase == "backward" and run.has_scaler: continue`, which also makes its
     "loss scale is too small" fix unreachable); scale_timeline sees no skip and no collapse (1.0 >= 1e-4);
     vanished_gradient needs the output gradient all zero (here subnormal).
