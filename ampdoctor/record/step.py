@@ -1,9 +1,9 @@
 """The open step: what the hooks append during one optimizer step, and how it becomes a StepRecord.
 
 `StepMachine` receives every hook and monitor callback of one Watch (the module hooks' in modulehooks.py, the
-scaler/optimizer/clipping patches' in monitorsink.py). During a step it only appends device
-tensors (statistic vectors, the loss, the scale) and host-side call events to the open step (openstep._Step,
-whose phase says where it is: OPEN, STAGED, ENDED, FINAL). Just before the optimizer step (`presync`)
+scaler/optimizer patches' in monitorsink.py, the clipping functions' in clipsink.py). During a step it only
+appends device tensors (statistic vectors, the loss, the scale) and host-side call events to the open step
+(openstep._Step, whose phase says where it is: OPEN, STAGED, ENDED, FINAL). Just before the optimizer step (`presync`)
 everything crosses to the host in one transfer; the record is finished when the next iteration begins
 (`finalize`), so that `scaler.update()` and late calls land in the step they belong to.
 """
@@ -22,6 +22,7 @@ from .hooks import GradTap, ModuleHook, hookable, passes_on
 from .modulehooks import ModuleHookCallbacks
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
+from .clipsink import ClipCallbacks
 from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Step
 from .headroom import Headroom
@@ -35,7 +36,7 @@ from ..tensors import flatten_tensors, is_sharded  # noqa: F401  (flatten_tensor
 __all__ = ["StepMachine", "flatten_tensors"]
 
 
-class StepMachine(ModuleHookCallbacks, MonitorCallbacks):
+class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
     """Hook and monitor callbacks of one Watch; see the module docstring."""
 
     def __init__(self, watch, sinks):
