@@ -109,7 +109,8 @@ def test_the_checks_see_the_graph():
     assert "ampdoctor.analysis.panels" in g["ampdoctor.analysis.ranking"]
     assert "ampdoctor.analysis.ranking" in g["ampdoctor.analysis.merging"]
     assert "ampdoctor.rules" in g["ampdoctor.analysis.panels"]
-    assert {"ampdoctor.record.transfer", "ampdoctor.record.headroom"} <= g["ampdoctor.record.step"]
+    assert {"ampdoctor.record.assemble", "ampdoctor.record.headroom"} <= g["ampdoctor.record.step"]
+    assert "ampdoctor.record.transfer" in g["ampdoctor.record.assemble"]
 
 
 def test_rules_analysis_and_reporters_never_import_the_recorder():

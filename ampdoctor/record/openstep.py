@@ -34,7 +34,7 @@ class StepPhase(enum.Enum):
     """The optimizer stepped, or the scaler skipped the step. The record waits for the next iteration to begin
     (root forward, zero_grad, scaler.scale), so that `scaler.update()` and late calls land in this step."""
     FINAL = "final"
-    """`transfer.finalize` made the StepRecord; the step is replaced by the next one."""
+    """`assemble.finalize` made the StepRecord; the step is replaced by the next one."""
 
 
 _NEXT = {
@@ -129,7 +129,7 @@ class _Step:
     bad_input: dict | None = None  # a bad step's non-finite model input (transfer.nonfinite_input)
     loss_in_model: bool | None = None  # the scaled loss's node was made before the root's forward returned
     scaled_outs: list = field(default_factory=list)  # (scale CallEvent, [backward ran through it], id of the loss's
-    #                                                  node, micro-batch) per scale() (transfer.unpropagated)
+    #                                                  node, micro-batch) per scale() (assemble.unpropagated)
     micro_stepped: int | None = None  # `micro` at the step's first unscale_/step
     scaled_node: object = None  # the last scale()'s output node: a scale() of it scales the loss twice (monitorsink)
     _phase: StepPhase = field(default=StepPhase.OPEN, init=False, repr=False)

@@ -153,7 +153,7 @@ _NO_SAMPLE = (None, None, None)
 
 LOW_CHECK_EVERY = 4
 """An optimizer holding fp16/bf16 parameters has its updates' rounding checked on every this many steps too, until a
-check finds them rounding away (`StepMachine.rounding_seen`, set by transfer.finalize): they start to when the
+check finds them rounding away (`StepMachine.rounding_seen`, set by assemble.finalize): they start to when the
 gradients shrink as a fit converges, at a constant learning rate, between the sampled steps."""
 ROUNDED_SHARE = ROUNDED_AWAY_SHARE
 MIN_SAMPLED = ROUNDING_MIN_SAMPLED

@@ -29,7 +29,7 @@ from .headroom import Headroom
 from .headroomhooks import HeadroomHooks
 from .hostcopy import HostSlots
 from .fused import DeferPlan
-from .transfer import finalize
+from .assemble import finalize
 from .params import model_grads, norms
 from ..tensors import flatten_tensors, is_sharded  # noqa: F401  (flatten_tensors: re-exported)
 
