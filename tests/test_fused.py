@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adversarial import adversarial
-from ampdoctor.record import fused
+from ampdoctor.record import absmax, fused
 from ampdoctor.record.stats import full_stats, thresholds, vector_to_stats
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fused path is CUDA-only)")
@@ -48,7 +48,7 @@ def test_fused_equals_eager(name, x, ref):
 def test_absmax_table_equals_eager():
     """AbsMaxTable (one Triton launch over a table of tensors) gives each tensor's abs-max, inf kept and NaN
     shown, for fp16 and bf16, contiguous and permuted, small and large, across growth and reset."""
-    if not fused.absmax_kernel_ready():
+    if not absmax.absmax_kernel_ready():
         pytest.skip("Triton not available")
     g = torch.Generator().manual_seed(1)
     ts = [torch.randn(n, generator=g) * s for n, s in ((1, 3.0), (7, 1e3), (2048, 0.5), (2049, 6e4),
@@ -59,7 +59,7 @@ def test_absmax_table_equals_eager():
     nan = torch.ones(3000, dtype=torch.float16, device="cuda")
     nan[17] = float("nan")
     bf = (torch.randn(100_000, generator=g) * 1e20).bfloat16().cuda()
-    tab = fused.AbsMaxTable(torch.device("cuda"), rows=2)   # grows
+    tab = absmax.AbsMaxTable(torch.device("cuda"), rows=2)   # grows
     for _ in range(2):  # the second round after a reset reuses the buffers
         r0 = tab.add(ts + [inf, nan])
         r1 = tab.add([bf])
@@ -74,7 +74,7 @@ def test_absmax_table_equals_eager():
 
 def test_headroom_on_cuda_uses_the_table_and_agrees_with_the_full_statistics():
     """On CUDA the routine steps' headroom (Triton table) equals what the sampled steps' full statistics give."""
-    if not fused.absmax_kernel_ready():
+    if not absmax.absmax_kernel_ready():
         pytest.skip("Triton not available")
     import ampdoctor
     from torch import nn
@@ -118,7 +118,7 @@ def test_headroom_falls_back_when_the_table_kernel_cannot_launch(monkeypatch):
             def launch(*a, **k):
                 raise RuntimeError("triton: cannot compile for this device")
             return launch
-    monkeypatch.setattr(fused, "_ABSMAX", Broken())
+    monkeypatch.setattr(absmax, "_ABSMAX", Broken())
     m = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)).cuda()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     sc = torch.amp.GradScaler("cuda")
@@ -131,7 +131,7 @@ def test_headroom_falls_back_when_the_table_kernel_cannot_launch(monkeypatch):
         sc.step(opt)
         sc.update()
     w.close()
-    assert fused._ABSMAX is False and not any(r.internal_error for r in w.steps)
+    assert absmax._ABSMAX is False and not any(r.internal_error for r in w.steps)
     h = list(w.steps)[2].headroom
     assert h["fwd"][1] is not None and h["fwd"][2] is not None and h["bwd"][1] is not None
 

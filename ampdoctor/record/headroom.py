@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from . import cpustats, fused
+from . import absmax, cpustats, fused
 from .series import encode, merge
 from .stats import is_wrapped
 from ..tensors import flatten_tensors
@@ -51,7 +51,7 @@ class Headroom:
     def __init__(self, n_slots: int):
         self.on = False            # recording (routine steps); off on sampled steps, when disabled or suspended
         self.n = n_slots
-        self.tables: dict = {}     # device -> fused.AbsMaxTable (CUDA, Triton): kept across steps, reset per step
+        self.tables: dict = {}     # device -> absmax.AbsMaxTable (CUDA, Triton): kept across steps, reset per step
         self.reads = 0             # values handed over so far (never reset: `forward` compares before and after)
         # which hooks earn their cost (see `plan`): on an observed step, the slots called and those that read a
         # value
@@ -201,7 +201,7 @@ class Headroom:
 
     def _reduce(self, phase: str, ts: list, ss: list) -> None:
         self.staged = None
-        if ts[0].is_cuda and ts[0].dtype in _LOW and fused.absmax_kernel_ready():
+        if ts[0].is_cuda and ts[0].dtype in _LOW and absmax.absmax_kernel_ready():
             ts, ss = self._reduce_table(phase, ts, ss)
             if not ts:
                 return
@@ -229,12 +229,12 @@ class Headroom:
                 self.done.append((phase, code, gs, ("n", dev)))
 
     def _reduce_table(self, phase: str, ts: list, ss: list) -> tuple[list, list]:
-        """The CUDA path: the tensors of the first one's device and dtype that `fused.AbsMaxTable` can read
+        """The CUDA path: the tensors of the first one's device and dtype that `absmax.AbsMaxTable` can read
         (dense, 16-byte aligned) in one Triton launch; returns the others (for _foreach_norm)."""
         t0 = ts[0]
         dt0, d0 = t0.dtype, t0.get_device()
         take, slots, rest, rest_s = [], [], [], []
-        for t, s in zip(ts, ss):  # fused.absmax_available, inlined: this loop runs for every value read
+        for t, s in zip(ts, ss):  # absmax.absmax_available, inlined: this loop runs for every value read
             if t.dtype is dt0 and t.get_device() == d0 and not t.data_ptr() & 15 and t.numel() and (
                     t.is_contiguous() or fused.is_dense(t)):
                 take.append(t)
@@ -246,13 +246,13 @@ class Headroom:
             dev = t0.device
             tab = self.tables.get(dev)
             if tab is None:
-                tab = self.tables[dev] = fused.AbsMaxTable(dev)
+                tab = self.tables[dev] = absmax.AbsMaxTable(dev)
             n0 = tab.n
             try:
                 tab.add(take)
             except Exception:  # Triton cannot compile or launch here: _foreach_norm from now on
                 tab.n = n0
-                fused.disable_absmax()
+                absmax.disable_absmax()
                 return ts, ss
             self.done.append((phase, DTYPE_CODES.get(dt0, "f"), slots, ("t", dev)))
         return rest, rest_s
