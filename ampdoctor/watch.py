@@ -13,17 +13,15 @@ import torch
 import torch.optim.optimizer as _optim
 from torch import nn
 
-from . import __version__
 from .config import WatchConfig
-from .env import collect_env, deprecated_amp_in_use, deprecated_scaler, process_info
+from .env import deprecated_scaler
 from .errors import WatchError
 from .exits import OPEN, hook_exit
 from .integrations import deepspeed as _deepspeed
 from .record.hooks import ModuleHook, hookable
 from .record.monitor import ClipPatch, OptimizerPatch, ScalerFinder, ScalerPatch, caller_location
-from .records import RunMeta
+from .record.runmeta import build_meta, masters_of, optimizer_meta, scaler_meta
 from .record.step import StepMachine
-from .tensors import module_type
 
 __all__ = ["Watch", "watch"]
 
@@ -37,22 +35,6 @@ def watch(model, optimizer=None, scaler=None, run_dir=None, *, every: int | None
     context manager or call `.close()`. See shared/CONTRACT.md."""
     return Watch(model, optimizer=optimizer, scaler=scaler, run_dir=run_dir, every=every, config=config,
                  tensorboard_dir=tensorboard_dir, writer=writer, headroom=headroom)
-
-
-def _masters_of(model, opt_params: list) -> bool:
-    """Whether an optimizer holding none of the model's parameters holds master copies of them (an fp16/bf16 model
-    whose gradients are copied into fp32 masters that the optimizer steps): the same shapes, one for one, in fp32
-    where the model's are low precision (an optimizer built from a second copy of the model is not). Copies in the
-    model's own low precision are masters too, made wrong (`p.detach().clone()` of fp16 weights): the watch takes
-    them, and `fp16_master_weights` says what they lack."""
-    mine = [p for p in model.parameters() if p.requires_grad]
-    if not mine or not any(p.dtype in (torch.float16, torch.bfloat16) for p in mine):
-        return False
-    if any(not p.is_floating_point() for p in opt_params):
-        return False
-    if any(p.dtype != torch.float32 for p in opt_params) and any(p.dtype == torch.float32 for p in mine):
-        return False  # a second copy of a mixed-dtype model, not its masters
-    return sorted(tuple(p.shape) for p in mine) == sorted(tuple(p.shape) for p in opt_params)
 
 
 class Watch:
@@ -91,7 +73,7 @@ class Watch:
             if not hasattr(optimizer, "param_groups"):
                 raise WatchError(f"optimizer= expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
             opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-            if params and not any(id(p) in params for p in opt_params) and not _masters_of(model, opt_params):
+            if params and not any(id(p) in params for p in opt_params) and not masters_of(model, opt_params):
                 raise WatchError("the optimizer does not hold any of the model's parameters; pass the optimizer "
                                  "built from this model (torch.optim.X(model.parameters(), ...)).")
         if scaler is not None and not all(hasattr(scaler, k) for k in ("scale", "unscale_", "step", "update")):
@@ -108,7 +90,7 @@ class Watch:
         if wrapper is not None:
             names[id(wrapper)] = ""  # the compiled wrapper stands for the root
         self._names = names
-        self.meta = self._build_meta()
+        self.meta = build_meta(self.model, self.optimizer, self.scaler, self.config.every)
         if ds_engine is not None:  # DeepSpeed: its optimizer, loss scaler and config (before the meta is written)
             _deepspeed.describe(ds_engine, self.meta)
         sinks = []
@@ -294,40 +276,6 @@ class Watch:
         return self.machine.owns(optimizer)
 
     # -- installation ----------------------------------------------------------------------------------
-    def _build_meta(self) -> RunMeta:
-        import torch.distributed as dist
-        model = self.model
-        mods = [[name, module_type(type(m)), name.count(".") + 1 if name else 0]
-                for name, m in model.named_modules()]
-        opt_ids = set()
-        if self.optimizer is not None:
-            opt_ids = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        params = []
-        for name, p in model.named_parameters():
-            params.append([name, name.rpartition(".")[0], str(p.dtype).replace("torch.", ""), p.numel(),
-                           id(p) in opt_ids if self.optimizer is not None else None, p.requires_grad])
-        opt = {}
-        if self.optimizer is not None:
-            dts = sorted({str(p.dtype).replace("torch.", "") for g in self.optimizer.param_groups
-                          for p in g["params"]})
-            opt = {"class": type(self.optimizer).__name__, "param_dtypes": dts,
-                   "groups": _groups(self.optimizer, model)}
-            held = [p for g in self.optimizer.param_groups for p in g["params"]]
-            if not any(id(p) in opt_ids for _, p in model.named_parameters()) and _masters_of(model, held):
-                opt["masters"] = True  # it steps copies of the model's weights (rules/weights.py: their dtype)
-        sc = _scaler_meta(self.scaler) if self.scaler is not None else {}
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        rank = world = None
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-        return RunMeta(ampdoctor_version=__version__, torch_version=torch.__version__,
-                       model_class=module_type(type(model), qualified=True), modules=mods,
-                       params=params, optimizer=opt, scaler=sc, env=dict(collect_env(dev),
-                                                                         deprecated_amp=deprecated_amp_in_use(
-                                                                             self.scaler)),
-                       every=self.config.every,
-                       rank=rank, world_size=world, process=process_info())
-
     def _install(self) -> None:
         m = self.machine
         m.root = root = self._wrapper if self._wrapper is not None else self.model
@@ -356,9 +304,7 @@ class Watch:
         self._patches.append(OptimizerPatch(optimizer, self.machine))
         if self.optimizer is None:
             self.optimizer = optimizer
-            dts = sorted({str(p.dtype).replace("torch.", "") for g in optimizer.param_groups for p in g["params"]})
-            self.meta.optimizer = {"class": type(optimizer).__name__, "param_dtypes": dts,
-                                   "groups": _groups(optimizer, self.model)}
+            self.meta.optimizer = optimizer_meta(optimizer, self.model)
 
     def adopt_scaler(self, scaler, optimizer) -> bool:
         """Start monitoring a GradScaler seen unscaling or stepping an optimizer on the model's parameters
@@ -368,7 +314,7 @@ class Watch:
                 self.scaler is not None or not self.machine.owns(optimizer):
             return False
         self.scaler, self._scaler_found = scaler, True
-        self.meta.scaler = _scaler_meta(scaler)
+        self.meta.scaler = scaler_meta(scaler)
         env = self.meta.env
         for name in deprecated_scaler(scaler):  # made by a deprecated alias (torch.cpu.amp.GradScaler)
             if name not in env.setdefault("deprecated_amp", []):
@@ -379,25 +325,3 @@ class Watch:
         if getattr(scaler, "_scale", None) is not None:  # its scale() of this iteration ran before it was found
             st.scale_t, st.scaled_since_update = scaler._scale, True
         return True
-
-
-def _scaler_meta(s) -> dict:
-    return {"class": f"{type(s).__module__}.{type(s).__qualname__}", "enabled": bool(getattr(s, "_enabled", True)),
-            "init_scale": float(getattr(s, "_init_scale", 0) or 0),
-            "growth_factor": float(getattr(s, "_growth_factor", 2.0)),
-            "backoff_factor": float(getattr(s, "_backoff_factor", 0.5)),
-            "growth_interval": int(getattr(s, "_growth_interval", 2000)), "device": str(getattr(s, "_device", ""))}
-
-
-def _groups(optimizer, model) -> list[dict]:
-    """Per param group: hyper-parameters that matter for precision (lr, eps) and its parameters' names/dtypes."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = []
-    for g in optimizer.param_groups:
-        d = {k: g[k] for k in ("lr", "eps", "weight_decay") if isinstance(g.get(k), (int, float))}
-        eps = g.get("eps")
-        if isinstance(eps, (tuple, list)) and all(e is None or isinstance(e, (int, float)) for e in eps):
-            d["eps"] = list(eps)  # (Adafactor's pair: eps1 for the squared gradient, eps2 for the update's scale)
-        d["params"] = [[names.get(id(p), "?"), str(p.dtype).replace("torch.", "")] for p in g["params"]][:2000]
-        out.append(d)
-    return out

@@ -42,7 +42,7 @@ autocast; the token-normalised loss with a default GradScaler; the same document
 What ampdoctor got wrong (strict xfails, 3 of 12; fixed since: 8, a scale pinned at 8 or below no longer hides backward
 underflow; 3, a sampled step's record has each parameter's dtype as it is then):
  3. `.half()` at step 5 after the watch began: an empty report, also at every=1. The parameters' dtypes are read once
-    when the watch begins (ampdoctor/watch.py Watch._build_meta -> meta.params, which rules/weights.py
+    when the watch begins (ampdoctor/record/runmeta.py build_meta -> meta.params, which rules/weights.py
     fp16_master_weights reads; ampdoctor/record/step.py StepMachine.__init__ `param_info`, so the step records still
     list float32 parameters at step 11).
  6. decoupled weight decay rounding away in bf16: an empty report, also at every=1. record/params.py

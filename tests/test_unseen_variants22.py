@@ -56,7 +56,7 @@ What ampdoctor got wrong (strict xfails, 1 of 15 runs left):
     without per-layer statistics; replay its capture ... or watch with every=1`: no module, the rule of a NaN
     (the static-scale loop skips step 7 the same way). Right at every=1 (`overflow at head step 6`, backward).
 Fixed since: 2. watch(m, optimizer=opt) over fp16 "master" copies raised WatchError ("the optimizer does not hold
-any of the model's parameters"): watch.py _masters_of takes copies in the model's own low precision too, and
+any of the model's parameters"): record/runmeta.py masters_of takes copies in the model's own low precision too, and
 fp16_master_weights names them at the root. 4. `overflow at out step 8` ("already inf when step 8 began: step 7's
 update wrote them"): rules/outside.py bad_weights dates the finding at the update that wrote them (step 7).
 Right: 1 (both samplings: update_underflow at fc0 step 6), 3 at every=1, 5, 6, 7 (both samplings), 8, 9, and the
