@@ -13,9 +13,9 @@ _STEP_TWICE = "step() has already been called since the last update()"
 _NO_INF = "No inf checks were recorded"
 _CLOSURE = "Closure use is not currently supported"
 _NO_SCALE = "but _scale is None"  # GradScaler's unscale_/step/update before any scale() of this scaler
-_ITER_START = ("zero_grad", "step", "optimizer.step")  # between two unscale_s: a zero_grad, or a step and then a
-#  `scale`, is a new iteration (a `scale` alone is another micro-batch of the same one: gradient accumulation; a step
-#  alone, the same iteration unscaling again after its step)
+_STEPS = ("step", "optimizer.step")  # between two unscale_s: a zero_grad, or a step and then a `scale`, is a new
+#  iteration (a `scale` alone is another micro-batch of the same one: gradient accumulation; a step alone, the same
+#  iteration unscaling again after its step)
 
 
 @register("call_order", emits=("scaler_misorder", "missing_scaler_update"))
@@ -123,7 +123,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     seen_unscale = True
                 elif seen_unscale and p.kind == "zero_grad" or stepped and p.kind == "scale":
                     new_iter = True
-                elif seen_unscale and p.kind in _ITER_START:
+                elif seen_unscale and p.kind in _STEPS:
                     stepped = True
             if stepped and not new_iter:
                 add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran after `scaler.step()` in the same "
