@@ -16,6 +16,7 @@ Pieces (each a variant "<watch>-<piece>"):
     pending  the step's one transfer (concatenation, copy, event) and its read-back
     fwd      both root forward hooks
     clip     the clipping functions' wrappers
+A piece "a+b" switches several off together; "all" switches off every one (the skeleton that is left).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ PIECES = ("loc", "event", "store", "rng", "sums", "keepgrad", "pending", "fwd", 
 
 
 def _patch() -> None:
-    from ampdoctor.record import hostcopy, modulehooks as MH, monitor, step as S, transfer as T
+    from ampdoctor.record import assemble as A, hostcopy, modulehooks as MH, monitor, step as S, transfer as T
     from ampdoctor.records import CallEvent
 
     loc = S.caller_location
@@ -50,8 +51,8 @@ def _patch() -> None:
         return ev(self, kind, skip + 1, **kw)
     S.StepMachine.event = event
 
-    store = T.store
-    T.store = lambda m, rec: None if "store" in OFF else store(m, rec)
+    store = A.store
+    A.store = lambda m, rec: None if "store" in OFF else store(m, rec)
 
     rng = MH.rng_state  # (the module hooks' names live in record/modulehooks.py)
     MH.rng_state = lambda: None if "rng" in OFF else rng()
@@ -109,7 +110,9 @@ def main() -> None:
     base, batches, loss_of = build(a.model, dev)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[a.amp]
     pieces = [x for x in a.pieces.split(",") if x]
-    runs = [("plain", "plain", ()), (a.watch, a.watch, ())] + [(f"{a.watch}-{x}", a.watch, (x,)) for x in pieces]
+    # a piece "a+b" switches several off at once ("all": every piece, what the watch's skeleton alone costs)
+    runs = [("plain", "plain", ()), (a.watch, a.watch, ())] + [
+        (f"{a.watch}-{x}", a.watch, tuple(PIECES) if x == "all" else tuple(x.split("+"))) for x in pieces]
     vs = []
     for label, name, off in runs:
         v = Variant(name, copy.deepcopy(base), dev, amp)
