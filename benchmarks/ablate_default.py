@@ -16,7 +16,7 @@ Pieces (each a variant "<watch>-<piece>"):
     pending  the step's one transfer (concatenation, copy, event) and its read-back
     fwd      both root forward hooks
     clip     the clipping functions' wrappers
-A piece "a+b" switches several off together; "all" switches off every one (the skeleton that is left).
+A piece "spinN" is the plain step with N us of busy host time first (a calibration). A piece "a+b" switches several off together; "all" switches off every one (the skeleton that is left).
 """
 from __future__ import annotations
 
@@ -104,6 +104,10 @@ def main() -> None:
     p.add_argument("--watch", default="hroff", choices=["hroff", "default"])
     p.add_argument("--pieces", default=",".join(PIECES))
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--copies", type=int, default=1,
+                   help="instances of each variant (own model copy, optimizer, scaler), interleaved; the table gives "
+                        "the median of their medians and the spread between them (what one instance's memory "
+                        "layout is worth)")
     a = p.parse_args()
     _patch()
     dev = torch.device(a.device)
@@ -111,32 +115,44 @@ def main() -> None:
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[a.amp]
     pieces = [x for x in a.pieces.split(",") if x]
     # a piece "a+b" switches several off at once ("all": every piece, what the watch's skeleton alone costs)
+    # "spinN": the plain step with N us of busy host time before its zero_grad (right after the loop's loss.item()):
+    # a known host cost where the device is idle, to calibrate what the method resolves
     runs = [("plain", "plain", ()), (a.watch, a.watch, ())] + [
+        (f"plain+{x}", "plain", (x,)) if x.startswith("spin") else
         (f"{a.watch}-{x}", a.watch, tuple(PIECES) if x == "all" else tuple(x.split("+"))) for x in pieces]
     vs = []
-    for label, name, off in runs:
-        v = Variant(name, copy.deepcopy(base), dev, amp)
-        v.label, v.off = label, set(off)
-        v.install()
-        vs.append(v)
+    for _ in range(a.copies):
+        for label, name, off in runs:
+            v = Variant(name, copy.deepcopy(base), dev, amp)
+            v.label, v.off = label, set(off)
+            v.install()
+            vs.append(v)
     for i in range(a.steps + 10):
         for v in vs:
             OFF.clear()
             OFF.update(v.off)
             t = time.perf_counter()
+            for x in v.off:
+                if x.startswith("spin"):
+                    end = t + float(x[4:]) * 1e-6
+                    while time.perf_counter() < end:
+                        pass
             v.step(batches[i % len(batches)], loss_of).item()
             if i >= 10:
                 v.times.append(time.perf_counter() - t)
     OFF.clear()
-    plain = statistics.median(vs[0].times)
-    watch = statistics.median(vs[1].times)
-    print(f"model={a.model} device={a.device} amp={a.amp} torch {torch.__version__} steps={a.steps}")
-    print("| variant | median ms | ratio | +ms over plain | saved vs watch (ms) |")
-    print("|---|---:|---:|---:|---:|")
+    meds: dict[str, list[float]] = {}
     for v in vs:
-        md = statistics.median(v.times)
-        print(f"| {v.label} | {md * 1e3:.3f} | {md / plain:.3f}x | {(md - plain) * 1e3:+.3f} | "
-              f"{(watch - md) * 1e3:+.3f} |")
+        meds.setdefault(v.label, []).append(statistics.median(v.times))
+    mid = {k: statistics.median(x) for k, x in meds.items()}
+    plain, watch = mid["plain"], mid[runs[1][0]]
+    print(f"model={a.model} device={a.device} amp={a.amp} torch {torch.__version__} steps={a.steps} "
+          f"copies={a.copies}")
+    print("| variant | median ms | ratio | +ms over plain | saved vs watch (ms) | spread of copies (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k, md in mid.items():
+        print(f"| {k} | {md * 1e3:.3f} | {md / plain:.3f}x | {(md - plain) * 1e3:+.3f} | "
+              f"{(watch - md) * 1e3:+.3f} | {(max(meds[k]) - min(meds[k])) * 1e3:.3f} |")
 
 
 if __name__ == "__main__":
