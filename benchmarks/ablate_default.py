@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.overhead import Variant, build  # noqa: E402
 
 OFF: set = set()  # the pieces switched off for the variant now stepping
+SWITCHES: list = []  # called when OFF changes (pieces that are module constants)
 PIECES = ("loc", "event", "store", "rng", "sums", "keepgrad", "pending", "fwd", "clip")
 
 
@@ -64,14 +65,8 @@ def _patch() -> None:
             return [] if "sums" in OFF else flat(x, out)
         return flat(x, out)
     MH.flatten_tensors = flatten
-    kg = MH.keep_grad
-    orig_reg = torch.Tensor.register_hook
-
-    def reg(self, hook):
-        if "keepgrad" in OFF and getattr(hook, "func", None) is kg:
-            return None
-        return orig_reg(self, hook)
-    torch.Tensor.register_hook = reg
+    keep = MH.GRAD_OUT_BYTES  # (the node pre-hooks keeping a small output's gradient: none past this size)
+    SWITCHES.append(lambda: setattr(MH, "GRAD_OUT_BYTES", -1 if "keepgrad" in OFF else keep))
 
     class NoPending:
         def __init__(self, parts, *a, **k):
@@ -131,6 +126,8 @@ def main() -> None:
         for v in vs:
             OFF.clear()
             OFF.update(v.off)
+            for f in SWITCHES:
+                f()
             t = time.perf_counter()
             for x in v.off:
                 if x.startswith("spin"):

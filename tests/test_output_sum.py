@@ -1,0 +1,105 @@
+"""The root output's trip-wire sum (record/modulehooks.output_sum): on the CPU an fp32 output is summed in fp32 and
+read at once, and only a non-finite fp32 sum takes the fp64 sum. The answer must stay the fp64 sum's: finite
+outputs whose fp32 sum overflows (mask fills of -3.4e38 beside +3.4e38 sentinels) are not a non-finite output."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import ampdoctor
+from ampdoctor.record.modulehooks import output_sum
+
+BIG = torch.finfo(torch.float32).max
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 33, generator=g)
+    both = x.clone()
+    both[0, 0, :2], both[1, 1, :2] = BIG, -BIG  # (BIG + BIG is inf in fp32)
+    many_neg = torch.full((8, 8), -BIG)
+    many_pos = torch.full((8, 8), BIG)
+    nan = x.clone()
+    nan[2, 3, 4] = math.nan
+    inf = x.clone()
+    inf[0, 0, 5] = math.inf
+    ninf = x.clone()
+    ninf[0, 0, 6] = -math.inf
+    return {"plain": x, "both_sentinels": both, "many_neg": many_neg, "many_pos": many_pos, "nan": nan, "inf": inf, "ninf": ninf,
+            "one": torch.tensor([3.0]), "half": x.half(), "bf16": x.bfloat16(), "f64": x.double()}
+
+
+def _classify(v: float) -> str:
+    return "finite" if math.isfinite(v) else "ninf" if v == -math.inf else "bad"
+
+
+def test_output_sum_answers_as_the_fp64_sum():
+    for name, t in _cases().items():
+        ref = t.double().sum().item() if t.dtype is not torch.float16 and t.dtype is not torch.bfloat16 else \
+            t.float().sum().item()
+        got = output_sum(t.requires_grad_(t.is_floating_point()))
+        assert got.shape == (1,), name
+        assert _classify(got.item()) == _classify(ref), (name, got.item(), ref)
+    # the fp32 fast path itself: a finite fp32 sum stays fp32 (no fp64 kernel), an overflowing one falls back
+    assert output_sum(_cases()["plain"]).dtype is torch.float32
+    assert output_sum(_cases()["many_pos"]).dtype is torch.float64  # 64 x 3.4e38: inf in fp32, not in fp64
+    assert math.isfinite(output_sum(_cases()["many_pos"]).item())
+
+
+class Sentinel(nn.Module):
+    """A healthy model whose fp32 output carries 3.4e38 sentinels (finite): their total is past fp32's range."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        fill = torch.zeros_like(h)
+        fill[:, :4] = BIG
+        return h + fill.detach()
+
+
+def test_finite_sentinels_in_an_fp32_output_are_no_bad_step(tmp_path):
+    torch.manual_seed(0)
+    model = Sentinel()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, run_dir=str(tmp_path / "run"))
+    x = torch.randn(4, 8)
+    for _ in range(6):
+        opt.zero_grad()
+        out = model(x)
+        loss = out[:, 4:].pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    rep = w.report()
+    w.close()
+    assert rep.exit_code == 0 and not [f for f in rep.findings if f.severity in ("error", "warning")], \
+        [f.rule for f in rep.findings]
+    assert all(r.output_finite is not False for r in w.machine.records), "a finite output read as non-finite"
+
+
+def test_a_nan_in_an_fp32_output_is_still_seen(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, run_dir=str(tmp_path / "run"))
+    x = torch.randn(4, 8)
+    for i in range(5):
+        opt.zero_grad()
+        xi = x.clone()
+        if i == 3:
+            xi[0, 0] = math.nan
+        out = model(xi)
+        loss = out[1:].pow(2).mean()  # the loss stays finite: only the output's trip-wire sees the NaN
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    w.close()
+    bad = [r.step for r in w.machine.records if r.output_finite is False]
+    assert bad == [3], bad
