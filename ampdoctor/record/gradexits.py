@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "input_nodes", "gradient_exits", "ExitHook", "Regions",
-           "loss_ops"]
+__all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "input_nodes", "gradient_exits", "EntryHook", "ExitHook",
+           "Regions", "loss_ops"]
 
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -147,6 +147,23 @@ def gradient_exits(outputs: list, inputs: list, seq0: int, regions: Regions | No
             regions.owner.setdefault(id(n), region)
         region.done = True
     return list(hits.values())
+
+
+class EntryHook:
+    """Node pre-hook: measure the gradient flowing into the node's `nr`-th output (a module's output), as a tensor
+    hook on that output would, at a quarter of `Tensor.register_hook`'s cost (no handle, no per-tensor dict); it
+    sees the gradient the node consumes, after any tensor hook of the user's."""
+    __slots__ = ("nr", "hook")
+
+    def __init__(self, nr: int, hook):
+        self.nr, self.hook = nr, hook
+
+    def __call__(self, grad_outputs):
+        if self.nr < len(grad_outputs):
+            g = grad_outputs[self.nr]
+            if g is not None:
+                self.hook(g)
+        return None
 
 
 class ExitHook:

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from .gradexits import ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
+from .gradexits import EntryHook, ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import GRAD_OUT_BYTES, in_compiled_frame, keep_grad
 from .openstep import _Call
 from .params import checked_weights, outside_compare, outside_snapshot, weight_amax
@@ -152,9 +152,10 @@ class ModuleHookCallbacks:
         outs = [t for t in flatten_tensors(output, []) if is_measurable(t)]
         for t in outs:
             self._row(c, "out", t, light=False)
-            # a tensor hook on a leaf (a module that returns its own Parameter) would outlive the step
-            if t.requires_grad and c.grad_enabled and t.grad_fn is not None:
-                t.register_hook(self._grad_hook(c, "gout"))
+            # (none on a leaf, a module that returns its own Parameter: it would outlive the step)
+            node = t.grad_fn
+            if node is not None and c.grad_enabled and t.requires_grad:
+                node.register_prehook(EntryHook(t.output_nr, self._grad_hook(c, "gout")))
         if ins:
             hook = self._grad_hook(c, "gin")
             if st.regions is None:
