@@ -22,6 +22,39 @@ from .origins import autocast_device
 _NEGLIGIBLE_BELOW = 2.0 ** -3
 
 
+_CLEARED_POINTS = 3  # values of the module known after the flagged step, for it to have cleared
+
+
+def _cleared(run: RunData, module: str, after: int) -> int | None:
+    """The step from which `module`'s forward output stayed at an abs-max of _NEGLIGIBLE_BELOW or more (where this
+    rule stops flagging it) to its last known value, read from the always-on headroom series and the later sampled
+    steps (_CLEARED_POINTS values after `after` at least: the run went on); None when its last value is not clear,
+    or too little is known. The series is spaced out on a short step (headroom="auto": one step in up to 32), so
+    the last value alone says where the module ended. A layer whose outputs start subnormal at initialisation (a
+    tiny model's sublayer under a norm's eps) and grow out of it within a few updates did not lose them for the
+    run."""
+    slot = next((i for i, m in enumerate(run.meta.modules) if m and m[0] == module), None)
+    pts: dict[int, float] = {}
+    for r in run.steps:
+        if r.step <= after:
+            continue
+        c = next((c for c in r.modules if c.module == module and c.out is not None), None) if r.modules else None
+        if c is not None:
+            pts[r.step] = c.out.absmax
+        elif slot is not None:
+            fwd, _, dt = r.headroom_of(slot)
+            if fwd is not None and dt == "h":
+                pts[r.step] = fwd
+    vals = [pts[k] for k in sorted(pts)]
+    if len(vals) < _CLEARED_POINTS or not (math.isfinite(vals[-1]) and vals[-1] >= _NEGLIGIBLE_BELOW):
+        return None
+    steps = sorted(pts)
+    k = len(vals)
+    while k > 0 and math.isfinite(vals[k - 1]) and vals[k - 1] >= _NEGLIGIBLE_BELOW:
+        k -= 1
+    return steps[k]
+
+
 _PINNED_SHARE = 0.9
 _PINNED_LOW = 8.0  # a GradScaler whose scale never rises above this leaves small gradients as they would be
 _LOSS_FALL = LOSS_JUMP  # a loss that fell this many times in one step (autocapture.loss_jump samples the step after)
@@ -133,21 +166,31 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 fix = ("Rescale these activations or keep the module in fp32 / use bf16:\n"
                        + fp32_snippet(c.module, autocast_device(run)))
             onset = fallen.get(r.step) if scaled and not pinned else None
+            cleared = _cleared(run, c.module, r.step) if phase == "forward" else None
             if onset is not None:
                 fix = (f"The loss fell {_LOSS_FALL:g}x or more in one step at step {onset} and the loss scale did not "
                        "follow (GradScaler doubles it only every `growth_interval` steps): keep the loss at its "
                        "usual magnitude (normalise loss weights to mean 1; put a tiny factor in the learning rate "
                        "instead), compute it in fp32, or train in bf16.")
+            what = ("values below 2^-24 are flushed to zero and learning stalls" if phase == "backward"
+                    else "they lose precision or vanish")
+            if cleared is not None:
+                what += f" (at step {r.step}; from step {cleared} on they are clear of it: transient)"
+                fix = (f"Nothing to do: from step {cleared} on, the outputs of `{c.module}` are clear of fp16's "
+                       "subnormal range (an abs-max of 2^-3 or more). Tiny values at initialisation that the first "
+                       "updates grow out of lose nothing the run needed.")
             out.append(Finding(
-                "underflow", "error" if phase == "backward" else "warning", phase, c.module, None,
+                "underflow", "error" if phase == "backward" else "warning" if cleared is None else "info", phase,
+                c.module, None,
                 r.step if onset is None or any(q.modules for q in run.steps if onset <= q.step < r.step) else onset,
                 f"{share:.0%} of the nonzero {'gradients flowing into' if phase == 'backward' else 'outputs of'} "
                 f"`{c.module}` are below fp16's normal range (2^-14); "
-                f"{'values below 2^-24 are flushed to zero and learning stalls' if phase == 'backward' else 'they lose precision or vanish'}.",
+                f"{what}.",
                 fix, {"subnormal": s.subnormal, "nonzero": s.nonzero_finite, "zeros": s.zeros, "numel": s.numel,
                       "min_nonzero": s.min_nonzero, "absmax": s.absmax, "share": share,
                       "loss_scale": r.scale, "rank_hint": 20,
-                      **({"loss_fell_at": onset, "observed_step": r.step} if onset is not None else {})}))
+                      **({"loss_fell_at": onset, "observed_step": r.step} if onset is not None else {}),
+                      **({"cleared_at": cleared} if cleared is not None else {})}))
     return out
 
 
