@@ -9,6 +9,7 @@ from ..errors import BadInput
 from ..findings import Finding, Report
 from ..fixes import modules_related
 from ..records import StepRecord
+from ..rules.steps import benign_backoff
 from ..summary import verdict
 from .ranking import rank
 
@@ -37,11 +38,12 @@ def alarming(rep: Report) -> bool:
 
 def pick_capture(rep: Report, steps: list[StepRecord]) -> str | None:
     """The capture a report's replay re-runs: the one of its top error's step, else the first; when the report has
-    nothing wrong, the capture of a skipped step that its loss scale does not explain (`unexplained_skip`), whose
-    replay then adds only an error it proves (`fold_replay`); None otherwise (e.g. GradScaler's normal backoff: a
-    replay could only add advisory constants to a healthy run)."""
+    nothing wrong, the capture of a skipped step that its loss scale does not explain (`unexplained_skip`) or of a
+    step whose loss or output went non-finite (`unexplained_nonfinite`), whose replay then adds only an error it
+    proves (`fold_replay`); None otherwise (e.g. GradScaler's normal backoff: a replay could only add advisory
+    constants to a healthy run)."""
     if not alarming(rep):
-        return unexplained_skip(steps)
+        return unexplained_skip(steps) or unexplained_nonfinite(steps)
     caps = rep.summary.get("captures") or []
     top = next((f for f in rep.findings if f.severity == "error"), None)
     by_step = {r.step: r.capture for r in steps if r.capture}
@@ -59,6 +61,16 @@ def unexplained_skip(steps: list[StepRecord]) -> str | None:
         if not r.skipped and r.scale is not None and r.grad_finite is not False:
             worked = r.scale if worked is None else max(worked, r.scale)
     return None
+
+
+def unexplained_nonfinite(steps: list[StepRecord]) -> str | None:
+    """The capture of a step whose loss or model output went non-finite, in a report with nothing wrong: the
+    records put it down to something harmless (a module's -inf that the later sampled steps absorbed, dated back
+    to this unsampled step), which a non-finite loss contradicts; only the step's replay says what made it."""
+    # (not a loss the scale made non-finite in GradScaler's search, which benign_backoff counts: rules/steps.py)
+    benign = benign_backoff(steps, any(r.scale is not None for r in steps))
+    return next((r.capture for r in steps if r.capture and (r.output_finite is False or r.loss_finite is False
+                                                             and r.step not in benign)), None)
 
 
 def run_replay(cap: str, model, loss_fn=None, *, strict: bool = False) -> Report | None:
@@ -189,6 +201,8 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
     search = (rr.data.get("replay") or {}).get("scaler_search") or {}
     if search.get("finite_at") is not None and not fwd_bad and cap_step is not None:
         _benign_backward(findings, cap_step, search)
+    cap_rec = next((r for r in steps if cap_step is not None and r.step == cap_step), None)
+    cap_bad_fwd = cap_rec is not None and (cap_rec.loss_finite is False or cap_rec.output_finite is False)
     any_scale = bool(search.get("tried")) and search.get("finite_at") is None and any(
         t.get("scale") == 1.0 and t.get("finite") is False for t in search["tried"])
     for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
@@ -222,6 +236,24 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                             "down to 1, so these skips are not the scaler's search (see the overflow above).",
                             "Fix the producer of the inf/NaN (the finding above); no loss scale can.",
                             dict(k.evidence, benign_backoff=False, rank_hint=70))
+                continue
+        if f.rule in ("overflow", "nan_origin") and f.severity == "error" and f.phase == "forward" \
+                and f.module is not None and cap_bad_fwd:
+            # the records judged this module's -inf absorbed (info: the later sampled steps' loss stayed finite, a
+            # mask's -inf doing what it is for), but the captured step's own loss or output went non-finite and its
+            # replay finds the module making it: at that step it was not absorbed
+            absorbed = next((g for g in findings if g.severity == "info" and g.rule in ("overflow", "nan_origin")
+                             and g.phase == "forward" and g.evidence.get("absorbed") and g.module is not None
+                             and (f.module == g.module or f.module.startswith(g.module + "."))
+                             and (_of_step(g, cap_step) or g.step is None or g.step <= cap_step)), None)
+            if absorbed is not None:
+                i = findings.index(absorbed)
+                ev = dict(f.evidence, module_level_rule=absorbed.rule, from_replay=cap, rank_hint=13)
+                findings[i] = Finding(f.rule, "error", f.phase, f.module, f.op, onset(f.step if f.step is not None
+                                                                                       else absorbed.step),
+                                      f.message + f" (At step {cap_step} the loss or the model's output went "
+                                      "non-finite: it was not absorbed there.)", f.fix, ev)
+                refined.add(id(findings[i]))
                 continue
         if f.rule in ("overflow", "nan_origin"):
             match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin")
