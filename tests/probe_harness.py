@@ -6,6 +6,7 @@ copied from one another. It owns
   non-finite from finite inputs), with the variants the files use as keyword options;
 - `train_loop`: the ordinary fp16 autocast + GradScaler loop under ampdoctor.watch that reports what the oracle saw;
 - `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
+- `snap_before`: train_loop's after_step callback keeping the weights a given step's forward ran with;
 - `at_top3`, `error_at`: checks that a report names a rule at a module among its first three findings;
 - the HF failure files' loop and checks (test_hf_failures3/4, ...): `hf_train`, `first_bad_log`, `falls`,
   `fp16_accelerator` (the body of their `fp16_on_cpu` fixture);
@@ -254,6 +255,15 @@ def real_bwd(r, name, step):
     assert step not in r["bad_loss"], r
     assert r["first_bwd"] == (name, step), r
     assert r["skipped"] and r["skipped"][0] == step, r
+
+
+def snap_before(m, step, store, prev=False):
+    """An after_step callback for train_loop: keep the weights (and buffers) the forward of `step` runs with
+    (store["sd"]), with `prev` also those of the step before it (store["prev"])."""
+    def after(i):
+        if i == step - 1 or prev and i == step - 2:
+            store["sd" if i == step - 1 else "prev"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    return after
 
 
 def at_top3(rep, rules, module, step=None, phase=None, ops=None, severity=None):

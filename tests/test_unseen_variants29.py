@@ -65,19 +65,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import error_at, finite, healthy, real_bwd, real_fwd, train_loop
+from probe_harness import error_at, finite, healthy, real_bwd, real_fwd, snap_before, train_loop
 from scenarios import gen, lines, no_error_at, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 FWD = ("overflow", "nan_origin")     # an op inside the producer made inf, a later op of the same module NaN
-
-
-def snap_before(m, step, store):
-    """after_step: keep the weights (and buffers) the forward of `step` runs with."""
-    def after(i):
-        if i == step - 1:
-            store["sd"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
-    return after
 
 
 def fp16_only(factory, sd, call, args):

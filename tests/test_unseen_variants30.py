@@ -66,7 +66,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import train_loop, xf
+from probe_harness import snap_before, train_loop, xf
 from scenarios import ConvNet, TinyGPT, alarms, gen, lines, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -124,15 +124,6 @@ class Shares:
             h.remove()
 
 
-def snap_before(m, step, store):
-    """after_step: keep the weights (and buffers) that the forwards of `step` (store["sd"]) and of the step before
-    it (store["prev"]) run with."""
-    def after(i):
-        if i in (step - 2, step - 1):
-            store["sd" if i == step - 1 else "prev"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
-    return after
-
-
 def fp32_damage(make, sd, args, loss_fn, call, module, scale):
     """The bad step re-run on its weights, batch and loss scale, under fp16 autocast and in fp32: for `module`, the
     share of the fp16 output gradient's values that are exactly zero where the fp32 one is nonzero, the relative
@@ -174,7 +165,7 @@ def run(make, batch, loss_fn, steps, bad, *, call=None, lr=1e-3, init_scale=6553
     probe, store = Shares(m), {}
     r = train_loop(m, batch, loss_fn, steps, lr=lr, init_scale=init_scale, growth_interval=growth_interval,
                    call=(lambda *a: call(m)(*a)) if call else None, hooks=probe.state,
-                   after_step=snap_before(m, bad, store))
+                   after_step=snap_before(m, bad, store, prev=True))
     probe.remove()
     dmg = None
     if damage_module is not None:

@@ -67,20 +67,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import at_top3, error_at, finite, healthy, real_bwd, real_fwd, train_loop, xf
+from probe_harness import at_top3, error_at, finite, healthy, real_bwd, real_fwd, snap_before, train_loop, xf
 from scenarios import gen, no_error_at, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 FWD = ("overflow", "nan_origin")     # an op inside the producer made inf, a later op of the same module NaN
 BWD = ("overflow", "nan_origin")
-
-
-def snap_before(m, step, store):
-    """after_step: keep the weights the forward of `step` runs with."""
-    def after(i):
-        if i == step - 1:
-            store["sd"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
-    return after
 
 
 def out_loss(out, *args):
