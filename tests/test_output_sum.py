@@ -62,44 +62,42 @@ class Sentinel(nn.Module):
         return h + fill.detach()
 
 
-def test_finite_sentinels_in_an_fp32_output_are_no_bad_step(tmp_path):
-    torch.manual_seed(0)
-    model = Sentinel()
+def _fit(model, tmp_path, steps, batch, loss_of):
+    """SGD + GradScaler("cpu") under a watch: batch(i) -> the model's input, loss_of(output) -> the loss."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
     w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, run_dir=str(tmp_path / "run"))
-    x = torch.randn(4, 8)
-    for _ in range(6):
+    for i in range(steps):
         opt.zero_grad()
-        out = model(x)
-        loss = out[:, 4:].pow(2).mean()
+        loss = loss_of(model(batch(i)))
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
     rep = w.report()
     w.close()
+    return rep, w.machine.records
+
+
+def test_finite_sentinels_in_an_fp32_output_are_no_bad_step(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    rep, records = _fit(Sentinel(), tmp_path, 6, lambda i: x, lambda out: out[:, 4:].pow(2).mean())
     assert rep.exit_code == 0 and not [f for f in rep.findings if f.severity in ("error", "warning")], \
         [f.rule for f in rep.findings]
-    assert all(r.output_finite is not False for r in w.machine.records), "a finite output read as non-finite"
+    assert all(r.output_finite is not False for r in records), "a finite output read as non-finite"
 
 
 def test_a_nan_in_an_fp32_output_is_still_seen(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu")
-    w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, run_dir=str(tmp_path / "run"))
     x = torch.randn(4, 8)
-    for i in range(5):
-        opt.zero_grad()
+
+    def batch(i):
         xi = x.clone()
         if i == 3:
             xi[0, 0] = math.nan
-        out = model(xi)
-        loss = out[1:].pow(2).mean()  # the loss stays finite: only the output's trip-wire sees the NaN
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    w.close()
-    bad = [r.step for r in w.machine.records if r.output_finite is False]
+        return xi
+    # the loss stays finite: only the output's trip-wire sees the NaN
+    _, records = _fit(model, tmp_path, 5, batch, lambda out: out[1:].pow(2).mean())
+    bad = [r.step for r in records if r.output_finite is False]
     assert bad == [3], bad
