@@ -55,6 +55,14 @@ def _cleared(run: RunData, module: str, after: int) -> int | None:
     return steps[k]
 
 
+def _collapsed(run: RunData) -> bool:
+    """A scale below 1 here is a collapse this run made (skipped steps backed it off there): the scaler rules
+    (rules/scaler.py scale_timeline) report it, and the flushed gradients are its consequence. A scale below 1
+    with no skip at all was given to the run (a GradScaler restored from a checkpoint of a collapsed run, an
+    init_scale below 1): no scaler rule sees a backoff, and what it does to the gradients is this file's."""
+    return run.has_scaler and any(r.skipped for r in run.steps)
+
+
 _PINNED_SHARE = 0.9
 _PINNED_LOW = 8.0  # a GradScaler whose scale never rises above this leaves small gradients as they would be
 _LOSS_FALL = LOSS_JUMP  # a loss that fell this many times in one step (autocapture.loss_jump samples the step after)
@@ -116,8 +124,9 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     scales = [r.scale for r in run.steps if r.scale is not None]
     pinned = bool(scales) and max(scales) <= _PINNED_LOW
     fallen = _fallen_onsets(run.steps) if run.has_scaler and not pinned else {}
+    collapsed = _collapsed(run)
     for r in run.steps:
-        if r.forward_bad or (run.has_scaler and r.scale is not None and r.scale < 1.0):
+        if r.forward_bad or (collapsed and r.scale is not None and r.scale < 1.0):
             continue  # gradients of NaN activations, or of a collapsed scale: consequences, reported elsewhere
         flagged = []
         for c in r.modules:
@@ -201,10 +210,11 @@ def vanished_gradient(run: RunData, cfg: RuleConfig) -> list[Finding]:
     a sum divided by a huge count): the backward flushed them all to zero and nothing trains. `underflow` proper
     needs nonzero values to measure; here none are left. Named at the first module the backward reaches with an
     all-zero gradient (the one that made the output)."""
+    collapsed = _collapsed(run)
     for r in run.steps:
         if not r.modules or r.loss is None or not math.isfinite(r.loss) or r.loss == 0 or r.forward_bad:
             continue
-        if run.has_scaler and r.scale is not None and r.scale < 1.0:
+        if collapsed and r.scale is not None and r.scale < 1.0:
             continue  # a collapsed loss scale flushes the gradients: its consequence (loss_scale_collapse)
         root = next((c for c in r.modules if c.depth == 0 and c.gout is not None), None)
         g = root.gout if root is not None else None
@@ -235,8 +245,12 @@ def vanished_gradient(run: RunData, cfg: RuleConfig) -> list[Finding]:
             f"loss is {r.loss:.3g}: the loss{f' × the scale ({scale:g})' if scale != 1.0 else ''} spread over "
             f"{g.numel} output values is ~{per_element:.2g} each, below fp16's smallest subnormal (2^-24 ≈ 6e-8), "
             "so the backward flushed every gradient to zero and nothing trains.",
-            "Keep the loss (and its weights) at a sensible magnitude — a weight like 1e-8 belongs in the learning "
-            "rate, not the loss — compute it in fp32 and let GradScaler scale it up, or train in bf16.",
+            (f"The loss scale is {scale:g}, below 1 from the run's first step (a GradScaler restored from the "
+             "checkpoint of a run whose scale had collapsed, or an init_scale below 1) and never backed off here: "
+             "start from a sane scale (a new `GradScaler()`, or `scaler.update(2.0 ** 16)` once after loading) and "
+             "find what collapsed it in the earlier run." if scale < 1.0 else
+             "Keep the loss (and its weights) at a sensible magnitude — a weight like 1e-8 belongs in the learning "
+             "rate, not the loss — compute it in fp32 and let GradScaler scale it up, or train in bf16."),
             dict({"loss": r.loss, "loss_scale": scale, "numel": g.numel, "per_element": per_element,
                   "zeros": c.gout.zeros if c.gout is not None else None, "rank_hint": 20},
                  **({"observed_step": r.step} if step != r.step else {})))]
