@@ -150,9 +150,10 @@ def gradient_exits(outputs: list, inputs: list, seq0: int, regions: Regions | No
 
 
 class EntryHook:
-    """Node pre-hook: measure the gradient flowing into the node's `nr`-th output (a module's output), as a tensor
-    hook on that output would, at a quarter of `Tensor.register_hook`'s cost (no handle, no per-tensor dict); it
-    sees the gradient the node consumes, after any tensor hook of the user's."""
+    """Node pre-hook: hand the gradient flowing into the node's `nr`-th output (a module's output) to `hook`, as a
+    tensor hook on that output would, at a quarter of `Tensor.register_hook`'s cost (no handle, no per-tensor
+    dict); it sees the gradient the node consumes, after any tensor hook of the user's. (Measured on sampled steps;
+    kept for a capture from the root's small outputs, hooks.keep_grad.)"""
     __slots__ = ("nr", "hook")
 
     def __init__(self, nr: int, hook):

@@ -31,13 +31,10 @@ __all__ = ["ModuleHook", "InertHook", "CopiesInert", "HeadroomHook", "PassHook",
 GRAD_OUT_BYTES = 1 << 20
 
 
-def keep_grad(slot: list, j: int, nr: int, grads):
-    """A pre-hook on the autograd node that made the model's j-th output (its `nr`-th output): keeps a reference
-    to the gradient that reached that output, changes nothing. On the node rather than the tensor (see GradTap):
-    a quarter of `Tensor.register_hook`'s cost, and it sees the gradient after any tensor hook of the user's."""
-    if nr < len(grads):
-        slot[j] = grads[nr]
-    return None
+def keep_grad(slot: list, j: int, g):
+    """Keeps a reference to the gradient that reached the model's j-th output, changes nothing (called by a
+    gradexits.EntryHook on the node that made it)."""
+    slot[j] = g
 
 # the hook dictionaries of nn.Module that hold one registration, per kind of hook
 _DICTS = {"pre": ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
