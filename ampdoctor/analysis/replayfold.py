@@ -141,6 +141,24 @@ def _of_step(g: Finding, step: int | None) -> bool:
     return step is not None and (g.step == step or step in (g.evidence.get("steps") or ()))
 
 
+def _info_twin(findings: list[Finding], f: Finding, cap_step: int | None, absorbed: bool = False) -> int | None:
+    """The index of the info overflow/nan_origin finding that the records made of what the replay's finding `f`
+    shows at the captured step: `f`'s phase, at `f`'s module or one enclosing it, covering that step or an earlier
+    one (`absorbed`: one judged an absorbed -inf, rules/origins.py)."""
+    return next((i for i, g in enumerate(findings) if g.severity == "info" and g.rule in ("overflow", "nan_origin")
+                 and g.phase == f.phase and g.module is not None and (not absorbed or g.evidence.get("absorbed"))
+                 and (f.module == g.module or f.module.startswith(g.module + "."))
+                 and (_of_step(g, cap_step) or cap_step is None or g.step is None or g.step <= cap_step)), None)
+
+
+def _promoted(f: Finding, g: Finding, cap: str, onset, why: str, **evidence) -> Finding:
+    """The replay's finding `f` as the error that replaces the records' info finding `g` (see _info_twin), dated
+    from g where f has no step, its message saying `why`."""
+    ev = dict(f.evidence, module_level_rule=g.rule, from_replay=cap, rank_hint=13, **evidence)
+    return Finding(f.rule, "error", f.phase, f.module, f.op, onset(f.step if f.step is not None else g.step),
+                   f.message + why, f.fix, ev)
+
+
 def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> Report:
     """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied).
     Into a report with nothing wrong (the replay of an `unexplained_skip`) only the replay's errors go: a step that
@@ -213,19 +231,10 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         if any_scale and f.rule in ("overflow", "nan_origin") and f.severity == "error" and f.module is not None:
             # the replay found the captured step non-finite at every loss scale down to 1: what the records took
             # for GradScaler's search (an info finding at this module) is no search
-            benign = next((g for g in findings if g.severity == "info" and g.rule in ("overflow", "nan_origin")
-                           and g.phase == f.phase and g.module is not None
-                           and (f.module == g.module or f.module.startswith(g.module + "."))
-                           and (_of_step(g, cap_step) or cap_step is None or g.step is None or g.step <= cap_step)),
-                          None)
-            if benign is not None:
-                i = findings.index(benign)
-                ev = dict(f.evidence, module_level_rule=benign.rule, from_replay=cap, rank_hint=13,
-                          scaler_search=search)
-                findings[i] = Finding(f.rule, "error", f.phase, f.module, f.op, onset(f.step if f.step is not None
-                                                                                       else benign.step),
-                                      f.message + " No loss scale makes it finite (the replay tried down to 1).",
-                                      f.fix, ev)
+            i = _info_twin(findings, f, cap_step)
+            if i is not None:
+                findings[i] = _promoted(f, findings[i], cap, onset, " No loss scale makes it finite (the replay "
+                                        "tried down to 1).", scaler_search=search)
                 refined.add(id(findings[i]))
                 for j, k in enumerate(findings):  # nor are the skips it caused a normal rate
                     if k.rule == "skipped_steps" and k.severity == "info" and k.evidence.get("benign_backoff"):
@@ -242,17 +251,10 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             # the records judged this module's -inf absorbed (info: the later sampled steps' loss stayed finite, a
             # mask's -inf doing what it is for), but the captured step's own loss or output went non-finite and its
             # replay finds the module making it: at that step it was not absorbed
-            absorbed = next((g for g in findings if g.severity == "info" and g.rule in ("overflow", "nan_origin")
-                             and g.phase == "forward" and g.evidence.get("absorbed") and g.module is not None
-                             and (f.module == g.module or f.module.startswith(g.module + "."))
-                             and (_of_step(g, cap_step) or g.step is None or g.step <= cap_step)), None)
-            if absorbed is not None:
-                i = findings.index(absorbed)
-                ev = dict(f.evidence, module_level_rule=absorbed.rule, from_replay=cap, rank_hint=13)
-                findings[i] = Finding(f.rule, "error", f.phase, f.module, f.op, onset(f.step if f.step is not None
-                                                                                       else absorbed.step),
-                                      f.message + f" (At step {cap_step} the loss or the model's output went "
-                                      "non-finite: it was not absorbed there.)", f.fix, ev)
+            i = _info_twin(findings, f, cap_step, absorbed=True)
+            if i is not None:
+                findings[i] = _promoted(f, findings[i], cap, onset, f" (At step {cap_step} the loss or the model's "
+                                        "output went non-finite: it was not absorbed there.)")
                 refined.add(id(findings[i]))
                 continue
         if f.rule in ("overflow", "nan_origin"):
