@@ -3,7 +3,9 @@
 launch is record/absmax.py's; both use the table ring (`MetaRing`) and `is_dense` here.
 
 A hook hands `StatBuffer.add` a tensor and gets its row at once; the arithmetic waits until `FLUSH_TENSORS`
-tensors (or `FLUSH_BYTES` of them) are pending, then one kernel per (stream, dtype, thresholds, size class)
+tensors (or `FLUSH_BYTES_FORWARD` of a forward's values, `FLUSH_BYTES` of gradients) are pending, and the root's
+forward flushes when it returns; then one kernel per (stream, dtype, thresholds, size class), their tables uploaded
+in one copy,
 reads them all through a table of (address, numel, row) and adds each program's counts (NaN, ±inf, zeros,
 near-max, below-normal, would-overflow-in-ref) and extremes (finite abs-max, smallest nonzero) into the tensor's
 row. A hook's cost is an append, not a launch (a Triton launch is ~25-55 µs of host time; GPT-2 at every=1 measures
@@ -31,7 +33,10 @@ _MAX_PROGRAMS = 1024   # grid cap (a few waves on an H100/H200's 132 SMs)
 _T_ITERS = 8           # the table kernel: a program reads at least this many blocks of its tensor ...
 _T_MAX_PROGRAMS = 512  # ... and a tensor gets this many programs at most
 FLUSH_TENSORS = 128    # pending tensors that trigger one batched pass
-FLUSH_BYTES = 128 << 20  # ... or pending bytes (a gradient, a checkpointed activation: kept alive by the reference)
+FLUSH_BYTES = 128 << 20  # ... or pending bytes of gradients (only the reference keeps them alive), of values of a
+#                          forward without grad, and of anything pending once the backward began
+FLUSH_BYTES_FORWARD = 512 << 20  # ... or of a grad-enabled forward's values: most are saved for the backward anyway,
+#                                  and the root's forward flushes them all when it returns (StatBuffer.forward_done)
 
 
 def available(t: torch.Tensor) -> bool:
@@ -101,6 +106,7 @@ class StatBuffer:
         self.pending: dict = {}
         self.n_pending = 0
         self.bytes = 0
+        self.backward = False  # a value other than a grad-enabled forward's is pending: FLUSH_BYTES applies
         self.ring = plan.ring(device) if plan is not None else None
 
     def _grow(self) -> None:
@@ -112,9 +118,10 @@ class StatBuffer:
         ext[:r] = self.ext
         self.cnt, self.ext = cnt, ext
 
-    def add(self, x: torch.Tensor, thresholds: tuple[float, float, float], key=None) -> int:
+    def add(self, x: torch.Tensor, thresholds: tuple[float, float, float], key=None, forward: bool = False) -> int:
         """Queue the statistics of x (contiguous or not); returns its row. With a plan, a dense aligned value
-        waits for the next flush unless the plan knows `key` (module, call, slot, position) as volatile."""
+        waits for the next flush unless the plan knows `key` (module, call, slot, position) as volatile.
+        `forward`: x is a value of a grad-enabled forward (its pending bytes count against FLUSH_BYTES_FORWARD)."""
         row = len(self.numel)
         if row >= self.cnt.shape[0]:
             self._grow()
@@ -130,7 +137,9 @@ class StatBuffer:
             self.pending.setdefault(group, []).append((x, row, version, key, deferred, ptr, n))
             self.n_pending += 1
             self.bytes += x.nbytes
-            if self.n_pending >= FLUSH_TENSORS or self.bytes >= FLUSH_BYTES:
+            if not forward:
+                self.backward = True
+            if self.n_pending >= FLUSH_TENSORS or self.bytes >= (FLUSH_BYTES if self.backward else FLUSH_BYTES_FORWARD):
                 self.flush()
             return row
         x = x.detach()  # (the views below must make no autograd node)
@@ -185,50 +194,70 @@ class StatBuffer:
         self.ext[row, 1] = torch.minimum(self.ext[row, 1], amin)
 
     def flush(self) -> None:
-        """Measure the pending values that wait (one table launch per group and size class), and compare every
-        pending value's version with the one it had at its hook: a value written since is volatile from now on."""
+        """Measure the pending values that wait (one table launch per group and size class, the tables uploaded in
+        one copy), and compare every pending value's version with the one it had at its hook: a value written since
+        is volatile from now on."""
         if not self.n_pending:
             return
         plan = self.plan
+        launches = []
         for (stream, _, thresholds), entries in self.pending.items():
             late = [e for e in entries if e[4]]
             for x, _, version, key, *_ in entries:
                 if x._version != version:
                     plan.volatile.add(key)
             if late:
-                with torch.cuda.stream(stream):
-                    self._table(late, thresholds)
+                launches.extend((stream, thresholds, cls) for cls in _size_classes(late))
+        if launches:
+            self._tables(launches)
         self.pending = {}
         self.n_pending = 0
         self.bytes = 0
+        self.backward = False
         if self.learning:
             plan.learned = True
 
-    def _table(self, entries: list, thresholds) -> None:
-        # size classes: a tensor needs cdiv(n, BLOCK * ITERS) programs (capped); one launch per power of two of
-        # that, so that few of a launch's programs find nothing to read
-        classes: dict = {}
-        span = _BLOCK * _T_ITERS
-        for e in entries:
-            need = min(_T_MAX_PROGRAMS, triton_cdiv(e[6], span))
-            classes.setdefault(need.bit_length(), []).append(e)
+    def forward_done(self) -> None:
+        """The root's forward returned: its values are measured now, so that none is held into the backward."""
+        if self.n_pending:
+            self.flush()
+
+    def _tables(self, launches: list) -> None:
+        """One table launch per (stream, thresholds, size class); all their tables go to the device in one copy."""
+        values: list = []
+        spans = []
+        for _, _, cls in launches:
+            b, size = cls[0][5], cls[0][0].element_size()
+            spans.append(len(values))
+            values += [(e[5] - b) // size for e in cls]
+            values += [e[6] for e in cls]
+            values += [e[1] for e in cls]
+        meta = self.ring.put(values)
+        here = current_stream(self.device)
+        for (stream, thresholds, cls), at in zip(launches, spans):
+            m = meta[at:at + 3 * len(cls)]
+            if stream is here:
+                self._table(cls, m, thresholds)
+            else:  # a value measured on a side stream: read there, after what made it
+                with torch.cuda.stream(stream):
+                    self._table(cls, m, thresholds)
+
+    def _table(self, cls: list, meta: torch.Tensor, thresholds) -> None:
+        """One launch of the table kernel over one size class (`meta`: its offsets, sizes and rows, on the device)."""
         near, tiny, ovf = thresholds
-        for cls in classes.values():
-            base = cls[0][0]
-            b, size = cls[0][5], base.element_size()
-            T = len(cls)
-            ns = [e[6] for e in cls]
-            meta = self.ring.put([(e[5] - b) // size for e in cls] + ns + [e[1] for e in cls])
-            P = max(1, min(_T_MAX_PROGRAMS, triton_cdiv(max(ns), span)))
-            k = _kernel()
-            try:
-                if k is None:
-                    raise RuntimeError("the fused statistics kernel is off")
-                k[1][(T, P)](base, meta, T, self.cnt, self.ext, tiny, near, ovf, BLOCK=_BLOCK, ALIGN=16 // size)
-            except Exception:  # (see _launch)
-                _off()
-                for e in cls:
-                    self._eager(e[0], e[1], thresholds)
+        base = cls[0][0]
+        span = _BLOCK * _T_ITERS
+        P = max(1, min(_T_MAX_PROGRAMS, triton_cdiv(max(e[6] for e in cls), span)))
+        k = _kernel()
+        try:
+            if k is None:
+                raise RuntimeError("the fused statistics kernel is off")
+            k[1][(len(cls), P)](base, meta, len(cls), self.cnt, self.ext, tiny, near, ovf, BLOCK=_BLOCK,
+                                ALIGN=16 // base.element_size())
+        except Exception:  # (see _launch)
+            _off()
+            for e in cls:
+                self._eager(e[0], e[1], thresholds)
 
     def vectors(self) -> torch.Tensor:
         """All rows as float64 vectors laid out like records.STAT_FIELDS (one small kernel chain per step)."""
@@ -245,6 +274,17 @@ class StatBuffer:
         # fields: numel nan posinf neginf zeros absmax min_nonzero near_max subnormal overflow_as_ref
         return torch.stack([n, c[:, 0], c[:, 1], c[:, 2], c[:, 3], e[:, 0], e[:, 1], c[:, 4], c[:, 5], c[:, 6]],
                            dim=1)
+
+
+def _size_classes(entries: list) -> list:
+    """Pending entries grouped by size class: a tensor needs cdiv(n, BLOCK * ITERS) programs (capped); one launch
+    per power of two of that, so that few of a launch's programs find nothing to read."""
+    classes: dict = {}
+    span = _BLOCK * _T_ITERS
+    for e in entries:
+        need = min(_T_MAX_PROGRAMS, triton_cdiv(e[6], span))
+        classes.setdefault(need.bit_length(), []).append(e)
+    return list(classes.values())
 
 
 def _version(x: torch.Tensor) -> int | None:

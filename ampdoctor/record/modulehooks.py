@@ -141,6 +141,9 @@ class ModuleHookCallbacks:
                         node = t.grad_fn  # (a leaf output, a module returning its own parameter: nothing to keep)
                         if node is not None and t.numel() * t.element_size() <= GRAD_OUT_BYTES:
                             node.register_prehook(EntryHook(t.output_nr, functools.partial(keep_grad, slot, j)))
+        if module is self.root and not st.stack:
+            for buf in st.fbuf.values():  # the forward's pending statistics: measured before the backward begins
+                buf.forward_done()
         if module is self.root and self.hr.on and exc is None:
             self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
             self.hr.forward_done()

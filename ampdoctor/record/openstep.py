@@ -192,7 +192,8 @@ class _Step:
             if buf is None:
                 buf = self.fbuf[t.device] = fused.StatBuffer(t.device, plan=self.plan)
             rows = c.rows[slot]
-            v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref), (c.module, c.call, slot, len(rows))))
+            v = ("fused", t.device, buf.add(t, thresholds(t.dtype, ref), (c.module, c.call, slot, len(rows)),
+                                            forward=c.grad_enabled and slot in _FORWARD))
             light = False
         elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/record/cpustats.py)
             v = cpustats.stats(t, ref)
@@ -204,6 +205,9 @@ class _Step:
         c.rows[slot].append((idx, dt_name(t.dtype), dt_name(ref)))
         self.vecs.append(v)
         _remember(self.seen, key, t, idx, not light)
+
+
+_FORWARD = ("inp", "out")  # the slots a forward fills (the fused statistics may hold its values longer)
 
 
 def _memory_key(t: torch.Tensor, *extra):
