@@ -267,3 +267,48 @@ def test_fused_statistics_fall_back_when_the_kernels_cannot_launch(monkeypatch):
     assert fused._KERNEL is False and len(recs) == 3 and not any(r.internal_error for r in recs)
     got = next(c.out.absmax for c in recs[-1].modules if c.module == "0")
     assert got == outs["0"]
+
+
+def test_forward_values_wait_past_gradient_cap_and_flush_when_root_returns():
+    """At every=1 on CUDA a grad-enabled forward's values wait for one table pass past FLUSH_BYTES (they are mostly
+    saved for the backward anyway) up to FLUSH_BYTES_FORWARD, and all of them are measured when the root's forward
+    returns, so that none is held into the backward; the recorded abs-max of each module is still its own."""
+    if not fused.available(torch.zeros(1, device="cuda")):
+        pytest.skip("Triton not available")
+    import ampdoctor
+    from torch import nn
+    torch.manual_seed(0)
+    width = 4096
+    layers = 10
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).cuda()
+    x = torch.randn(2048, width, device="cuda")  # each value 32 MiB in fp32, with the input 352 MiB > FLUSH_BYTES
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    w = ampdoctor.watch(model, optimizer=opt, every=1)
+    seen = {}
+
+    def last_layer(mod, args, out):
+        bufs = list(w.machine.st.fbuf.values())
+        seen["pending_bytes"] = sum(b.bytes for b in bufs)
+
+    def root(mod, args, out):
+        seen["after_root"] = sum(b.n_pending for b in w.machine.st.fbuf.values())
+
+    h1 = model[layers - 1].register_forward_hook(last_layer)
+    h2 = model.register_forward_hook(root)  # after the watch's own: sees the state it left
+    maxes = []
+    hs = [m.register_forward_hook(lambda m, a, o: maxes.append(o.detach().abs().max().item())) for m in model]
+    try:
+        for _ in range(2):  # (the first sampled step learns which values may wait)
+            maxes.clear()
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    finally:
+        for h in (h1, h2, *hs):
+            h.remove()
+    w.close()
+    recs = w.steps
+    assert seen["pending_bytes"] > fused.FLUSH_BYTES, seen
+    assert seen["after_root"] == 0, seen
+    outs = {c.module: c.out.absmax for c in recs[-1].modules if c.out is not None}
+    assert [outs[str(i)] for i in range(layers)] == pytest.approx(maxes, rel=1e-6)

@@ -33,7 +33,7 @@ _MAX_PROGRAMS = 1024   # grid cap (a few waves on an H100/H200's 132 SMs)
 _T_ITERS = 8           # the table kernel: a program reads at least this many blocks of its tensor ...
 _T_MAX_PROGRAMS = 512  # ... and a tensor gets this many programs at most
 FLUSH_TENSORS = 128    # pending tensors that trigger one batched pass
-FLUSH_BYTES = 128 << 20  # ... or pending bytes of gradients (only the reference keeps them alive), of values of a
+FLUSH_BYTES = 256 << 20  # ... or pending bytes of gradients (only the reference keeps them alive), of values of a
 #                          forward without grad, and of anything pending once the backward began
 FLUSH_BYTES_FORWARD = 512 << 20  # ... or of a grad-enabled forward's values: most are saved for the backward anyway,
 #                                  and the root's forward flushes them all when it returns (StatBuffer.forward_done)

@@ -30,8 +30,10 @@ from ..tensors import flatten_tensors
 __all__ = ["Headroom", "DTYPE_CODES"]
 
 FLUSH_TENSORS = 128                 # pending tensors that trigger one batched reduction
-FLUSH_BYTES_FORWARD = 256 << 20     # ... or pending bytes of forward outputs (most are saved for the backward anyway)
-FLUSH_BYTES_BACKWARD = 128 << 20    # ... or of gradients, which only these references keep alive
+FLUSH_BYTES_FORWARD = 512 << 20     # ... or pending bytes of forward outputs (most are saved for the backward anyway;
+#                                     the root's forward flushes them all when it returns: forward_done)
+FLUSH_BYTES_BACKWARD = 256 << 20    # ... or of gradients, which only these references keep alive (the backward
+#                                     frees the saved activations meanwhile; its peak is where it begins)
 READ_BYTES = 64 << 20               # of a larger value, its leading whole rows up to this size are read (see _lead)
 DTYPE_CODES = {torch.float16: "h", torch.bfloat16: "b", torch.float32: "f", torch.float64: "d"}
 _Tensor = torch.Tensor
