@@ -30,8 +30,10 @@ __all__ = ["available", "StatBuffer", "DeferPlan", "MetaRing", "is_dense", "trit
 _KERNEL = None
 _BLOCK = 1024          # values per program and iteration
 _MAX_PROGRAMS = 1024   # grid cap (a few waves on an H100/H200's 132 SMs)
+_T_BLOCK = 1024        # the table kernel's values per program and iteration
 _T_ITERS = 8           # the table kernel: a program reads at least this many blocks of its tensor ...
 _T_MAX_PROGRAMS = 512  # ... and a tensor gets this many programs at most
+_T_WARPS = 4           # the table kernel's warps per program (Triton's default)
 FLUSH_TENSORS = 128    # pending tensors that trigger one batched pass
 FLUSH_BYTES = 256 << 20  # ... or pending bytes of gradients (only the reference keeps them alive), of values of a
 #                          forward without grad, and of anything pending once the backward began
@@ -246,14 +248,14 @@ class StatBuffer:
         """One launch of the table kernel over one size class (`meta`: its offsets, sizes and rows, on the device)."""
         near, tiny, ovf = thresholds
         base = cls[0][0]
-        span = _BLOCK * _T_ITERS
+        span = _T_BLOCK * _T_ITERS
         P = max(1, min(_T_MAX_PROGRAMS, triton_cdiv(max(e[6] for e in cls), span)))
         k = _kernel()
         try:
             if k is None:
                 raise RuntimeError("the fused statistics kernel is off")
-            k[1][(len(cls), P)](base, meta, len(cls), self.cnt, self.ext, tiny, near, ovf, BLOCK=_BLOCK,
-                                ALIGN=16 // base.element_size())
+            k[1][(len(cls), P)](base, meta, len(cls), self.cnt, self.ext, tiny, near, ovf, BLOCK=_T_BLOCK,
+                                ALIGN=16 // base.element_size(), num_warps=_T_WARPS)
         except Exception:  # (see _launch)
             _off()
             for e in cls:
@@ -280,7 +282,7 @@ def _size_classes(entries: list) -> list:
     """Pending entries grouped by size class: a tensor needs cdiv(n, BLOCK * ITERS) programs (capped); one launch
     per power of two of that, so that few of a launch's programs find nothing to read."""
     classes: dict = {}
-    span = _BLOCK * _T_ITERS
+    span = _T_BLOCK * _T_ITERS
     for e in entries:
         need = min(_T_MAX_PROGRAMS, triton_cdiv(e[6], span))
         classes.setdefault(need.bit_length(), []).append(e)
