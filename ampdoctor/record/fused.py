@@ -5,8 +5,7 @@ launch is record/absmax.py's; both use the table ring (`MetaRing`) and `is_dense
 A hook hands `StatBuffer.add` a tensor and gets its row at once; the arithmetic waits until `FLUSH_TENSORS`
 tensors (or `FLUSH_BYTES_FORWARD` of a forward's values, `FLUSH_BYTES` of gradients) are pending, and the root's
 forward flushes when it returns; then one kernel per (stream, dtype, thresholds, size class), their tables uploaded
-in one copy,
-reads them all through a table of (address, numel, row) and adds each program's counts (NaN, ±inf, zeros,
+in one copy, reads them all through a table of (address, numel, row) and adds each program's counts (NaN, ±inf, zeros,
 near-max, below-normal, would-overflow-in-ref) and extremes (finite abs-max, smallest nonzero) into the tensor's
 row. A hook's cost is an append, not a launch (a Triton launch is ~25-55 µs of host time; GPT-2 at every=1 measures
 ~360 tensors a step). Measuring late is only right for a value nobody writes in place in between (a ReLU(inplace)
