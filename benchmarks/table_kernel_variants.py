@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ampdoctor.record import fused  # noqa: E402
 from ampdoctor.record.fusedkernels import fresh_lean, lean  # noqa: E402
+from ampdoctor.record.tables import triton_cdiv  # noqa: E402
 import table_kernel_bench as bench  # noqa: E402
 
 
@@ -100,7 +101,7 @@ def variant_pass(kernel, vals):
                         dtype=torch.int64, device=base.device)
     out = torch.zeros(len(vals), dtype=torch.float32, device=base.device)
     span = fused._T_BLOCK * fused._T_ITERS
-    P = max(1, min(fused._T_MAX_PROGRAMS, fused.triton_cdiv(max(v.numel() for v in vals), span)))
+    P = max(1, min(fused._T_MAX_PROGRAMS, triton_cdiv(max(v.numel() for v in vals), span)))
     kernel[(len(vals), P)](base, meta, len(vals), out, 6e-5, 32768.0, BLOCK=fused._T_BLOCK, ALIGN=16 // size)
     return out
 

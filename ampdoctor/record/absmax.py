@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import MetaRing, is_dense, triton_cdiv
+from .tables import MetaRing, is_dense, triton_cdiv
 
 __all__ = ["AbsMaxTable", "absmax_available", "absmax_kernel_ready", "disable_absmax"]
 

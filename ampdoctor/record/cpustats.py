@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from .fused import is_dense
+from .tables import is_dense
 from .stats import _F64, _THR
 
 __all__ = ["available", "supports", "stats", "absmax"]

@@ -22,8 +22,9 @@ import math
 
 import torch
 
-from . import absmax, cpustats, fused
+from . import absmax, cpustats
 from .series import encode, merge
+from .tables import is_dense
 from .stats import is_wrapped
 from ..tensors import flatten_tensors
 
@@ -238,7 +239,7 @@ class Headroom:
         take, slots, rest, rest_s = [], [], [], []
         for t, s in zip(ts, ss):  # absmax.absmax_available, inlined: this loop runs for every value read
             if t.dtype is dt0 and t.get_device() == d0 and not t.data_ptr() & 15 and t.numel() and (
-                    t.is_contiguous() or fused.is_dense(t)):
+                    t.is_contiguous() or is_dense(t)):
                 take.append(t)
                 slots.append(s)
             else:
