@@ -45,10 +45,10 @@ def _cleared(run: RunData, module: str, after: int) -> int | None:
             fwd, _, dt = r.headroom_of(slot)
             if fwd is not None and dt == "h":
                 pts[r.step] = fwd
-    vals = [pts[k] for k in sorted(pts)]
+    steps = sorted(pts)
+    vals = [pts[k] for k in steps]
     if len(vals) < _CLEARED_POINTS or not (math.isfinite(vals[-1]) and vals[-1] >= _NEGLIGIBLE_BELOW):
         return None
-    steps = sorted(pts)
     k = len(vals)
     while k > 0 and math.isfinite(vals[k - 1]) and vals[k - 1] >= _NEGLIGIBLE_BELOW:
         k -= 1
