@@ -11,7 +11,9 @@ Usage
 Options: --steps N (timed steps per variant, default 30), --warmup N (untimed steps per variant, default 5),
 --sync-steps N (CUDA: steps per variant counted for device->host syncs, default 4), --amp fp16|bf16|off
 (default fp16 on CUDA, off on CPU: see below), --variants a,b,... (subset), --threads N (torch CPU threads),
---json OUT (everything, raw times included), --bitwise (run the bitwise-identity check instead of the benchmark; --bitwise-steps N, default 50).
+--json OUT (everything, raw times included), --compile (each variant's forward through torch.compile, the watch
+given the model itself, as nanoGPT's train.py with compile=True), --bitwise (run the bitwise-identity check
+instead of the benchmark; --bitwise-steps N, default 50).
 
 What it measures
 ----------------
@@ -196,7 +198,7 @@ def _hf_loss(out):
 class Variant:
     """One way of running the step, on its own copy of the model with its own optimizer and scaler."""
 
-    def __init__(self, name, model, device, amp_dtype, clip=True):
+    def __init__(self, name, model, device, amp_dtype, clip=True, compile=False):
         # "headroom:K:F:B" = headroom=True with ampdoctor.record.headroom's flush limits set for this variant's steps:
         # K pending tensors, F MiB of forward outputs, B MiB of gradients (a sweep, interleaved like the rest)
         self.name, _, flush = name.partition(":")
@@ -204,6 +206,9 @@ class Variant:
         self.flush = [int(x) for x in flush.split(":")] if flush else None
         self.clip = clip
         self.model = model
+        # --compile: the forward goes through torch.compile(model), as nanoGPT's train.py does with compile=True;
+        # the watch is given the model itself (what a user passes), each variant compiles its own copy
+        self.fwd = torch.compile(model) if compile else model
         self.device = device
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.scaler = torch.amp.GradScaler(device.type)
@@ -250,7 +255,7 @@ class Variant:
         with self.step_ctx():
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float16,
                                 enabled=self.amp_dtype is not None):
-                loss = loss_of(self.model(*args, **kwargs))
+                loss = loss_of(self.fwd(*args, **kwargs))
             self.scaler.scale(loss).backward()
         if self.clip:  # the seed loop: backward -> unscale_ -> clip -> step -> update
             self.scaler.unscale_(self.opt)
@@ -303,6 +308,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sync-steps", type=int, default=4)
     p.add_argument("--no-clip", action="store_true", help="leave out scaler.unscale_ + clip_grad_norm_")
+    p.add_argument("--compile", action="store_true", help="run each variant's forward through torch.compile")
     p.add_argument("--amp", default=None, choices=["fp16", "bf16", "off"])
     p.add_argument("--variants", default=",".join(v for v in ALL_VARIANTS if v != "hroff"))
     p.add_argument("--json", default=None)
@@ -354,10 +360,12 @@ def run_benchmark(a) -> dict:
     if "hf" in names and not _hf_available():
         names.remove("hf")
     base, batches, loss_of = build(a.model, device)
-    variants = [Variant(n, copy.deepcopy(base), device, amp_dtype, clip=not a.no_clip) for n in names]
+    variants = [Variant(n, copy.deepcopy(base), device, amp_dtype, clip=not a.no_clip, compile=a.compile)
+                for n in names]
     del base
     log = (lambda *x: None) if a.quiet else (lambda *x: print(*x, flush=True))
-    log(f"model={a.model} device={device} amp={amp} params={sum(p.numel() for p in variants[0].model.parameters()):,} "
+    log(f"model={a.model} device={device} amp={amp} compile={a.compile} "
+        f"params={sum(p.numel() for p in variants[0].model.parameters()):,} "
         f"variants={names} steps={a.steps} warmup={a.warmup}")
     for v in variants:
         v.install()
@@ -418,7 +426,8 @@ def run_benchmark(a) -> dict:
             "syncs_per_step": v.syncs,
             "extra_syncs_per_step": None if (v.syncs is None or plain.syncs is None) else v.syncs - plain.syncs,
             "steps": len(v.times), "error": v.error, "times_ms": [t * 1e3 for t in v.times]})
-    res = {"env": _env(device), "model": a.model, "device": str(device), "amp": amp, "steps": a.steps,
+    res = {"env": _env(device), "model": a.model, "device": str(device), "amp": amp, "compile": a.compile,
+           "steps": a.steps,
            "warmup": a.warmup, "sync_steps": a.sync_steps if cuda else 0,
            "command": "python " + os.path.relpath(sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else __file__)
                       + " " + " ".join(a.argv),
@@ -431,8 +440,9 @@ def run_benchmark(a) -> dict:
 def format_table(res: dict) -> str:
     if "rows" not in res:
         return f"({res.get('skipped', 'no result')})"
-    out = [f"{res['model']} on {res['env'].get('gpu', res['device'])}, amp={res['amp']}, torch {res['env']['torch']}, "
-           f"{res['steps']} timed steps/variant",
+    compiled = " (torch.compile)" if res.get("compile") else ""
+    out = [f"{res['model']}{compiled} on {res['env'].get('gpu', res['device'])}, amp={res['amp']}, "
+           f"torch {res['env']['torch']}, {res['steps']} timed steps/variant",
            "| variant | median ms | ratio | peak-mem delta | syncs/step (extra) |",
            "|---|---:|---:|---:|---:|"]
     for r in res["rows"]:

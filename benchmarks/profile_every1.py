@@ -61,6 +61,7 @@ def main(argv=None):
     p.add_argument("--amp", default=None, choices=["fp16", "bf16", "off"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kernels", action="store_true", help="print the top ops by device time, by input shape")
+    p.add_argument("--dump", default=None, help="also write the watched steps' cProfile to this file")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -103,6 +104,8 @@ def main(argv=None):
     bench._sync(dev)
     pr.disable()
     w.close()
+    if a.dump:
+        pr.dump_stats(a.dump)
     s = io.StringIO()
     st = pstats.Stats(pr, stream=s)
     st.sort_stats("tottime").print_stats(a.top)
