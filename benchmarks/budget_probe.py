@@ -1,5 +1,5 @@
 """What the headroom budget (ampdoctor/record/budget.py) measured on a run: the stride it chose and the recent step
-times with and without the series, beside the plain step's, for the eager and the torch.compile'd model. A default
+times with and without the series (the cost of neighbouring pairs), beside the plain step's, for the eager and the torch.compile'd model. A default
 watch whose series costs more than `headroom_budget` should end with a stride above 1.
 
     python benchmarks/budget_probe.py --model nanogpt --device cuda [--steps 150] [--compile both|yes|no]
@@ -26,7 +26,7 @@ def run(model: str, device: torch.device, compile_: bool, steps: int) -> dict:
     watched = bench.Variant("default", base, device, amp, compile=compile_)
     watched.install()
     b = watched.watch.machine.hr_hooks.budget
-    tp, tw, strides, on = [], [], [], 0
+    tp, tw, strides, on, kinds = [], [], [], 0, []
     for i in range(steps):
         for v, ts in ((plain, tp), (watched, tw)):
             bench._sync(device)
@@ -36,10 +36,12 @@ def run(model: str, device: torch.device, compile_: bool, steps: int) -> dict:
             ts.append(time.perf_counter() - t)
         strides.append(b.stride)
         on += bool(watched.watch.machine.hr.on)
+        kinds.append("S" if watched.watch.machine.st.sampled else ("+" if watched.watch.machine.hr.on else "-"))
     m = watched.watch.machine
     out = {"compiled": m.compiled, "stride": b.stride, "strides_last50": sorted(set(strides[-50:])),
-           "series_steps": on, "on_ms": [round(x * 1e3, 2) for x in b.times[True]],
-           "off_ms": [round(x * 1e3, 2) for x in b.times[False]],
+           "series_steps": on, "cost_ms": [round(c * 1e3, 2) for c, _ in b.pairs],
+           "without_ms": [round(p * 1e3, 2) for _, p in b.pairs],
+           "trace": " ".join(f"{k}{w * 1e3:.1f}/{p * 1e3:.1f}" for k, w, p in zip(kinds, tw, tp)),
            "plain_ms": statistics.median(tp[steps // 3:]) * 1e3, "default_ms": statistics.median(tw[steps // 3:]) * 1e3}
     watched.remove()
     return out
@@ -58,11 +60,11 @@ def main(argv=None):
         r = run(a.model, dev, c, a.steps)
         print(r, flush=True)
         rows.append(r)
-    print("| compiled | stride | series steps | on median ms | off median ms | plain ms | default ms | ratio |")
+    print("| compiled | stride | series steps | series cost ms | step without it ms | plain ms | default ms | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        on = statistics.median(r["on_ms"]) if r["on_ms"] else float("nan")
-        off = statistics.median(r["off_ms"]) if r["off_ms"] else float("nan")
+        on = statistics.median(r["cost_ms"]) if r["cost_ms"] else float("nan")
+        off = statistics.median(r["without_ms"]) if r["without_ms"] else float("nan")
         print(f"| {r['compiled']} | {r['stride']} | {r['series_steps']} | {on:.2f} | {off:.2f} | {r['plain_ms']:.2f} "
               f"| {r['default_ms']:.2f} | {r['default_ms'] / r['plain_ms']:.3f}x |")
 

@@ -47,10 +47,10 @@ def _pinned_budget_class(k: int):
         __slots__ = ()  # same layout: an instance's __class__ can be swapped to it
 
         def ended(self) -> None:
-            self.last = None  # no `tail` added to a fake time
-            if self.timed is not None and self.t0 is not None:
-                self.times[self.timed].append(2.0 if self.timed else 1.0)
-            self.timed = None
+            self.add(self.timed, None if self.timed is None or self.t0 is None else 2.0 if self.timed else 1.0)
+
+        def tail(self, seconds: float) -> None:
+            pass  # no `tail` added to a fake time
 
         def due(self) -> bool:
             saved = budget.MAX_STRIDE

@@ -49,9 +49,7 @@ def _timed_ended(self):
     (the series costs 100%, over any budget). The real clock made the stride flaky even at headroom_budget=1e-9:
     a window where the steps with the series measured no slower than those without (cost <= 0) gives stride 1
     for a step, and the series at stride 32 came at gaps of 6, 1 and 4."""
-    if self.timed is not None and self.t0 is not None:
-        self.times[self.timed].append(2.0 if self.timed else 1.0)
-    self.timed = None
+    self.add(self.timed, None if self.timed is None or self.t0 is None else 2.0 if self.timed else 1.0)
 
 
 def pin_stride(stride, monkeypatch):

@@ -5,11 +5,14 @@ Each routine step is timed from its beginning (the root's forward, zero_grad or 
 optimizer's step: with a GradScaler, after the scaler's own synchronisation, so the device's work is in it), plus
 what ampdoctor does for it at the next iteration's start (its record finalised, the series read back, the hooks
 parked): the training step itself, not what the loop does between steps (data loading, logging, evaluation).
-Steps with the series and steps without it keep their own recent medians; their difference is what the series
-costs a step, and the stride (one step in `stride` carries it) is the smallest that keeps the average cost within
-the budget. Until both kinds have a few samples the stride is 2, so both are measured; at stride 1 a step without
-the series now and then keeps the comparison current. Sampled steps (full statistics) and the observed step (every hook on, see
-Headroom.plan) are not timed.
+Each timed step with the series is compared with the timed step without it next to it (before or after): the
+median of the recent differences is what the series costs a step, the median of those steps without it the plain
+step, and the stride (one step in `stride` carries it) is the smallest that keeps the average cost within the
+budget. Neighbours, not each kind's own recent median: at stride 1 a step without the series comes only every
+REFRESH steps, and a median of those reached back hundreds of steps, to a warm-up (torch.compile, the allocator)
+whose slow steps made the series look free. Until a few such pairs are timed the stride is 2, so both kinds are
+measured; at stride 1 a step without the series now and then keeps the comparison current. Sampled steps (full
+statistics) and the observed step (every hook on, see Headroom.plan) are not timed.
 """
 from __future__ import annotations
 
@@ -20,24 +23,25 @@ from statistics import median
 
 __all__ = ["HeadroomBudget"]
 
-SAMPLES = 9        # recent steps of each kind whose median is compared
-MIN_SAMPLES = 3    # ... needed of each before the stride follows the measurement
+SAMPLES = 9        # recent pairs of neighbouring steps with and without the series whose medians are compared
+MIN_SAMPLES = 4    # ... needed before the stride follows the measurement (6 timed steps, 3 of each kind)
 MAX_STRIDE = 32    # the series at least every this many routine steps
 REFRESH = 32       # at stride 1, one step in this many goes without the series (to keep measuring its cost)
 
 
 class HeadroomBudget:
-    __slots__ = ("share", "times", "t0", "timed", "since", "stride", "off_age", "last")
+    __slots__ = ("share", "pairs", "t0", "timed", "since", "stride", "off_age", "last", "done")
 
     def __init__(self, share: float):
         self.share = share
-        self.times = {True: deque(maxlen=SAMPLES), False: deque(maxlen=SAMPLES)}
+        self.pairs: deque = deque(maxlen=SAMPLES)  # (with - without, without) seconds of neighbouring timed steps
         self.t0: float | None = None
         self.timed: bool | None = None  # the open step: True/False it runs with/without the series; None untimed
         self.since = 0                  # routine steps since the last one with the series
         self.stride = 2
         self.off_age = 0                # routine steps since the last one without it
-        self.last: bool | None = None   # the kind of the last timed step (its tail is added by `tail`)
+        self.last: list | None = None   # [kind, seconds] of the last timed step: its tail may still come (`tail`)
+        self.done: tuple | None = None  # (kind, seconds) of the timed step before it, complete
 
     def begin(self) -> None:
         """A step begins now (timed as `due`/`untimed` said)."""
@@ -46,25 +50,36 @@ class HeadroomBudget:
 
     def ended(self) -> None:
         """The open step reached its optimizer step: its time counts for its kind."""
-        self.last = None
-        if self.timed is not None and self.t0 is not None:
-            self.times[self.timed].append(time.perf_counter() - self.t0)
-            self.last = self.timed
-        self.timed = None
+        timed = self.timed is not None and self.t0 is not None
+        self.add(self.timed, time.perf_counter() - self.t0 if timed else None)
+
+    def add(self, kind: bool | None, seconds: float | None) -> None:
+        """A step ended, with the series (kind True), without it (False) or untimed (None). The timed step before
+        it is complete now (its tail came when this one began): paired with the one before that if their kinds
+        differ."""
+        prev, self.last, self.timed = self.last, None, None
+        if prev is not None:
+            k, secs = prev
+            if self.done is not None and self.done[0] != k:
+                on, off = (secs, self.done[1]) if k else (self.done[1], secs)
+                self.pairs.append((on - off, off))
+            self.done = (k, secs)
+        if kind is not None and seconds is not None:
+            self.last = [kind, seconds]
 
     def tail(self, seconds: float) -> None:
         """What the last timed step cost after its optimizer step (its record finalised at the next iteration's
         start, its hooks parked): added to its time, so that the series' read-back counts against the series."""
-        if self.last is not None and self.times[self.last]:
-            self.times[self.last][-1] += seconds
+        if self.last is not None:
+            self.last[1] += seconds
 
     def due(self) -> bool:
         """Whether the routine step beginning now carries the series (and is timed as such)."""
-        on, off = self.times[True], self.times[False]
-        if len(on) >= MIN_SAMPLES and len(off) >= MIN_SAMPLES:
-            plain = median(off)
-            cost = median(on) - plain
-            self.stride = 1 if cost <= 0 or plain <= 0 else min(MAX_STRIDE, math.ceil(cost / (self.share * plain) - 1e-6))
+        if len(self.pairs) >= MIN_SAMPLES:
+            cost = median([p[0] for p in self.pairs])
+            plain = median([p[1] for p in self.pairs])
+            self.stride = 1 if cost <= 0 or plain <= 0 else min(MAX_STRIDE,
+                                                                math.ceil(cost / (self.share * plain) - 1e-6))
         due = self.since + 1 >= self.stride
         if due and self.stride == 1 and self.off_age + 1 >= REFRESH:
             due = False
