@@ -4,10 +4,13 @@ differs most between the kinds printed last, with torch.compile's recompilations
 without the series that costs more than one with it (measured on the H200's compiled nanoGPT step).
 
     python benchmarks/kind_profile.py --model nanogpt --device cuda --compile [--pattern ++-] [--steps 120]
+    python benchmarks/kind_profile.py ... --timing     # no profiler: each step's time less the plain step's of the
+                                                       # same iteration, by (previous kind -> kind)
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import os
 import pstats
@@ -30,6 +33,7 @@ def main(argv=None):
     p.add_argument("--pattern", default="++-")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--timing", action="store_true")
     a = p.parse_args(argv)
     n = [0]
 
@@ -44,6 +48,9 @@ def main(argv=None):
     v = bench.Variant("default", base, dev, torch.float16 if dev.type == "cuda" else None, compile=a.compile)
     v.install()
     m = v.watch.machine
+    if a.timing:
+        return timing(a, v, bench.Variant("plain", copy.deepcopy(base), dev, v.amp_dtype, compile=a.compile),
+                      batches, loss_of, dev)
     prof: dict = {}  # kind -> pstats.Stats of its steps
     times = {True: [], False: []}
     try:
@@ -88,6 +95,28 @@ def main(argv=None):
         name = f"{os.path.basename(f[0])}:{f[1]}({f[2]})"
         print(f"| {name[:90]} | {per[False].get(f, 0) * 1e3:.3f} | {per[True].get(f, 0) * 1e3:.3f} | "
               f"{(per[False].get(f, 0) - per[True].get(f, 0)) * 1e3:+.3f} |")
+
+
+def timing(a, v, plain, batches, loss_of, dev):
+    m = v.watch.machine
+    by: dict = {}
+    prev = None
+    for i in range(a.steps):
+        dts = []
+        for x in (plain, v):
+            bench._sync(dev)
+            t = time.perf_counter()
+            x.step(batches[i % len(batches)], loss_of)
+            bench._sync(dev)
+            dts.append(time.perf_counter() - t)
+        kind = "S" if m.st.sampled else "+" if m.hr.on else "-"
+        if i >= 20:
+            by.setdefault(f"{prev}{kind}", []).append((dts[1] - dts[0]) * 1e3)
+        prev = kind
+    print("| previous, this step | steps | watched - plain, median ms | mean ms |")
+    print("|---|---:|---:|---:|")
+    for k in sorted(by):
+        print(f"| {k} | {len(by[k])} | {statistics.median(by[k]):+.2f} | {statistics.fmean(by[k]):+.2f} |")
 
 
 if __name__ == "__main__":
