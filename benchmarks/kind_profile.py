@@ -115,13 +115,13 @@ def timing(a, v, plain, batches, loss_of, dev):
         if i >= 20:
             by.setdefault(f"{prev}{kind}", []).append((dts[1] - dts[0]) * 1e3)
             if b is not None and b.last is not None:  # the budget's own view: the step's timed window
-                win.setdefault(kind, []).append(b.last[1] * 1e3)
+                win.setdefault(f"{prev}{kind}", []).append(b.last[1] * 1e3)
         prev = kind
     print("| previous, this step | steps | watched - plain, median ms | mean ms |")
     print("|---|---:|---:|---:|")
     for k in sorted(by):
         print(f"| {k} | {len(by[k])} | {statistics.median(by[k]):+.2f} | {statistics.fmean(by[k]):+.2f} |")
-    print("| kind | budget window (no tail), median ms | steps |")
+    print("| previous, this step | budget window (no tail), median ms | steps |")
     print("|---|---:|---:|")
     for k in sorted(win):
         print(f"| {k} | {statistics.median(win[k]):.2f} | {len(win[k])} |")
