@@ -13,6 +13,12 @@ REFRESH steps, and a median of those reached back hundreds of steps, to a warm-u
 whose slow steps made the series look free. Until a few such pairs are timed the stride is 2, so both kinds are
 measured; at stride 1 a step without the series now and then keeps the comparison current. Sampled steps (full
 statistics) and the observed step (every hook on, see Headroom.plan) are not timed.
+
+A cost of a few percent of a short step can hide in its noise: a host whose step time jumps by milliseconds from one
+step to the next gave neighbour pairs whose median was negative for a series costing 3-5% (the H200's compiled
+nanoGPT step, read off steps forced to alternate). So the series' own bulk work timed on the host (its flushes,
+staging and read-back: `Headroom.spent`, no per-value hook) is a floor under the measured cost: what the step cannot
+have saved, whatever the pairs say. The hooks' own cost and the device's are the pairs' to find.
 """
 from __future__ import annotations
 
@@ -30,11 +36,12 @@ REFRESH = 32       # at stride 1, one step in this many goes without the series 
 
 
 class HeadroomBudget:
-    __slots__ = ("share", "pairs", "t0", "timed", "since", "stride", "off_age", "last", "done")
+    __slots__ = ("share", "pairs", "own", "t0", "timed", "since", "stride", "off_age", "last", "done")
 
     def __init__(self, share: float):
         self.share = share
         self.pairs: deque = deque(maxlen=SAMPLES)  # (with - without, without) seconds of neighbouring timed steps
+        self.own: deque = deque(maxlen=SAMPLES)    # the series' own bulk host seconds on timed steps that carried it
         self.t0: float | None = None
         self.timed: bool | None = None  # the open step: True/False it runs with/without the series; None untimed
         self.since = 0                  # routine steps since the last one with the series
@@ -73,10 +80,18 @@ class HeadroomBudget:
         if self.last is not None:
             self.last[1] += seconds
 
+    def series_time(self, seconds: float) -> None:
+        """The host time the series' own bulk work took on the last timed step, if that step carried it (the floor
+        of its cost, see the module docstring)."""
+        if self.last is not None and self.last[0]:
+            self.own.append(seconds)
+
     def due(self) -> bool:
         """Whether the routine step beginning now carries the series (and is timed as such)."""
         if len(self.pairs) >= MIN_SAMPLES:
             cost = median([p[0] for p in self.pairs])
+            if self.own:
+                cost = max(cost, median(self.own))
             plain = median([p[1] for p in self.pairs])
             self.stride = 1 if cost <= 0 or plain <= 0 else min(MAX_STRIDE,
                                                                 math.ceil(cost / (self.share * plain) - 1e-6))

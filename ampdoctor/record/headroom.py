@@ -19,6 +19,7 @@ steps the full statistics hooks measure the same tensors, and the series comes f
 from __future__ import annotations
 
 import math
+from time import perf_counter as _now
 
 import torch
 
@@ -49,7 +50,7 @@ class Headroom:
 
     __slots__ = ("clean", "on", "n", "ft", "fs", "bt", "bs", "fbytes", "bbytes", "norms", "vecs", "done", "alias",
                  "last", "last_slot", "staged", "tables", "reads", "observing", "called", "read", "last_pass",
-                 "static_alias", "seen_alias")
+                 "static_alias", "seen_alias", "spent")
 
     def __init__(self, n_slots: int):
         self.on = False            # recording (routine steps); off on sampled steps, when disabled or suspended
@@ -65,6 +66,8 @@ class Headroom:
         self.static_alias: list[tuple[int, int]] = []  # (slot, slot) of pruned containers, applied every step
         self.seen_alias: list[tuple[int, int, int]] = []  # the observed step's (slot, source, pass-on slot or -1)
         self.clean = False  # True while nothing was handed over since the last reset
+        self.spent = 0.0  # host seconds of the series' own bulk work (flushes, staging, read-back): HeadroomHooks
+        #                   hands them to the budget (budget.py) as the step's floor of what the series costs
         self.reset()
 
     def reset(self) -> None:
@@ -194,13 +197,17 @@ class Headroom:
 
     def flush_forward(self) -> None:
         if self.ft:
+            t = _now()
             self._reduce("f", self.ft, self.fs)
             self.ft, self.fs, self.fbytes = [], [], 0
+            self.spent += _now() - t
 
     def flush_backward(self) -> None:
         if self.bt:
+            t = _now()
             self._reduce("b", self.bt, self.bs)
             self.bt, self.bs, self.bbytes = [], [], 0
+            self.spent += _now() - t
 
     def _reduce(self, phase: str, ts: list, ss: list) -> None:
         self.staged = None
@@ -275,6 +282,7 @@ class Headroom:
         self.flush()
         if self.staged is not None:
             return self.staged
+        t = _now()
         out = []
         for i, (dev, ts) in enumerate(self.norms.items()):
             out.append((f"hr:n{i}", torch.stack(ts)))
@@ -284,6 +292,7 @@ class Headroom:
             if tab.n:
                 out.append((f"hr:t:{dev}", tab.vector()))
         self.staged = out
+        self.spent += _now() - t
         return out
 
     def host_series(self, host: dict) -> dict | None:
@@ -292,6 +301,7 @@ class Headroom:
         if not self.done:
             self.reset()
             return None
+        t = _now()
         vals = {("n", dev): host.get(f"hr:n{i}") for i, dev in enumerate(self.norms)}
         vals.update({("v", dev): host.get(f"hr:v{i}") for i, dev in enumerate(self.vecs)})
         vals.update({("t", dev): host.get(f"hr:t:{dev}") for dev in self.tables})
@@ -317,6 +327,7 @@ class Headroom:
                 dtypes[slot] = dtypes[src]
         out = encode(fwd, bwd, "".join(dtypes))
         self.reset()
+        self.spent += _now() - t
         return out
 
 

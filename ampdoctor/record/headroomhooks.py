@@ -43,8 +43,10 @@ class HeadroomHooks:
         if hr.observing:
             self.prune()
         hr.reset()
+        own, hr.spent = hr.spent, 0.0  # the ended step's series work, its read-back included (finalised just now)
         if budget is not None:
             budget.tail(tail)
+            budget.series_time(own)
             budget.begin()
         # sampled steps: the full statistics give the series; the root's own value also when compiled
         hr.on = m.cfg.headroom is not False and not sampled and not m.disabled
