@@ -67,6 +67,9 @@ def main():
     for v in a.variants.split(","):
         runs[v] = make(dev)
         kw = {"headroom": False} if v == "hroff" else {"every": 1} if v == "every1" else {}
+        if v == "rundir":  # the default with a run directory (one JSON line a step)
+            import tempfile
+            kw = {"run_dir": tempfile.mkdtemp(prefix="ampdoctor-fixed-cost-")}
         watches[v] = ampdoctor.watch(runs[v][0], optimizer=runs[v][1], scaler=runs[v][2], **kw)
     times = {k: [] for k in runs}
     done = 0

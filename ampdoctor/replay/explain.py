@@ -208,8 +208,9 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
                   "fp16), or compute this in fp32 (e.g. `F.normalize(x.float(), dim=-1).to(x.dtype)`)")
         ev = {k: c.get(k) for k in ("value", "rounded", "dtype", "arg", "line", "count", "detail", "reached")}
         ev.update(rank_hint=next(rank) if contributed else 500 + next(rank))
-        found.append(Finding(c["rule"], "error" if contributed else "warning", "forward", c["module"], c["op"], step,
-                             msg, fx, ev))
+        # a healthy step whose guarded values never came near the eps: the guard is latent, not a warning
+        sev = "error" if contributed else "info" if not step_bad and c.get("reached") == 0 else "warning"
+        found.append(Finding(c["rule"], sev, "forward", c["module"], c["op"], step, msg, fx, ev))
     # op events: the origin, the first NaN, the first backward producer
     picked: list[OpEvent] = []
     fwd = any(e.phase == "forward" for e in events)

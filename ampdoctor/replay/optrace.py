@@ -351,20 +351,22 @@ class OpTracer:
             in_nan = any(bool(torch.isnan(t).any()) for t in ins)
             in_inf = any(bool(torch.isinf(t).any()) for t in ins)
         out_nan = sum(int(torch.isnan(t).sum()) for t in bad)
-        if out_nan and not in_nan:
-            kind = "nan_origin"
-        elif not out_nan and not in_nan and not in_inf and const is None:
-            # (an intended ±inf constant, e.g. masked_fill(mask, -inf), makes inf by design; NaN from it, as in
-            # 0 * -inf, is still made here)
+        pole = -1.0 if func._schema.name == "aten::log1p" else 0.0
+        zeros = sum(int((t == pole).sum()) for t in _pole_inputs(func, args, ins)) if _has_pole(func, args) else 0
+        # (an intended ±inf constant, e.g. masked_fill(mask, -inf), makes inf by design; NaN from it, as in
+        # 0 * -inf, is still made here)
+        finite_in = not in_nan and not in_inf and const is None
+        if finite_in and (not out_nan or not zeros and any(bool(torch.isinf(t).any()) for t in bad)):
+            # ±inf from finite inputs; NaN beside it, with no pole hit, is inf - inf in the op's own sums (a
+            # convolution's or a matmul's partial sums past the max): an overflow, not a NaN-making op
             kind = "overflow"
+        elif out_nan and not in_nan:
+            kind = "nan_origin"
         else:
             return
         fin = [t[torch.isfinite(t)] for t in ins]
-        pole = -1.0 if func._schema.name == "aten::log1p" else 0.0
         absmax = max((float(f.abs().max()) for f in fin if f.numel()), default=0.0)
-        self._record(func, kind, bad, ins, in_inf, absmax, before,
-                     in_zeros=sum(int((t == pole).sum()) for t in _pole_inputs(func, args, ins))
-                     if _has_pole(func, args) else 0, args=args, kwargs=kwargs)
+        self._record(func, kind, bad, ins, in_inf, absmax, before, in_zeros=zeros, args=args, kwargs=kwargs)
 
     def _record(self, func, kind: str, bad: list, ins: list, in_inf: bool, absmax: float, before=None,
                 in_zeros: int = 0, args=(), kwargs=None) -> None:

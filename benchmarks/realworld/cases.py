@@ -15,7 +15,7 @@ from .models import SPECS
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 ATTN_OPS = ("aten::bmm", "aten::matmul")
-MODELS = ("nanogpt", "gpt2", "llama", "t5", "bert", "resnet")
+MODELS = ("nanogpt", "gpt2", "llama", "t5", "bert", "resnet", "vit", "unet", "lstm", "vae", "moe", "clip")
 
 
 @dataclass
@@ -101,7 +101,7 @@ def injected_cases() -> list[Case]:
         mod = (lambda size: f"transformer.h.{L(size) - 1}.mlp.c_fc") if m == "nanogpt" else \
             (lambda size, m=m: SPECS[m].spike)
         probe = nanogpt_probe if m == "nanogpt" else None
-        ops = LINEAR_OPS if m != "resnet" else SPECS["resnet"].spike_ops
+        ops = SPECS[m].spike_ops if m in SPECS else LINEAR_OPS
 
         def opts(size, dev, mod=mod, m=m, probe=probe):
             return {"inject": loops.spike(mod(size), 3, probe or hf_probe(m, size))}

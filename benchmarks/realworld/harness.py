@@ -34,6 +34,34 @@ def _bits(x: float) -> bytes:
     return struct.pack("<d", x) if not math.isnan(x) else b"nan"
 
 
+class InputGrads:
+    """Which module calls of the first grad-enabled forward had an input that needs a gradient (a floating tensor
+    with requires_grad) and an output that is not one of their inputs (an Identity passes its input on: no
+    gradient leaves it). The harness's own hooks, registered before the watch's, removed after that forward."""
+
+    def __init__(self):
+        self.needs: dict = {}  # module name -> [bool per call, in call order]
+        self._handles = []
+        self._root = None
+
+    def attach(self, model):
+        self._root = model
+        for name, mod in model.named_modules():
+            self._handles.append(mod.register_forward_hook(
+                lambda m, args, kwargs, out, name=name: self._post(m, name, args, kwargs, out), with_kwargs=True))
+
+    def _post(self, mod, name, args, kwargs, out):
+        if not torch.is_grad_enabled():
+            return
+        ins = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        need = any(t.is_floating_point() and t.requires_grad for t in ins) and not any(out is t for t in ins)
+        self.needs.setdefault(name, []).append(need)
+        if mod is self._root:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+
+
 def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=None):
     """One run. Returns a dict with losses, per-step scales, warnings, the report (watched) and timings."""
     opts = case.options(size, device)
@@ -47,8 +75,12 @@ def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=No
             wfn = None
             if watched:
                 import ampdoctor
-                wfn = lambda m, o, s: ampdoctor.watch(m, optimizer=o, scaler=s, run_dir=run_dir,  # noqa: E731
-                                                      every=every, headroom=case.headroom or None)
+                probe = out["input_grads"] = InputGrads()
+
+                def wfn(m, o, s):
+                    probe.attach(m)
+                    return ampdoctor.watch(m, optimizer=o, scaler=s, run_dir=run_dir, every=every,
+                                           headroom=case.headroom or None)
             losses, w, model = _train(case, size, device, iters, opts, wfn,
                                       lambda it, l, s0, s1: rows.append((l, s0, s1)))
             out.update(losses=losses, model=model, watch=w)
@@ -122,13 +154,20 @@ def healthy_replay(case: Case, size, device, model):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _gin_share(w):
+def _gin_share(w, needs: dict | None = None):
     """Of step 0's module calls with a gradient into their outputs and an input that needs one (a floating
-    input: gin is read where the gradient leaves towards it), the share whose gin was measured."""
+    input: gin is read where the gradient leaves towards it), the share whose gin was measured. `needs`
+    (InputGrads.needs): calls whose inputs needed no gradient (the batch itself, a timestep embedding made from
+    integers) or that pass an input on as their output are left out."""
     if w is None or not len(w.steps) or not w.steps[0].sampled:
         return None
+    needs = needs or {}
+
+    def needed(c):
+        got = needs.get(c.module)
+        return got is None or c.call >= len(got) or got[c.call]
     calls = [c for c in w.steps[0].modules if c.gout is not None and c.inp is not None and c.grad_enabled
-             and c.inp.dtype in ("float16", "bfloat16", "float32")]
+             and c.inp.dtype in ("float16", "bfloat16", "float32") and needed(c)]
     return None if not calls else sum(c.gin is not None for c in calls) / len(calls)
 
 
@@ -167,7 +206,7 @@ def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, 
                run_dir=run_dir if keep_dir else None)
     # the hooks read gradients at all: on step 0 (sampled) of an eager run, modules whose inputs need a gradient
     # have one measured towards those inputs (torch 2.11's short-lived node objects once left every one unread)
-    gin = _gin_share(wa["watch"]) if not case.compiled else None
+    gin = _gin_share(wa["watch"], getattr(wa.get("input_grads"), "needs", None)) if not case.compiled else None
     res["gin_share_step0"] = gin
     if gin is not None and gin < 0.9:
         internal.append(f"input gradients read for {gin:.0%} of step 0's module calls with a gradient")

@@ -190,3 +190,24 @@ SPECS = {
                         spike_ops=("aten::convolution", "aten::conv2d", "aten::_convolution",
                                    "aten::mkldnn_convolution", "aten::cudnn_convolution"), lr=1e-3),
 }
+
+# the architectures of zoo.py (ViT, diffusion UNet, LSTM LM, VAE, mixture of experts, CLIP-style)
+from . import zoo  # noqa: E402
+
+_CONV = ("aten::convolution", "aten::conv2d", "aten::_convolution", "aten::mkldnn_convolution",
+         "aten::cudnn_convolution", "aten::conv_transpose2d", "aten::slow_conv_transpose2d",
+         "aten::cudnn_convolution_transpose", "aten::convolution_overrideable")
+
+
+def _mse(out, target):
+    return F.mse_loss(out.float(), target)
+
+
+SPECS.update({
+    "vit": ModelSpec("vit", zoo.vit, zoo.vit_batch, _img_loss, "blocks.1.mlp.0", lr=1e-3),
+    "unet": ModelSpec("unet", zoo.unet, zoo.unet_batch, _mse, "down2.conv1", spike_ops=_CONV, lr=2e-4),
+    "lstm": ModelSpec("lstm", zoo.lstm, zoo.lstm_batch, zoo.lm_loss, "proj", lr=1e-3),
+    "vae": ModelSpec("vae", zoo.vae, zoo.vae_batch, zoo.own_loss, "dec.0", spike_ops=_CONV, lr=1e-3),
+    "moe": ModelSpec("moe", zoo.moe, zoo.moe_batch, zoo.own_loss, "blocks.1.moe.experts.0.0", lr=1e-3),
+    "clip": ModelSpec("clip", zoo.clip, zoo.clip_batch, zoo.own_loss, "text_proj", lr=5e-4),
+})
