@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
+from cpucaps import need_lstm_under_autocast
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scenarios import gen, one_thread  # noqa: E402
@@ -475,6 +476,7 @@ class LSTMLM(nn.Module):
 
 
 def test_lstm_language_model_bf16_truncated_bptt_clip_0_25():
+    need_lstm_under_autocast(torch.bfloat16)
     torch.manual_seed(0)
     m = LSTMLM()
     data = progressions(seed=6)

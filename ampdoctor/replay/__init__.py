@@ -136,15 +136,17 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         try:
             m32 = shadow_mod.fp32_model(m)
             ref, ref_finite, _ = shadow_mod.run_dtype(m32, args, kwargs, device=devtype, dtype=None, rng=cap.rng,
-                                                      loss_fn=loss_fn, cast_inputs=torch.float32, dropout=False)
+                                                      loss_fn=loss_fn, cast_inputs=torch.float32, dropout=False,
+                                                      selections=do_shadow)
         except RuntimeError as e:
             note = (note + "; " if note else "") + f"fp32 shadow failed: {_first_line(e)}"
             ref = None
     if ref is not None and do_shadow and not forward_error:
         lo, _, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn,
-                                        scale=scale, dropout=False)
+                                        scale=scale, dropout=False, selections=True)
         rows = shadow_mod.module_errors(lo, ref)
-        suspects = [] if step_bad else shadow_mod.precision_suspects(rows)
+        suspects = [] if step_bad else shadow_mod.precision_suspects(
+            rows, chose=shadow_mod.chose_differently(lo, ref))
     if ref is not None and do_whatif:
         say("replay: dtype what-if (fp16, bf16" + (", tf32)" if devtype == "cuda" else ")"))
         table = shadow_mod.whatif(m32, args, kwargs, device=devtype, rng=cap.rng, loss_fn=loss_fn, ref=ref,

@@ -20,12 +20,13 @@ import statistics
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..tensors import flatten_tensors
 from . import modelio
 
-__all__ = ["NoDropout", "Recorder", "fp32_model", "rel_err", "run_dtype", "precision_suspects", "whatif",
-           "floats"]
+__all__ = ["NoDropout", "Recorder", "Selections", "fp32_model", "rel_err", "run_dtype", "precision_suspects",
+           "chose_differently", "whatif", "floats"]
 
 
 def floats(tree) -> list[torch.Tensor]:
@@ -63,10 +64,36 @@ class NoDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class Recorder:
-    """Forward hooks on every module: inputs and outputs per (module, call). Removed on exit."""
+# value-ranking ops: their index outputs are discrete choices (an MoE router's top-k, a hard argmax)
+_SELECT_OPS = frozenset({"aten::topk", "aten::sort", "aten::argsort", "aten::argmax", "aten::argmin", "aten::max",
+                         "aten::min", "aten::kthvalue", "aten::median", "aten::nanmedian", "aten::mode"})
 
-    def __init__(self, model: torch.nn.Module, keep_inputs: bool = True):
+
+class Selections(TorchDispatchMode):
+    """The index outputs of value-ranking ops, in order, each with the modules whose forward was running (`stack`,
+    kept by the Recorder). A low-precision run whose choices differ from the fp32 run's took another branch there:
+    the error of those modules is that choice's (a token routed to another expert), not rounding's."""
+
+    def __init__(self, stack: list):
+        super().__init__()
+        self.stack = stack
+        self.log: list[tuple[tuple, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name in _SELECT_OPS:
+            idx = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
+                   and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
+            if idx:
+                self.log.append((tuple(self.stack), idx[-1].detach().clone()))
+        return out
+
+
+class Recorder:
+    """Forward hooks on every module: inputs and outputs per (module, call). Removed on exit. `selections`: also
+    log the choices of value-ranking ops (Selections), for `chose_differently`."""
+
+    def __init__(self, model: torch.nn.Module, keep_inputs: bool = True, selections: bool = False):
         self.names = {m: n for n, m in model.named_modules()}
         self.keep_inputs = keep_inputs
         self.outs: dict[tuple[str, int], list[torch.Tensor]] = {}
@@ -74,9 +101,16 @@ class Recorder:
         self.order: list[tuple[str, int]] = []
         self._calls: dict[str, int] = {}
         self._handles: list = []
+        self._stack: list[str] = []
+        self.selections = Selections(self._stack) if selections else None
+
+    def _pre(self, mod, args, kwargs):
+        self._stack.append(self.names[mod])
 
     def _hook(self, mod, args, kwargs, out):
         name = self.names[mod]
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
         c = self._calls.get(name, 0)
         self._calls[name] = c + 1
         key = (name, c)
@@ -87,13 +121,20 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         for m in self.names:
+            if self.selections is not None:
+                self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+        if self.selections is not None:
+            self.selections.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.selections is not None:
+            self.selections.__exit__(*exc)
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._stack.clear()
 
     def overflow_modules(self) -> list[str]:
         """Modules (innermost first in call order) whose outputs hold inf/NaN while their inputs are finite."""
@@ -132,15 +173,16 @@ def fp32_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def run_dtype(model, args, kwargs, *, device, dtype, rng, loss_fn, scale=None, tf32=False, cast_inputs=None,
-              dropout: bool = True):
+              dropout: bool = True, selections: bool = False):
     """Run one step under `dtype` autocast (None = fp32) with a Recorder. Returns (recorder, finite, loss).
-    `dropout=False` runs it under `NoDropout` (for comparisons between dtypes)."""
+    `dropout=False` runs it under `NoDropout` (for comparisons between dtypes); `selections`: the recorder logs
+    the choices of value-ranking ops (see chose_differently)."""
     old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     try:
         if cast_inputs is not None:
             args, kwargs = modelio.to_device((args, kwargs), device, cast_inputs)
-        with Recorder(model) as rec, (contextlib.nullcontext() if dropout else NoDropout()):
+        with Recorder(model, selections=selections) as rec, (contextlib.nullcontext() if dropout else NoDropout()):
             out, loss, grads = modelio.run_step(model, args, kwargs, device=device, dtype=dtype, rng=rng,
                                                 loss_fn=loss_fn, scale=scale)
     finally:
@@ -163,13 +205,26 @@ def module_errors(lo: Recorder, hi: Recorder) -> list[dict]:
     return rows
 
 
+def chose_differently(lo: Recorder, hi: Recorder) -> set[str]:
+    """The modules in whose forward a value-ranking op of the low-precision run picked other indices than the fp32
+    run's (both recorded with `selections`): every module on the stack at that op, its ancestors included."""
+    if lo.selections is None or hi.selections is None:
+        return set()
+    out: set[str] = set()
+    for (where, a), (where_hi, b) in zip(lo.selections.log, hi.selections.log):
+        if where == where_hi and (a.shape != b.shape or not torch.equal(a, b)):
+            out.update(where)
+    return out
+
+
 def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e-2,
-                       strong: float = 0.1) -> list[dict]:
+                       strong: float = 0.1, chose: set | frozenset = frozenset()) -> list[dict]:
     """Rows whose error is > floor, > factor × the error of their inputs, and whose *own* contribution
     (rel_err − in_rel_err) is > factor × the median contribution — or which turn accurate inputs into an error
     of `strong` (10%) or more, however many modules downstream inherit it (then the median is large too).
     Downstream modules that only inherit an error are not blamed. When a module and one of its ancestors both
-    qualify, the innermost is kept."""
+    qualify, the innermost is kept. Modules in `chose` (chose_differently: a top-k or argmax in them picked
+    otherwise in low precision) are not suspects: their error is a discrete choice's, not lost precision."""
     fin = [r for r in rows if math.isfinite(r["rel_err"]) and math.isfinite(r["in_rel_err"] or 0.0)]
     if len(fin) < 3:
         return []
@@ -177,7 +232,7 @@ def precision_suspects(rows: list[dict], factor: float = 10.0, floor: float = 1e
     own = {id(r): max(r["rel_err"] - (r["in_rel_err"] or 0.0), 0.0) for r in fin}
     med = statistics.median(own.values())
     hits = [r for r in fin if r["rel_err"] > floor and r["rel_err"] > factor * (r["in_rel_err"] or 0.0)
-            and (own[id(r)] > factor * max(med, 1e-12) or r["rel_err"] >= strong)]
+            and (own[id(r)] > factor * max(med, 1e-12) or r["rel_err"] >= strong) and r["module"] not in chose]
     names = {r["module"] for r in hits}
     return [dict(r, median=med) for r in hits
             if not any(o != r["module"] and (r["module"] == "" or o.startswith(r["module"] + ".")) for o in names)]

@@ -183,6 +183,17 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                        "instead), compute it in fp32, or train in bf16.")
             what = ("values below 2^-24 are flushed to zero and learning stalls" if phase == "backward"
                     else "they lose precision or vanish")
+            half_in_bf16 = s.dtype == "float16" and (c.autocast or "").endswith("bfloat16")
+            if half_in_bf16:
+                # (PyTorch's autocast runs cuDNN RNNs in float16 whatever its dtype: a bf16 run's nn.LSTM/GRU is
+                # fp16, with no GradScaler behind it)
+                rnn = any(k in c.type for k in ("LSTM", "GRU", "RNN"))
+                what += (f". `{c.module}` computes in float16 although autocast asks for bfloat16: "
+                         + ("PyTorch's autocast runs cuDNN RNNs (nn.LSTM, nn.GRU, nn.RNN) in float16 whatever its "
+                            "dtype" if rnn else "something in it casts to float16 (`.half()`, float16 weights)")
+                         + (", and no GradScaler scales its gradients" if not run.has_scaler else ""))
+                fix = ("Run it outside autocast in fp32 (bf16 elsewhere stays as it is), or scale the loss with a "
+                       "GradScaler as for fp16 training:\n" + fp32_snippet(c.module, autocast_device(run)))
             if cleared is not None:
                 what += f" (at step {r.step}; from step {cleared} on they are clear of it: transient)"
                 fix = (f"Nothing to do: from step {cleared} on, the outputs of `{c.module}` are clear of fp16's "

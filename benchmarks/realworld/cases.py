@@ -60,6 +60,7 @@ class Case:
     note: str = ""
     needs_bad_step: bool = False                 # N/A (not FAIL) when the unwatched run never went bad
     headroom: bool = False                       # watch with always-on headroom (WatchConfig.headroom)
+    devices: tuple = ("cpu", "cuda")             # where the case means something
 
 
 def nanogpt_probe(model):
@@ -155,6 +156,13 @@ def injected_cases() -> list[Case]:
                       expect=lambda gt, info: [[Expect(("headroom_trend",), info["module"], None,
                                                        None if gt["first_bad"] is None
                                                        else tuple(range(0, gt["first_bad"] - 9)))]]))
+    # (h) bf16 autocast on CUDA runs the cuDNN LSTM in float16, with no GradScaler: its gradients underflow
+    def rnn_autocast(it, model, opt):
+        model.rnn_autocast = True
+    cases.append(Case("lstm/bf16-rnn", "lstm", "bfloat16", kind="injected", devices=("cuda",),
+                      options=lambda size, dev: {"inject": rnn_autocast},
+                      expect=lambda gt, info: [[Expect(("underflow",), "lstm", None, None)]],
+                      note="CUDA only: autocast's cuDNN RNN wrapper casts to float16"))
     return cases
 
 

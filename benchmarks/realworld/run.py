@@ -26,9 +26,11 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.realworld` im
     sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _select(cases, wanted, dtypes, kinds, compiled="both"):
+def _select(cases, wanted, dtypes, kinds, compiled="both", device=None):
     out = []
     for c in cases:
+        if device is not None and device not in c.devices:
+            continue
         if compiled != "both" and c.compiled != (compiled == "yes"):
             continue
         if dtypes and c.dtype not in dtypes:
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
 
     comp = () if a.no_compile or a.compile == "none" else (C.MODELS if a.compile == "all" else
                                                           tuple(x for x in a.compile.split(",") if x))
-    sel = _select(C.all_cases(comp), a.cases, a.dtype, a.kind, a.compiled)
+    sel = _select(C.all_cases(comp), a.cases, a.dtype, a.kind, a.compiled, a.device)
     # eager healthy first, then the injected failures, compiled runs last (the slow ones)
     sel.sort(key=lambda c: (c.compiled, c.kind != "healthy"))
     if a.max_iters:

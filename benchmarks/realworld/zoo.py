@@ -166,14 +166,19 @@ class LSTMLM(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.proj = nn.Linear(d, d)
         self.head = nn.Linear(d, V)
+        self.rnn_autocast = False  # (the case lstm/bf16-rnn sets it)
 
     def forward(self, ids):
         x = self.drop(self.emb(ids))
-        if x.device.type == "cpu":  # oneDNN has no fp16/bf16 LSTM under CPU autocast: fp32 there, as CPU users run it
-            with torch.autocast("cpu", enabled=False):
-                h, _ = self.lstm(x.float())
-        else:  # cuDNN's fp16/bf16 LSTM under CUDA autocast
+        # CUDA autocast runs cuDNN RNNs in float16 whatever its dtype: under bf16 the LSTM runs in fp32 instead, as
+        # a user who knows does (`rnn_autocast` leaves it to autocast); oneDNN has no fp16/bf16 LSTM under CPU
+        # autocast: fp32 there
+        bf16 = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        if x.device.type == "cuda" and (self.rnn_autocast or not bf16):
             h, _ = self.lstm(x)
+        else:
+            with torch.autocast(x.device.type, enabled=False):
+                h, _ = self.lstm(x.float())
         return self.head(self.drop(F.gelu(self.proj(self.norm(h)))))
 
 
