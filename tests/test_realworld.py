@@ -44,7 +44,7 @@ HEALTHY = [("nanogpt/healthy", "float16"), ("nanogpt/healthy", "bfloat16"), ("gp
            ("resnet/healthy", "float16"), ("resnet/healthy", "bfloat16")]
 # the architectures of benchmarks/realworld/zoo.py; CLIP's replay warned eps_underflow for F.normalize's 1e-12 (0 in
 # fp16 under CPU autocast) on a healthy batch whose norms are nowhere near it
-HEALTHY += [(f"{m}/healthy", dt) for m in ("vit", "unet", "lstm", "vae", "moe", "clip")
+HEALTHY += [(f"{m}/healthy", dt) for m in ("vit", "unet", "lstm", "vae", "moe", "clip", "convnext", "wav2vec", "gcn")
             for dt in ("float16", "bfloat16")]
 
 
@@ -65,7 +65,8 @@ def _missing(r):
 # replay called it nan_origin, not the overflow it is
 @pytest.mark.parametrize("name", ["gpt2/spike@3", "nanogpt/neg-inf@3", "nanogpt/attn-noscale", "nanogpt/lr=10",
                                   "gpt2/backoff+spike,no-ckpt", "vit/spike@3", "unet/spike@3", "lstm/spike@3",
-                                  "vae/spike@3", "moe/spike@3", "clip/spike@3"])
+                                  "vae/spike@3", "moe/spike@3", "clip/spike@3", "convnext/spike@3",
+                                  "wav2vec/spike@3", "gcn/spike@3"])
 def test_injected_failure_named(name):
     r = _run(name, "float16", quick=not name.startswith("gpt2/backoff"))
     _unchanged(r)

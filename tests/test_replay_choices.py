@@ -107,3 +107,39 @@ def test_rounded_positions_are_still_precision_loss(tmp_path):
     pl = [f for f in rep.findings if f.rule == "precision_loss"]
     assert pl and pl[0].module == "pos", [(f.rule, f.module, f.message) for f in rep.findings]
     assert math.isfinite(pl[0].evidence["rel_err"])
+
+
+class PosShift(nn.Module):
+    """A stable-softmax-style shift by the row maximum of large positions: fp16 rounds the positions to multiples of
+    16, so several are the maximum at once (a tie, another index than fp32's) and the shifted values are rounding
+    noise. The error is rounding's, in a module that also takes a max."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.freq = nn.Linear(1, d, bias=False)
+
+    def forward(self, pos):
+        h = self.freq(pos)
+        return torch.sin(h - h.max(-1, keepdim=True).values)
+
+
+class ShiftedPositions(Positions):
+    def __init__(self, d=64):
+        super().__init__(d)
+        self.pos = PosShift(d)
+
+
+def test_a_tie_in_a_max_is_no_choice_and_the_rounding_is_still_named(tmp_path):
+    torch.manual_seed(0)
+    model = ShiftedPositions().train()
+    with torch.no_grad():
+        model.pos.freq.weight.copy_(10.0 + 1e-4 * torch.arange(64, dtype=torch.float32)[:, None])
+    x = torch.randn(64, 64)
+    pos = torch.arange(2000, 2064, dtype=torch.float32)[:, None]
+    with torch.no_grad():  # the case holds: fp16's row maxima tie, and pick another index than fp32's
+        h16 = model.pos.freq(pos).half()
+        assert (h16 == h16.max(-1, keepdim=True).values).sum(-1).max() > 1
+        assert not torch.equal(h16.float().argmax(-1), model.pos.freq(pos).argmax(-1))
+    rep = _replay(tmp_path, model, x, pos)
+    pl = [f for f in rep.findings if f.rule == "precision_loss"]
+    assert pl and pl[0].module == "pos", [(f.rule, f.module, f.message) for f in rep.findings]

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import math
 import statistics
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,17 @@ _SELECT_OPS = frozenset({"aten::topk", "aten::sort", "aten::argsort", "aten::arg
                          "aten::min", "aten::kthvalue", "aten::median", "aten::nanmedian", "aten::mode"})
 
 
+_TIE_NUMEL = 1 << 20  # inputs kept for the tie check up to this size (a router's logits); larger: any change counts
+
+
+class Selection(NamedTuple):
+    where: tuple               # the modules whose forward was running, outermost first
+    idx: torch.Tensor          # the indices chosen
+    inp: torch.Tensor | None   # the values chosen from (kept up to _TIE_NUMEL), for the tie check
+    dim: int | None            # along which (None: the flattened input, as argmax without dim)
+    keepdim: bool
+
+
 class Selections(TorchDispatchMode):
     """The index outputs of value-ranking ops, in order, each with the modules whose forward was running (`stack`,
     kept by the Recorder). A low-precision run whose choices differ from the fp32 run's took another branch there:
@@ -77,16 +89,43 @@ class Selections(TorchDispatchMode):
     def __init__(self, stack: list):
         super().__init__()
         self.stack = stack
-        self.log: list[tuple[tuple, torch.Tensor]] = []
+        self.log: list[Selection] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func._schema.name in _SELECT_OPS:
             idx = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
                    and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
-            if idx:
-                self.log.append((tuple(self.stack), idx[-1].detach().clone()))
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if idx and x is not None:
+                named = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+                         for i, a in enumerate(func._schema.arguments)}
+                dim = named.get("dim", -1)
+                self.log.append(Selection(tuple(self.stack), idx[-1].detach().clone(),
+                                          x.detach().clone() if x.numel() <= _TIE_NUMEL else None,
+                                          dim if isinstance(dim, int) else None, bool(named.get("keepdim"))))
         return out
+
+
+def _ties_only(lo: Selection, hi: Selection) -> bool:
+    """The fp32 run's indices pick, from the low-precision run's own values, the same values as its own indices did:
+    the two runs differ by a tie (equal values, e.g. two maxima that fp16 rounds together), not by a choice."""
+    x = lo.inp
+    if x is None or lo.idx.shape != hi.idx.shape or x.dim() == 0:
+        return False
+    a, b = lo.idx.long(), hi.idx.long()
+    if lo.dim is None:
+        x, a, b, d = x.reshape(-1), a.reshape(-1), b.reshape(-1), 0
+    else:
+        d = lo.dim % x.dim()
+        if a.dim() < x.dim():  # a reduction without keepdim dropped the dimension
+            a, b = a.unsqueeze(d), b.unsqueeze(d)
+    try:
+        va, vb = x.gather(d, a), x.gather(d, b)
+    except RuntimeError:
+        return False
+    return torch.equal(va.sort(d).values, vb.sort(d).values)
 
 
 class Recorder:
@@ -207,13 +246,16 @@ def module_errors(lo: Recorder, hi: Recorder) -> list[dict]:
 
 def chose_differently(lo: Recorder, hi: Recorder) -> set[str]:
     """The modules in whose forward a value-ranking op of the low-precision run picked other indices than the fp32
-    run's (both recorded with `selections`): every module on the stack at that op, its ancestors included."""
+    run's (both recorded with `selections`): every module on the stack at that op, its ancestors included. A
+    difference that only swaps equal values (ties: `x.max(-1)` of a stable softmax whose maxima fp16 rounds
+    together) is no choice."""
     if lo.selections is None or hi.selections is None:
         return set()
     out: set[str] = set()
-    for (where, a), (where_hi, b) in zip(lo.selections.log, hi.selections.log):
-        if where == where_hi and (a.shape != b.shape or not torch.equal(a, b)):
-            out.update(where)
+    for a, b in zip(lo.selections.log, hi.selections.log):
+        if a.where == b.where and (a.idx.shape != b.idx.shape or not torch.equal(a.idx, b.idx)) \
+                and not _ties_only(a, b):
+            out.update(a.where)
     return out
 
 

@@ -15,7 +15,8 @@ from .models import SPECS
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 ATTN_OPS = ("aten::bmm", "aten::matmul")
-MODELS = ("nanogpt", "gpt2", "llama", "t5", "bert", "resnet", "vit", "unet", "lstm", "vae", "moe", "clip")
+MODELS = ("nanogpt", "gpt2", "llama", "t5", "bert", "resnet", "vit", "unet", "lstm", "vae", "moe", "clip", "convnext",
+          "wav2vec", "gcn")
 
 
 @dataclass

@@ -191,7 +191,8 @@ SPECS = {
                                    "aten::mkldnn_convolution", "aten::cudnn_convolution"), lr=1e-3),
 }
 
-# the architectures of zoo.py (ViT, diffusion UNet, LSTM LM, VAE, mixture of experts, CLIP-style)
+# the architectures of zoo.py (ViT, diffusion UNet, LSTM LM, VAE, mixture of experts, CLIP-style, ConvNeXt, wav2vec2-style
+# CTC, GCN)
 from . import zoo  # noqa: E402
 
 _CONV = ("aten::convolution", "aten::conv2d", "aten::_convolution", "aten::mkldnn_convolution",
@@ -210,4 +211,7 @@ SPECS.update({
     "vae": ModelSpec("vae", zoo.vae, zoo.vae_batch, zoo.own_loss, "dec.0", spike_ops=_CONV, lr=1e-3),
     "moe": ModelSpec("moe", zoo.moe, zoo.moe_batch, zoo.own_loss, "blocks.1.moe.experts.0.0", lr=1e-3),
     "clip": ModelSpec("clip", zoo.clip, zoo.clip_batch, zoo.own_loss, "text_proj", lr=5e-4),
+    "convnext": ModelSpec("convnext", zoo.convnext, zoo.convnext_batch, _img_loss, "stages.1.2.pwconv1", lr=1e-3),
+    "wav2vec": ModelSpec("wav2vec", zoo.wav2vec, zoo.wav2vec_batch, zoo.own_loss, "projection", lr=5e-4),
+    "gcn": ModelSpec("gcn", zoo.gcn, zoo.gcn_batch, zoo.own_loss, "convs.0.lin", lr=1e-2),
 })

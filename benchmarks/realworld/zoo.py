@@ -1,8 +1,10 @@
 """More architectures for the corpus, written here the way their usual open-source implementations write them:
 a ViT (patch conv, nn.MultiheadAttention), a diffusion UNet (sinusoidal timesteps, GroupNorm, an attention block,
 noise-prediction loss), an LSTM language model, a convolutional VAE (ConvTranspose decoder, KL with exp(logvar)),
-a top-2 mixture-of-experts LM (fp32 router softmax, index_add_ dispatch, load-balancing loss) and a CLIP-style
-two-tower model (exp(logit_scale) times cosine similarities). Each comes with a batch maker (global RNG) and a
+a top-2 mixture-of-experts LM (fp32 router softmax, index_add_ dispatch, load-balancing loss), a CLIP-style
+two-tower model (exp(logit_scale) times cosine similarities), a ConvNeXt (depthwise convs, channels-last LayerNorm,
+layer scale 1e-6), a wav2vec2-style CTC speech model (GroupNorm conv features, weight-normed positional conv, key
+padding) and a graph convolution network (index_add_ message passing). Each comes with a batch maker (global RNG) and a
 loss; models.py turns them into ModelSpecs. Sizes: "tiny" for the CPU tests, "small" for the GPU corpus."""
 from __future__ import annotations
 
@@ -346,3 +348,164 @@ def clip_batch(size, device):
     ids = torch.randint(0, s["V"], (s["B"], s["T"]), device=device)
     img = torch.randn(s["B"], 3, s["hw"], s["hw"], device=device) + (ids[:, :1].float() / s["V"]).view(-1, 1, 1, 1)
     return (img, ids), {}, None
+
+
+# -- ConvNeXt ------------------------------------------------------------------------------------------------------
+
+_CNX = {"tiny": dict(dims=(16, 32), depths=(1, 1), hw=32, B=8), "small": dict(dims=(64, 128, 256), depths=(2, 2, 2),
+                                                                              hw=64, B=64)}
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor (ConvNeXt's channels_first LayerNorm)."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, d, layer_scale=1e-6):
+        super().__init__()
+        self.dwconv = nn.Conv2d(d, d, 7, padding=3, groups=d)
+        self.norm = nn.LayerNorm(d, eps=1e-6)
+        self.pwconv1 = nn.Linear(d, 4 * d)
+        self.pwconv2 = nn.Linear(4 * d, d)
+        self.gamma = nn.Parameter(layer_scale * torch.ones(d))
+
+    def forward(self, x):
+        h = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(h)))
+        return x + h.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, dims, depths, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, dims[0], 4, 4), LayerNorm2d(dims[0], eps=1e-6))
+        stages = []
+        for i, (d, n) in enumerate(zip(dims, depths)):
+            down = [] if i == 0 else [LayerNorm2d(dims[i - 1], eps=1e-6), nn.Conv2d(dims[i - 1], d, 2, 2)]
+            stages.append(nn.Sequential(*down, *[ConvNeXtBlock(d) for _ in range(n)]))
+        self.stages = nn.ModuleList(stages)
+        self.norm = nn.LayerNorm(dims[-1], eps=1e-6)
+        self.head = nn.Linear(dims[-1], classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for s in self.stages:
+            x = s(x)
+        return self.head(self.norm(x.mean((-2, -1))))
+
+
+def convnext(size):
+    s = _CNX[size]
+    return ConvNeXt(s["dims"], s["depths"])
+
+
+def convnext_batch(size, device):
+    s = _CNX[size]
+    y = torch.randint(0, 10, (s["B"],), device=device)
+    x = torch.randn(s["B"], 3, s["hw"], s["hw"], device=device) + y.view(-1, 1, 1, 1).float() / 10
+    return (x,), {}, y
+
+
+# -- wav2vec2-style CTC speech model -------------------------------------------------------------------------------
+
+_W2V = {"tiny": dict(C=16, d=32, L=1, V=12, samples=1600, B=4), "small": dict(C=256, d=256, L=4, V=32, samples=16000,
+                                                                              B=16)}
+
+
+class Wav2Vec(nn.Module):
+    """Conv feature extractor (GroupNorm on the first layer), feature projection, a weight-normed grouped
+    positional convolution, a Transformer encoder with key padding, a CTC head (log_softmax and ctc_loss in fp32)."""
+
+    def __init__(self, C, d, L, V):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv1d(1, C, 10, 5, bias=False), nn.GroupNorm(C, C), nn.GELU(),
+                                      nn.Conv1d(C, C, 3, 2, bias=False), nn.GELU(),
+                                      nn.Conv1d(C, C, 3, 2, bias=False), nn.GELU())
+        self.proj_norm = nn.LayerNorm(C)
+        self.projection = nn.Linear(C, d)
+        self.pos_conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(d, d, 16, padding=8, groups=4), dim=2)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.1, batch_first=True,
+                                                                        activation="gelu"), L,
+                                             enable_nested_tensor=False)
+        self.head = nn.Linear(d, V)
+
+    def forward(self, wav, wav_lens, labels, label_lens):
+        h = self.projection(self.proj_norm(self.features(wav).transpose(1, 2)))
+        h = h + F.gelu(self.pos_conv(h.transpose(1, 2))[..., :-1]).transpose(1, 2)
+        T = h.shape[1]
+        frames = (wav_lens * T) // wav.shape[-1]
+        pad = torch.arange(T, device=h.device)[None] >= frames[:, None]
+        h = self.encoder(h, src_key_padding_mask=pad)
+        logp = F.log_softmax(self.head(h).float(), dim=-1).transpose(0, 1)
+        return F.ctc_loss(logp, labels, frames, label_lens, blank=0, zero_infinity=True)
+
+
+def wav2vec(size):
+    s = _W2V[size]
+    return Wav2Vec(s["C"], s["d"], s["L"], s["V"])
+
+
+def wav2vec_batch(size, device):
+    s = _W2V[size]
+    B, n = s["B"], s["samples"]
+    wav = torch.randn(B, 1, n, device=device) * 0.1
+    lens = torch.randint(n // 2, n + 1, (B,), device=device)
+    lens[0] = n
+    wav = wav * (torch.arange(n, device=device)[None, None] < lens[:, None, None])
+    label_lens = torch.randint(2, 8, (B,), device=device)
+    labels = torch.randint(1, s["V"], (B, 8), device=device)
+    return (wav, lens, labels, label_lens), {}, None
+
+
+# -- graph convolution network -------------------------------------------------------------------------------------
+
+_GNN = {"tiny": dict(N=64, E=256, f=16, d=32, L=2, B=1), "small": dict(N=20000, E=200000, f=128, d=256, L=3, B=1)}
+
+
+class GCNLayer(nn.Module):
+    """Symmetric-normalised message passing: out_i = sum_j x_j W / sqrt(deg_i deg_j), summed with index_add_."""
+
+    def __init__(self, fin, fout):
+        super().__init__()
+        self.lin = nn.Linear(fin, fout)
+
+    def forward(self, x, src, dst, norm):
+        msg = self.lin(x)[src] * norm[:, None]  # (an fp16 message times the fp32 norm: fp32, as PyG's gcn_norm)
+        return torch.zeros(x.shape[0], msg.shape[1], dtype=msg.dtype, device=x.device).index_add_(0, dst, msg)
+
+
+class GCN(nn.Module):
+    def __init__(self, f, d, L, classes=8):
+        super().__init__()
+        dims = [f] + [d] * (L - 1)
+        self.convs = nn.ModuleList(GCNLayer(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L - 1))
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x, src, dst, y):
+        n = x.shape[0]
+        deg = torch.zeros(n, device=x.device).index_add_(0, dst, torch.ones_like(dst, dtype=torch.float32)) + 1
+        loops = torch.arange(n, device=x.device)
+        src, dst = torch.cat([src, loops]), torch.cat([dst, loops])
+        norm = (deg[src] * deg[dst]).rsqrt()
+        for conv, ln in zip(self.convs, self.norms):
+            x = self.drop(F.relu(ln(conv(x, src, dst, norm))))
+        return F.cross_entropy(self.head(x).float(), y)
+
+
+def gcn(size):
+    s = _GNN[size]
+    return GCN(s["f"], s["d"], s["L"])
+
+
+def gcn_batch(size, device):
+    s = _GNN[size]
+    y = torch.randint(0, 8, (s["N"],), device=device)
+    x = torch.randn(s["N"], s["f"], device=device) + F.one_hot(y, s["f"]).float()
+    src = torch.randint(0, s["N"], (s["E"],), device=device)
+    dst = torch.randint(0, s["N"], (s["E"],), device=device)
+    return (x, src, dst, y), {}, None
