@@ -68,15 +68,20 @@ class NoDropout(TorchFunctionMode):
 # value-ranking ops: their index outputs are discrete choices (an MoE router's top-k, a hard argmax)
 _SELECT_OPS = frozenset({"aten::topk", "aten::sort", "aten::argsort", "aten::argmax", "aten::argmin", "aten::max",
                          "aten::min", "aten::kthvalue", "aten::median", "aten::nanmedian", "aten::mode"})
+# of those, the ones mostly used for their values (`x - x.max(-1, keepdim=True).values`, a median): there a tie, equal
+# values taken at another index, changes nothing. topk/sort/argmax are used for their indices (routing, gathering):
+# there a tie broken another way is a choice like any other (an MoE router whose fp16 probabilities tie)
+_VALUE_OPS = frozenset({"aten::max", "aten::min", "aten::kthvalue", "aten::median", "aten::nanmedian", "aten::mode"})
 
 
 _TIE_NUMEL = 1 << 20  # inputs kept for the tie check up to this size (a router's logits); larger: any change counts
 
 
 class Selection(NamedTuple):
+    op: str                    # the op's schema name
     where: tuple               # the modules whose forward was running, outermost first
     idx: torch.Tensor          # the indices chosen
-    inp: torch.Tensor | None   # the values chosen from (kept up to _TIE_NUMEL), for the tie check
+    inp: torch.Tensor | None   # the values chosen from (kept up to _TIE_NUMEL, for _VALUE_OPS), for the tie check
     dim: int | None            # along which (None: the flattened input, as argmax without dim)
     keepdim: bool
 
@@ -102,15 +107,17 @@ class Selections(TorchDispatchMode):
                 named = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
                          for i, a in enumerate(func._schema.arguments)}
                 dim = named.get("dim", -1)
-                self.log.append(Selection(tuple(self.stack), idx[-1].detach().clone(),
-                                          x.detach().clone() if x.numel() <= _TIE_NUMEL else None,
+                op = func._schema.name
+                self.log.append(Selection(op, tuple(self.stack), idx[-1].detach().clone(),
+                                          x.detach().clone() if op in _VALUE_OPS and x.numel() <= _TIE_NUMEL else None,
                                           dim if isinstance(dim, int) else None, bool(named.get("keepdim"))))
         return out
 
 
 def _ties_only(lo: Selection, hi: Selection) -> bool:
-    """The fp32 run's indices pick, from the low-precision run's own values, the same values as its own indices did:
-    the two runs differ by a tie (equal values, e.g. two maxima that fp16 rounds together), not by a choice."""
+    """For a value op (_VALUE_OPS): the fp32 run's indices pick, from the low-precision run's own values, the same
+    values as its own indices did: the two runs differ by a tie (two maxima that fp16 rounds together), not by a
+    choice."""
     x = lo.inp
     if x is None or lo.idx.shape != hi.idx.shape or x.dim() == 0:
         return False
@@ -247,8 +254,8 @@ def module_errors(lo: Recorder, hi: Recorder) -> list[dict]:
 def chose_differently(lo: Recorder, hi: Recorder) -> set[str]:
     """The modules in whose forward a value-ranking op of the low-precision run picked other indices than the fp32
     run's (both recorded with `selections`): every module on the stack at that op, its ancestors included. A
-    difference that only swaps equal values (ties: `x.max(-1)` of a stable softmax whose maxima fp16 rounds
-    together) is no choice."""
+    difference that only swaps equal values in a max/min/median (ties: `x.max(-1)` of a stable softmax whose maxima
+    fp16 rounds together) is no choice."""
     if lo.selections is None or hi.selections is None:
         return set()
     out: set[str] = set()
