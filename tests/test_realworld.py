@@ -5,6 +5,7 @@ report and the replay of a healthy batch (train mode, dropout on) carry no warni
 failures: the right rule, module, op and step among the first three findings. Expectations that today's
 ampdoctor misses are `xfail(strict=True)` with the open issue named, so a fix shows up as XPASS.
 """
+import dataclasses
 import functools
 
 import pytest
@@ -88,3 +89,18 @@ def test_growing_layer_warned_early():
     _unchanged(r)
     assert r["gt"]["first_bad"] is not None
     assert not _missing(r), (r["expected"], r["top3"])
+
+
+def test_a_search_cut_short_by_a_broken_forward_stays_the_search():
+    """vae/spike@3 over 30 steps (the H200 corpus's length): GradScaler's first search (steps 0-2, the VAE's summed
+    BCE gradients overflow the decoder's backward at 65536) runs into the spike's forward overflow at step 3, which
+    lasts to the end: one streak of 30 skips. Its length was judged whole, so the search's backward overflow at
+    `dec.3`, step 0, was an error ranked first; the search is the 3 steps before the forward broke."""
+    case = next(c for c in C.all_cases(()) if c.name == "vae/spike@3" and c.dtype == "float16")
+    case = dataclasses.replace(case, iters={"tiny": 30, "small": 30})
+    r = harness.run_case(case, "tiny", "cpu")
+    _unchanged(r)
+    assert r["top3"] and r["top3"][0].startswith("overflow@dec.0:"), r["top3"]
+    assert not [f for f in r["findings"] if f["module"] == "dec.3" and f["severity"] == "error"], r["findings"]
+    collapse = [f for f in r["findings"] if f["rule"] == "loss_scale_collapse"]
+    assert collapse and collapse[0]["step"] == 3 and collapse[0]["module"] == "dec.0", collapse

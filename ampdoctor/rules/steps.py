@@ -214,14 +214,15 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     scaled_loss = scaled_loss_steps(steps)
     for s in _streaks(steps):
         first_search = first_good is not None and s[-1].step < first_good
-        if len(s) >= max_streak and not first_search:
-            continue
         # skips before a forward failure in the same streak can still be the search (a first-step backoff, then
         # a batch that overflows the forward); from the failure on, nothing in the streak is
-        # (a loss the scale itself made non-finite is the search too: scaled_loss_steps)
+        # (a loss the scale itself made non-finite is the search too: scaled_loss_steps). The length that counts
+        # is the search's: a forward that stays broken for the rest of the run makes the streak long, not the search
         k = next((i for i, r in enumerate(s) if r.forward_bad and r.step not in scaled_loss or r.exception), len(s))
         ended_by_failure = k < len(s)
         s = s[:k]
+        if len(s) >= max_streak and not first_search:
+            continue
         if not s or any(r.scale is not None and r.scale < min_scale for r in s):
             continue
         if any(_nan_at_any_scale(r) for r in s):
