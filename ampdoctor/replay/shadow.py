@@ -78,12 +78,10 @@ _TIE_NUMEL = 1 << 20  # inputs kept for the tie check up to this size (a router'
 
 
 class Selection(NamedTuple):
-    op: str                    # the op's schema name
     where: tuple               # the modules whose forward was running, outermost first
     idx: torch.Tensor          # the indices chosen
     inp: torch.Tensor | None   # the values chosen from (kept up to _TIE_NUMEL, for _VALUE_OPS), for the tie check
     dim: int | None            # along which (None: the flattened input, as argmax without dim)
-    keepdim: bool
 
 
 class Selections(TorchDispatchMode):
@@ -107,10 +105,9 @@ class Selections(TorchDispatchMode):
                 named = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
                          for i, a in enumerate(func._schema.arguments)}
                 dim = named.get("dim", -1)
-                op = func._schema.name
-                self.log.append(Selection(op, tuple(self.stack), idx[-1].detach().clone(),
-                                          x.detach().clone() if op in _VALUE_OPS and x.numel() <= _TIE_NUMEL else None,
-                                          dim if isinstance(dim, int) else None, bool(named.get("keepdim"))))
+                keep = func._schema.name in _VALUE_OPS and x.numel() <= _TIE_NUMEL
+                self.log.append(Selection(tuple(self.stack), idx[-1].detach().clone(),
+                                          x.detach().clone() if keep else None, dim if isinstance(dim, int) else None))
         return out
 
 

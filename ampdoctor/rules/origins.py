@@ -166,11 +166,16 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     else:
         # the run first went non-finite on a step without per-layer statistics, before anything located (a later,
         # separate failure that a sampled step caught): that first step is said too, to be replayed
-        located = min((f.step for f in out if f.severity == "error" and f.step is not None), default=None)
+        located = _first_error(out)
         u = unlocated(run)
         if u and located is not None and u[0].step < located:
             out.extend(u)
     # a buffer turned non-finite before any error above (or with none: silent) is where it began
-    first = min((f.step for f in out if f.severity == "error" and f.step is not None), default=None)
+    first = _first_error(out)
     out.extend(f for f in bad_buffers(run) if first is None or f.step < first)
     return out
+
+
+def _first_error(findings: list[Finding]) -> int | None:
+    """The earliest step of an error finding (None: none has a step)."""
+    return min((f.step for f in findings if f.severity == "error" and f.step is not None), default=None)

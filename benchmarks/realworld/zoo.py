@@ -58,11 +58,16 @@ def vit(size):
     return ViT(s["img"], s["patch"], s["d"], s["depth"], s["heads"])
 
 
+def labelled_images(B, hw, device):
+    """((images,), {}, labels): 10 classes, each shifting its images' mean by label/10 (learnable, never trivial)."""
+    y = torch.randint(0, 10, (B,), device=device)
+    x = torch.randn(B, 3, hw, hw, device=device) + y.view(-1, 1, 1, 1).float() / 10
+    return (x,), {}, y
+
+
 def vit_batch(size, device):
     s = _VIT[size]
-    y = torch.randint(0, 10, (s["B"],), device=device)
-    x = torch.randn(s["B"], 3, s["img"], s["img"], device=device) + y.view(-1, 1, 1, 1).float() / 10
-    return (x,), {}, y
+    return labelled_images(s["B"], s["img"], device)
 
 
 # -- diffusion UNet (DDPM-style) -----------------------------------------------------------------------------------
@@ -404,9 +409,7 @@ def convnext(size):
 
 def convnext_batch(size, device):
     s = _CNX[size]
-    y = torch.randint(0, 10, (s["B"],), device=device)
-    x = torch.randn(s["B"], 3, s["hw"], s["hw"], device=device) + y.view(-1, 1, 1, 1).float() / 10
-    return (x,), {}, y
+    return labelled_images(s["B"], s["hw"], device)
 
 
 # -- wav2vec2-style CTC speech model -------------------------------------------------------------------------------
