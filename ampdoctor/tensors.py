@@ -11,7 +11,9 @@ __all__ = ["flatten_tensors", "copy_tensors", "input_versions", "input_writes", 
 
 
 def flatten_tensors(obj, out: list, depth: int = 0) -> list:
-    """Tensors inside nested tuples/lists/dicts/dataclasses (Hugging Face ModelOutput included)."""
+    """Tensors inside nested tuples/lists/dicts/dataclasses (Hugging Face ModelOutput included) and the parameter
+    tensors a torch.distributions object holds (a policy's or a forecaster's `Normal(loc, scale)`: the tensors
+    already in its attributes; none of its lazy properties is computed)."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
@@ -25,6 +27,8 @@ def flatten_tensors(obj, out: list, depth: int = 0) -> list:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             flatten_tensors(getattr(obj, f.name, None), out, depth + 1)
+    elif isinstance(obj, torch.distributions.Distribution):
+        out.extend(v for v in vars(obj).values() if isinstance(v, torch.Tensor))
     return out
 
 

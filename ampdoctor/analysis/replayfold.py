@@ -257,6 +257,24 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                                         "output went non-finite: it was not absorbed there.)")
                 refined.add(id(findings[i]))
                 continue
+        if f.rule in ("overflow", "nan_origin") and f.severity == "error" and f.phase == "forward" \
+                and f.module is not None and (f.evidence.get("out_posinf") or f.evidence.get("out_nan")):
+            # the records saw the captured step's loss go non-finite with every model output finite ("outside the
+            # model"); the replay finds an op inside the model making +inf/NaN from finite inputs: its values reached
+            # the loss by another way than the outputs (a penalty a module keeps as an attribute)
+            i = next((k for k, g in enumerate(findings) if id(g) not in refined and g.module is None
+                      and g.severity == "error" and g.rule in ("overflow", "nan_origin") and _of_step(g, cap_step)),
+                     None)
+            if i is not None:
+                g = findings[i]
+                findings[i] = Finding(f.rule, "error", f.phase, f.module, f.op, onset(g.step),
+                                      f.message + "; the model's outputs stayed finite: its inf/NaN reached the loss "
+                                      "another way (a value the module keeps, e.g. as an attribute, that the loss "
+                                      "reads)", f.fix, dict(g.evidence, **{k: v for k, v in f.evidence.items()
+                                                                            if k != "rank_hint"},
+                                                            module_level_rule=g.rule, from_replay=cap))
+                refined.add(id(findings[i]))
+                continue
         if f.rule in ("overflow", "nan_origin"):
             match = next((g for g in findings if id(g) not in refined and g.rule in ("overflow", "nan_origin")
                           and g.phase == f.phase and g.severity != "info" and g.module is not None

@@ -92,7 +92,10 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # modules where it shows; this is their cause and ranks first)
     held = set(names)
     rounds = any(held.intersection(v[2]) for v in _rounded(run, cfg).values())  # (as update_underflow counts them)
-    sev = "error" if run.has_scaler or rounds else "warning"
+    # an Adam-style eps that vanishes on them (optimizer_eps) breaks the run through the same missing master copy:
+    # the two are one cause, and the master copy is the fix for both
+    eps_vanishes = any(held.intersection(f.evidence.get("params") or ()) for f in optimizer_eps(run, cfg))
+    sev = "error" if run.has_scaler or rounds or eps_vanishes else "warning"
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
         at = min(became[n] for n in names)
@@ -100,7 +103,9 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     f"The optimizer updates {len(names)} fp16 parameter(s) ({share:.0%} of the weights) directly: "
                     "no fp32 master copy, so small updates round away"
                     + (f" and {run.meta.optimizer.get('class')}'s moments lose precision."
-                       if "adam" in str(run.meta.optimizer.get("class") or "").lower() else "."), fix, ev)]
+                       if "adam" in str(run.meta.optimizer.get("class") or "").lower() else ".")
+                    + (" Its eps rounds to 0 in fp16 too, which is how the updates went non-finite (eps_underflow)."
+                       if eps_vanishes else ""), fix, ev)]
 
 
 @register("update_underflow", emits=("update_underflow",))

@@ -164,6 +164,18 @@ def injected_cases() -> list[Case]:
                       options=lambda size, dev: {"inject": rnn_autocast},
                       expect=lambda gt, info: [[Expect(("underflow",), "lstm", None, None)]],
                       note="CUDA only: autocast's cuDNN RNN wrapper casts to float16"))
+    # (i) the loop written wrong (loops.MISUSES) around every model: the call-order finding, whatever the model
+    misuse_rule = {"clip-scaled": "clip_before_unscale", "no-update": "missing_scaler_update",
+                   "update-first": "scaler_misorder", "half": "fp16_master_weights"}
+    for m in MODELS:
+        for mu, rule in misuse_rule.items():
+            if m == "nanogpt" and mu == "half":
+                continue  # (nanoGPT's own loop has no pure-fp16 path)
+            cases.append(Case(f"{m}/{mu}", m, "float16", kind="injected", iters={"tiny": 6, "small": 12},
+                              options=lambda size, dev, mu=mu: {"misuse": mu},
+                              expect=lambda gt, info, rule=rule: [[Expect((rule,))]],
+                              note="the loop's misuse" + (": model.half(), AdamW, no autocast, no scaler"
+                                                          if mu == "half" else "")))
     return cases
 
 

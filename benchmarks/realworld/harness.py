@@ -79,8 +79,9 @@ def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=No
 
                 def wfn(m, o, s):
                     probe.attach(m)
-                    return ampdoctor.watch(m, optimizer=o, scaler=s, run_dir=run_dir, every=every,
-                                           headroom=case.headroom or None)
+                    out["watch"] = ampdoctor.watch(m, optimizer=o, scaler=s, run_dir=run_dir, every=every,
+                                                   headroom=case.headroom or None)
+                    return out["watch"]
             losses, w, model = _train(case, size, device, iters, opts, wfn,
                                       lambda it, l, s0, s1: rows.append((l, s0, s1)))
             out.update(losses=losses, model=model, watch=w)
@@ -90,6 +91,12 @@ def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=No
         except Exception as e:  # noqa: BLE001 - a measurement: record and go on
             out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             out["traceback"] = traceback.format_exc(limit=8)
+            if out["watch"] is not None and out["report"] is None:  # the loop crashed: what the watch says then
+                try:
+                    out["watch"].close()
+                    out["report"] = out["watch"].report()
+                except Exception as e2:  # noqa: BLE001
+                    out["error"] += f" (and the report after it: {type(e2).__name__}: {e2})"
         if device == "cuda":
             torch.cuda.synchronize()
     out["seconds"] = time.perf_counter() - t0
@@ -187,9 +194,18 @@ def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, 
         base = compare_losses(un["losses"], run_once(case, size, device, iters, watched=False)["losses"], False)[0]
         if base != "==":
             nondet.append(f"unwatched run-to-run: {base}")
-    eq, rel = compare_losses(un["losses"], wa["losses"], bool(nondet))
+    # a loop that crashes without the watch too (torch's own error on a misused GradScaler): the crash is the truth;
+    # the watched run must crash the same way after the same iterations, and its report is read after the crash
+    crashed = un["error"] is not None and wa["error"] is not None and \
+        wa["error"].split(" (and the report")[0] == un["error"]
+    if crashed:
+        eq, rel = compare_losses([r[0] for r in un["rows"]], [r[0] for r in wa["rows"]], bool(nondet))
+        iters = len(un["rows"])  # (the iteration that raised may count as a step the watch saw begin)
+    else:
+        eq, rel = compare_losses(un["losses"], wa["losses"], bool(nondet))
+    res["crashed"] = un["error"] if crashed else None
     internal = [w for w in wa["warnings"] if "ampdoctor" in w.lower() and any(k in w.lower() for k in DISABLED)]
-    if wa["error"] and not un["error"]:
+    if wa["error"] and not crashed:
         internal.append("watched run raised: " + wa["error"])
     rep = wa["report"].to_dict() if wa["report"] is not None else {"findings": [], "summary": {}}
     fs = rep["findings"]
@@ -210,11 +226,12 @@ def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, 
     res["gin_share_step0"] = gin
     if gin is not None and gin < 0.9:
         internal.append(f"input gradients read for {gin:.0%} of step 0's module calls with a gradient")
-    ok = not internal and res["steps_recorded"] == iters and eq in ("==",) + ((eq,) if eq.startswith("~") else ())
+    steps_ok = res["steps_recorded"] in ((iters, iters + 1) if crashed else (iters,))
+    ok = not internal and steps_ok and eq in ("==",) + ((eq,) if eq.startswith("~") else ())
     why = []
     if internal:
         why.append("internal error")
-    if res["steps_recorded"] != iters:
+    if not steps_ok:
         why.append(f"steps {res['steps_recorded']}!={iters}")
     if not (eq == "==" or eq.startswith("~")):
         why.append("losses differ")

@@ -12,17 +12,20 @@ FP16_MAX = 65504.0
 
 
 def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=False, iters=8, lr=None, seed=0,
-                init_scale=2.0 ** 16, checkpointing=False, watch=None, inject=None, on_iter=None):
+                init_scale=2.0 ** 16, checkpointing=False, watch=None, inject=None, on_iter=None, misuse=None):
     """fp16: autocast + GradScaler (scale, unscale_, clip, step, update); bf16: autocast, no scaler.
-    `zero_grad()` at the top of the iteration, `loss.item()` at the end. Returns (losses, watch, model)."""
+    `zero_grad()` at the top of the iteration, `loss.item()` at the end. `misuse` (fp16): one of MISUSES, the
+    loop written the way a user gets it wrong. Returns (losses, watch, model)."""
     spec = SPECS[name]
     torch.manual_seed(seed)
     model = spec.build(size).to(device)
     model.train()
+    if misuse == "half":  # pure fp16: the optimizer steps the fp16 weights themselves, no autocast, no scaler
+        model.half()
     if checkpointing:  # transformers 5.x renamed it; older releases only have gradient_checkpointing_enable
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr if lr is None else lr)
-    fp16 = dtype == "float16"
+    fp16 = dtype == "float16" and misuse != "half"
     scaler = torch.amp.GradScaler(device, init_scale=init_scale) if fp16 else None
     w = watch(model, opt, scaler) if watch else None
     fwd = torch.compile(model) if compile else model
@@ -32,17 +35,23 @@ def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=Fal
             inject(it, model, opt)
         args, kwargs, target = spec.batch(size, device)
         opt.zero_grad()
-        with torch.autocast(device, dtype=getattr(torch, dtype)):
+        if misuse == "half":
+            args, kwargs = tuple(_half(a) for a in args), {k: _half(v) for k, v in kwargs.items()}
+        with torch.autocast(device, dtype=getattr(torch, dtype), enabled=misuse != "half"):
             out = fwd(*args, **kwargs)
             loss = spec.loss(out, target)
         s0 = s1 = None
         if fp16:
             scaler.scale(loss).backward()
-            scaler.unscale_(opt)
+            if misuse != "clip-scaled":
+                scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             s0 = scaler.get_scale()
+            if misuse == "update-first":
+                scaler.update()
             scaler.step(opt)
-            scaler.update()
+            if misuse not in ("no-update", "update-first"):
+                scaler.update()
             s1 = scaler.get_scale()
         else:
             loss.backward()
@@ -52,6 +61,16 @@ def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=Fal
         if on_iter is not None:
             on_iter(it, losses[-1], s0, s1)
     return losses, w, model
+
+
+MISUSES = ("clip-scaled", "no-update", "update-first", "half")
+"""clip-scaled: clip_grad_norm_ without unscale_ first; no-update: scaler.step without scaler.update; update-first:
+scaler.update() before scaler.step(); half: `model.half()` and the batch's floating tensors, AdamW on the fp16
+weights, no autocast and no GradScaler."""
+
+
+def _half(x):
+    return x.half() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 # -- injections ------------------------------------------------------------------------------------------------

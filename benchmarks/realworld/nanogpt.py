@@ -200,6 +200,7 @@ class TrainConfig:
     attn: str = "sdpa"
     init_scale: float = 2.0 ** 16
     seed: int = 1337
+    misuse: str | None = None  # loops.MISUSES' call-order ones: clip-scaled, no-update, update-first
 
 
 def get_lr(it, c: TrainConfig):
@@ -265,11 +266,15 @@ def train(c: TrainConfig, *, watch=None, inject=None, on_iter=None):
             X, Y = get_batch("train")  # prefetch, as nanoGPT
             scaler.scale(loss).backward()
         if c.grad_clip != 0.0:
-            scaler.unscale_(opt)
+            if c.misuse != "clip-scaled":
+                scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
         s0 = scaler.get_scale() if scaler.is_enabled() else None
+        if c.misuse == "update-first":
+            scaler.update()
         scaler.step(opt)
-        scaler.update()
+        if c.misuse not in ("no-update", "update-first"):
+            scaler.update()
         s1 = scaler.get_scale() if scaler.is_enabled() else None
         opt.zero_grad(set_to_none=True)
         lossf = loss.item() * accum
