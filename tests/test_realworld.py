@@ -104,3 +104,20 @@ def test_a_search_cut_short_by_a_broken_forward_stays_the_search():
     assert not [f for f in r["findings"] if f["module"] == "dec.3" and f["severity"] == "error"], r["findings"]
     collapse = [f for f in r["findings"] if f["rule"] == "loss_scale_collapse"]
     assert collapse and collapse[0]["step"] == 3 and collapse[0]["module"] == "dec.0", collapse
+
+
+# the loop written wrong around real models (loops.MISUSES): no-update and update-first make torch itself raise at the
+# second iteration; the report read after the crash must still name the misuse, and the watched run must crash the
+# same way after the same losses. half: pure fp16 + AdamW, whose eps vanishes: fp16_master_weights among the first
+# three (it was a warning below its consequences)
+@pytest.mark.parametrize("name", ["gpt2/clip-scaled", "nanogpt/no-update", "vit/update-first", "bert/half",
+                                  "resnet/half"])
+def test_loop_misuse_named(name):
+    r = _run(name, "float16", quick=False)
+    if name.endswith(("no-update", "update-first")):  # torch raises: the same error, after the same losses
+        assert r["crashed"] and r["crashed"] == r["unwatched_error"] and r["verdict"] == "PASS", (r["crashed"],
+                                                                                                  r["why"])
+        assert not r["internal_errors"] and r["losses_equal"] == "==", (r["internal_errors"], r["losses_equal"])
+    else:
+        _unchanged(r)
+    assert not _missing(r), (r["expected"], r["top3"])

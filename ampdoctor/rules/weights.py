@@ -96,6 +96,8 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # the two are one cause, and the master copy is the fix for both
     eps_vanishes = any(held.intersection(f.evidence.get("params") or ()) for f in optimizer_eps(run, cfg))
     sev = "error" if run.has_scaler or rounds or eps_vanishes else "warning"
+    if eps_vanishes:
+        ev["rank_hint"] = 7  # right after the eps (how the updates broke), before their consequences
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
         at = min(became[n] for n in names)
