@@ -93,10 +93,8 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     outside_bad = [g for g in cap.grad_out or () if g is not None and not bool(torch.isfinite(g).all())
                    and (cap_loss_finite is False or cap_loss_finite is None and bool(torch.isnan(g).any()))] \
         if loss_fn is None else []
-    # the step's loss was non-finite while the gradient into the outputs was finite: the inf/NaN reached the loss by
-    # another way than the outputs (a penalty a module kept as an attribute, a Distribution's parameters), so what
-    # the replay finds inside the model made it, as a non-finite output would have
-    loss_bad_aside = loss_fn is None and cap_loss_finite is False
+    # the step's loss was non-finite (as the watch saw it; the replay runs the outputs' captured gradient, not the loss)
+    cap_loss_bad = loss_fn is None and cap_loss_finite is False
     if loss_fn is None and any(g is not None for g in grad_out):
         loss_fn = modelio.captured_grad_loss(grad_out, scale or 1.0)
 
@@ -124,9 +122,11 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
                                     for t in shadow_mod.floats(out))
     loss_finite = None if loss is None else bool(torch.isfinite(loss).all())
     grads_bad = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
-    # (only where the model made +inf/NaN from finite values itself: a mask's -inf is no account of a loss gone bad)
-    loss_bad_aside = loss_bad_aside and any(e.phase == "forward" and not e.in_has_inf and (e.out_posinf or e.out_nan)
-                                            for e in tracer.events)
+    # a non-finite loss beside finite outputs and gradients into them: the inf/NaN reached the loss another way (a
+    # penalty a module keeps as an attribute); where the model made +inf/NaN from finite values itself, that op made
+    # it, as a non-finite output would have (a mask's -inf is no account of a loss gone bad)
+    loss_bad_aside = cap_loss_bad and any(e.phase == "forward" and not e.in_has_inf and (e.out_posinf or e.out_nan)
+                                          for e in tracer.events)
     step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad or outside_bad or loss_bad_aside)
 
     scaler_search = None

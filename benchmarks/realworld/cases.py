@@ -168,7 +168,8 @@ def injected_cases() -> list[Case]:
     misuse_rule = {"clip-scaled": "clip_before_unscale", "no-update": "missing_scaler_update",
                    "update-first": "scaler_misorder", "half": "fp16_master_weights"}
     for m in MODELS:
-        for mu, rule in misuse_rule.items():
+        for mu in loops.MISUSES:
+            rule = misuse_rule[mu]
             if m == "nanogpt" and mu == "half":
                 continue  # (nanoGPT's own loop has no pure-fp16 path)
             cases.append(Case(f"{m}/{mu}", m, "float16", kind="injected", iters={"tiny": 6, "small": 12},

@@ -67,7 +67,8 @@ def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=No
     opts = case.options(size, device)
     inject = opts.get("inject")
     rows = []
-    out = {"losses": None, "warnings": [], "report": None, "error": None, "model": None, "watch": None}
+    out = {"losses": None, "warnings": [], "report": None, "error": None, "report_error": None, "model": None,
+           "watch": None}
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -96,7 +97,7 @@ def run_once(case: Case, size, device, iters, *, watched, run_dir=None, every=No
                     out["watch"].close()
                     out["report"] = out["watch"].report()
                 except Exception as e2:  # noqa: BLE001
-                    out["error"] += f" (and the report after it: {type(e2).__name__}: {e2})"
+                    out["report_error"] = f"{type(e2).__name__}: {e2}"
         if device == "cuda":
             torch.cuda.synchronize()
     out["seconds"] = time.perf_counter() - t0
@@ -196,8 +197,7 @@ def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, 
             nondet.append(f"unwatched run-to-run: {base}")
     # a loop that crashes without the watch too (torch's own error on a misused GradScaler): the crash is the truth;
     # the watched run must crash the same way after the same iterations, and its report is read after the crash
-    crashed = un["error"] is not None and wa["error"] is not None and \
-        wa["error"].split(" (and the report")[0] == un["error"]
+    crashed = un["error"] is not None and wa["error"] == un["error"]
     if crashed:
         eq, rel = compare_losses([r[0] for r in un["rows"]], [r[0] for r in wa["rows"]], bool(nondet))
         iters = len(un["rows"])  # (the iteration that raised may count as a step the watch saw begin)
@@ -207,6 +207,8 @@ def run_case(case: Case, size="tiny", device="cpu", quick=False, keep_dir=None, 
     internal = [w for w in wa["warnings"] if "ampdoctor" in w.lower() and any(k in w.lower() for k in DISABLED)]
     if wa["error"] and not crashed:
         internal.append("watched run raised: " + wa["error"])
+    if wa["report_error"]:
+        internal.append("the report after the crash raised: " + wa["report_error"])
     rep = wa["report"].to_dict() if wa["report"] is not None else {"findings": [], "summary": {}}
     fs = rep["findings"]
     res.update(gt=gt, losses_equal=eq, unwatched_run_to_run=base, loss_max_rel_diff=rel, nondeterministic_ops=nondet,

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .models import SPECS
+from .nanogpt import step_and_update
 
 FP16_MAX = 65504.0
 
@@ -47,11 +48,7 @@ def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=Fal
                 scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             s0 = scaler.get_scale()
-            if misuse == "update-first":
-                scaler.update()
-            scaler.step(opt)
-            if misuse not in ("no-update", "update-first"):
-                scaler.update()
+            step_and_update(scaler, opt, misuse)
             s1 = scaler.get_scale()
         else:
             loss.backward()

@@ -203,6 +203,16 @@ class TrainConfig:
     misuse: str | None = None  # loops.MISUSES' call-order ones: clip-scaled, no-update, update-first
 
 
+def step_and_update(scaler, opt, misuse=None):
+    """`scaler.step(opt)` then `scaler.update()`, or the order a misuse writes: update-first (update, then step),
+    no-update (step alone). Shared with loops.plain_train (this file runs alone, so it holds the helper)."""
+    if misuse == "update-first":
+        scaler.update()
+    scaler.step(opt)
+    if misuse not in ("no-update", "update-first"):
+        scaler.update()
+
+
 def get_lr(it, c: TrainConfig):
     if not c.decay_lr:
         return c.learning_rate
@@ -270,11 +280,7 @@ def train(c: TrainConfig, *, watch=None, inject=None, on_iter=None):
                 scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
         s0 = scaler.get_scale() if scaler.is_enabled() else None
-        if c.misuse == "update-first":
-            scaler.update()
-        scaler.step(opt)
-        if c.misuse not in ("no-update", "update-first"):
-            scaler.update()
+        step_and_update(scaler, opt, c.misuse)
         s1 = scaler.get_scale() if scaler.is_enabled() else None
         opt.zero_grad(set_to_none=True)
         lossf = loss.item() * accum
