@@ -182,7 +182,10 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
             if k is not None:
                 tensors[k] = g.detach().to("cpu", copy=True).contiguous()
     sd = state_dict if state_dict is not None else model.state_dict()
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    # (a tensor on the meta device holds no values: a template module whose weights torch.func.functional_call
+    # supplies; the replay's model has its own meta tensor there, see replay/modelio.load_weights)
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()
+             if isinstance(v, torch.Tensor) and not v.is_meta}
     files = {}
     for role, data in (("tensors", tensors), ("state", state)):
         fname = f"{role}.safetensors"

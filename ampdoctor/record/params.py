@@ -113,8 +113,10 @@ def _opt_params(m, opt) -> list:
     hit = m.opt_params.get(id(opt))
     if hit is None or hit[0] != count:
         names = {id(p): name for name, p in m.w.model.named_parameters()}
+        # (not a parameter on the meta device: a template whose weights torch.func.functional_call supplies holds
+        # no values to measure)
         groups = [[(names[id(p)], p) for p in g["params"]
-                   if id(p) in names and p.is_floating_point() and p.layout == torch.strided]
+                   if id(p) in names and p.is_floating_point() and p.layout == torch.strided and not p.is_meta]
                   for g in opt.param_groups]
         hit = m.opt_params[id(opt)] = (count, groups)
     return hit[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import os
 import random
 import sys
@@ -74,6 +75,15 @@ def build_model(capture, model: Any = None) -> torch.nn.Module:
     return build_hf_model(capture.model_class, dict(capture.hf_config), numel)
 
 
+def to_device(model: torch.nn.Module, dev: torch.device) -> None:
+    """`model.to(dev)`, leaving tensors on the meta device where they are (a template module whose weights
+    torch.func.functional_call supplies: `Module.to` refuses to move them, and they hold nothing to move)."""
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        model._apply(lambda t: t if t.is_meta else t.to(dev))
+    else:
+        model.to(dev)
+
+
 def match_capture_dtype(model: torch.nn.Module, state_dict: dict) -> None:
     """Cast a freshly built fp32 model to the capture's dtype when its weights are all fp16 or all bf16 (a pure
     low-precision model, e.g. `.half()`), so the replay runs the ops the original ran."""
@@ -84,7 +94,7 @@ def match_capture_dtype(model: torch.nn.Module, state_dict: dict) -> None:
 
 def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
     own = model.state_dict()
-    missing = [k for k in own if k not in state_dict]
+    missing = [k for k, v in own.items() if k not in state_dict and not v.is_meta]  # (meta: no values to load)
     unexpected = [k for k in state_dict if k not in own]
     shape = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
              if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
@@ -97,12 +107,12 @@ def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
     first: dict = {}
     for k, v in model.state_dict(keep_vars=True).items():
         j = first.setdefault(id(v), k)
-        if j != k and not torch.equal(state_dict[j], state_dict[k]):
+        if j != k and j in state_dict and k in state_dict and not torch.equal(state_dict[j], state_dict[k]):
             raise BadInput(f"model does not match capture: {j} and {k} are one tied tensor in the model but differ in "
                            "the capture (taken from a model where they were separate)")
     with torch.no_grad():
         model.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v
-                               for k, v in state_dict.items()}, strict=True)
+                               for k, v in state_dict.items()}, strict=not any(v.is_meta for v in own.values()))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..record.stats import is_wrapped
 from ..tensors import flatten_tensors
 from . import modelio
 
@@ -31,8 +32,9 @@ __all__ = ["NoDropout", "Recorder", "Selections", "fp32_model", "rel_err", "run_
 
 
 def floats(tree) -> list[torch.Tensor]:
-    """The non-empty floating tensors of a nested value (the recorder's flatten: dataclass outputs included)."""
-    return [t for t in flatten_tensors(tree, []) if t.is_floating_point() and t.numel()]
+    """The non-empty floating tensors of a nested value (the recorder's flatten: dataclass outputs included); not a
+    torch.func transform's wrapper (a module called inside vmap: its values are the transform's, not kept past it)."""
+    return [t for t in flatten_tensors(tree, []) if t.is_floating_point() and t.numel() and not is_wrapped(t)]
 
 
 def _floats(tree) -> list[torch.Tensor]:
