@@ -4,7 +4,9 @@ A capture is a directory:
 
     manifest.json          format "ampdoctor-capture", format_version 1, versions, model class, HF config,
                            autocast {device, dtype, enabled}, scaler state, step, the structure of args/kwargs
-                           (JSON, tensors as {"__tensor__": key}), and per file its size and sha256
+                           (JSON, tensors as {"__tensor__": key}; a namedtuple as its type's name, fields and
+                           items: torch's PackedSequence comes back as itself, any other as a namedtuple of the
+                           same fields, no class a capture names is imported), and per file its size and sha256
     tensors.safetensors    the batch tensors ("a/…", "k/…"), RNG states taken before the forward ("rng/…") and,
                            from a watch, the gradient that reached the model's outputs ("g/…", manifest grad_out)
     state.safetensors      the model's weights and buffers (state_dict)
@@ -20,9 +22,11 @@ in `write_capture`.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
+import keyword
 import math
 import os
 from dataclasses import dataclass, field
@@ -85,6 +89,13 @@ def _encode(obj: Any, key: str, tensors: dict, where: str) -> Any:
         return obj
     if isinstance(obj, (list, tuple)):
         items = [_encode(v, f"{key}.{i}", tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+        fields = getattr(type(obj), "_fields", None)
+        if isinstance(obj, tuple) and isinstance(fields, tuple) and len(fields) == len(items) and all(
+                isinstance(f, str) for f in fields):
+            # a namedtuple (torch's PackedSequence: nn.GRU/LSTM test its class): its fields and its type's name
+            cls = type(obj)
+            return {"__namedtuple__": {"type": f"{cls.__module__}.{cls.__qualname__}", "fields": list(fields),
+                                       "items": items}}
         return items if isinstance(obj, list) else {"__tuple__": items}
     if isinstance(obj, dict) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
         d = obj if isinstance(obj, dict) else {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -260,6 +271,8 @@ def _decode(obj: Any, tensors: dict, cap: str) -> Any:
             _need(isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], (str, int))
                                                   for p in pairs), "malformed dict in structure", cap)
             return {k: _decode(v, tensors, cap) for k, v in pairs}
+        if "__namedtuple__" in obj:
+            return _namedtuple(obj["__namedtuple__"], tensors, cap)
         if "__float__" in obj:
             _need(obj["__float__"] in ("inf", "-inf", "nan"), "malformed float in structure", cap)
             return float(obj["__float__"])
@@ -270,6 +283,29 @@ def _decode(obj: Any, tensors: dict, cap: str) -> Any:
         raise BadInput(f"capture {cap}: unknown object in structure (keys {sorted(obj)[:4]})")
     _need(isinstance(obj, _LEAF), f"unsupported value {type(obj).__name__} in structure", cap)
     return obj
+
+
+def _known_namedtuples() -> dict:
+    """The namedtuple classes a capture may name that are rebuilt as themselves: torch's own, fixed here (a
+    capture never has a class of its choosing imported); any other comes back as a namedtuple of the same name
+    and fields (attribute access works; an isinstance check against the user's class does not)."""
+    from torch.nn.utils.rnn import PackedSequence
+    return {"torch.nn.utils.rnn.PackedSequence": PackedSequence}
+
+
+def _namedtuple(nt: Any, tensors: dict, cap: str):
+    _need(isinstance(nt, dict) and isinstance(nt.get("type"), str) and isinstance(nt.get("fields"), list)
+          and isinstance(nt.get("items"), list) and len(nt["fields"]) == len(nt["items"]) and len(nt["items"]) <= 64
+          and all(isinstance(f, str) and f.isidentifier() and not keyword.iskeyword(f) and not f.startswith("_")
+                  for f in nt["fields"]) and len(set(nt["fields"])) == len(nt["fields"]),
+          "malformed namedtuple in structure", cap)
+    items = [_decode(v, tensors, cap) for v in nt["items"]]
+    cls = _known_namedtuples().get(nt["type"])
+    if cls is not None and tuple(cls._fields) == tuple(nt["fields"]):
+        return tuple.__new__(cls, items)  # (its fields as stored: no constructor of the class runs)
+    name = nt["type"].rpartition(".")[2]
+    name = name if name.isidentifier() and not keyword.iskeyword(name) else "CapturedTuple"
+    return collections.namedtuple(name, nt["fields"])(*items)
 
 
 def load_capture(path: str | os.PathLike) -> Capture:

@@ -234,10 +234,12 @@ class Watch:
         if self._replay is not None and self._replay[0] == capture:
             return self._replay[1]
         from .analysis.replayfold import run_replay
+        from .replay.skeleton import for_replay
         m = self.machine
         m.suspended = True  # the watch's own hooks must not record the replay's forward
         try:
-            rr = run_replay(capture, self.model)
+            # (the model as the capture was written when the script has changed it since: replay/skeleton.py)
+            rr = run_replay(capture, for_replay(self.model, m.skeletons.get(capture)))
         finally:
             m.suspended = False
         self._replay = (capture, rr)

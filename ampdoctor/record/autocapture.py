@@ -122,6 +122,9 @@ def maybe_capture(m, st) -> None:
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
                                        step=st.step, grad_out=grad_out, extra=_loss_state(st))
+            # the model's structure now, for an in-process replay after the script changed it (replay/skeleton.py)
+            from ..replay.skeleton import skeleton
+            m.skeletons[st.capture] = skeleton(w.model)
         finally:
             m.suspended = False
             m.hr.on = hr_on
