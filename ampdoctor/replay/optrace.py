@@ -234,7 +234,9 @@ class OpTracer:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+        self.names: dict = {}  # a module under several names (shared, tied) has its first, as the watch names it
+        for n, m in model.named_modules(remove_duplicate=False):
+            self.names.setdefault(m, n)
         self.stack: list[str] = []
         self.nodes: dict = {}            # autograd node -> (module, line, torch function)
         self._node_module: dict = {}     # filled by propagate(): every reachable node -> forward info

@@ -6,7 +6,6 @@ forward/backward hooks; `for_replay` picks the live model while it still matches
 materialised on the live model's device (its values come from the capture's weights, loaded by the replay)."""
 from __future__ import annotations
 
-import copy
 import itertools
 
 import torch
@@ -20,32 +19,61 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 
 def skeleton(model: torch.nn.Module) -> torch.nn.Module | None:
     """A copy of `model`'s module tree whose parameters and buffers are meta tensors of the same shapes, dtypes and
-    ties, with no module hooks; None when the model cannot be copied (never raises: it is a fallback)."""
+    ties, with no module hooks; None when the model cannot be copied (never raises: it is a fallback). Each module is
+    copied shallowly (its own attribute dict; what its attributes refer to is shared, not copied: a LightningModule's
+    trainer, a dataset a module keeps), then given its own parameter, buffer, child and (empty) hook dicts."""
     try:
-        memo: dict = {}
-        for mod in model.modules():
-            for d in (mod._parameters, mod._buffers):
-                for t in d.values():
-                    if t is None or id(t) in memo:
-                        continue
-                    meta = torch.empty_like(t, device="meta")
-                    memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) \
-                        if isinstance(t, torch.nn.Parameter) else meta
-            for name in _HOOK_DICTS:
-                hooks = getattr(mod, name, None)
-                if hooks is not None:
-                    memo[id(hooks)] = type(hooks)()
-        skel = copy.deepcopy(model, memo)
-        for mod in skel.modules():
-            if is_parametrized(mod):
-                # torch.nn.utils.parametrize keeps a tensor's property on a class made for the module; removing
-                # the parametrization from the live module deletes it there: the skeleton gets its own class
-                cls = type(mod)
-                mod.__class__ = type(cls.__name__, cls.__bases__, {k: v for k, v in vars(cls).items()
-                                                                 if k not in ("__dict__", "__weakref__")})
+        tensors: dict = {}
+        skel = _copy(model, {}, tensors)
+        # tensors the live model itself keeps on the meta device (a torch.func template) stay there (_materialise)
+        skel.__dict__["_ampdoctor_meta"] = {id(tensors[k]) for k, src in _sources(model) if src.is_meta}
         return skel
     except Exception:
         return None
+
+
+def _sources(model: torch.nn.Module):
+    for mod in model.modules():
+        for d in (mod._parameters, mod._buffers):
+            for t in d.values():
+                if t is not None:
+                    yield id(t), t
+
+
+def _copy(mod: torch.nn.Module, mods: dict, tensors: dict) -> torch.nn.Module:
+    got = mods.get(id(mod))
+    if got is not None:  # a module used twice in the tree stays one module
+        return got
+    cls = type(mod)
+    if is_parametrized(mod):
+        # torch.nn.utils.parametrize keeps a tensor's property on a class made for the module; removing the
+        # parametrization from the live module deletes it there: the skeleton gets its own class
+        cls = type(cls.__name__, cls.__bases__, {k: v for k, v in vars(cls).items()
+                                                 if k not in ("__dict__", "__weakref__")})
+    new = object.__new__(cls)  # (not copy.copy: a parametrized module refuses __getstate__)
+    mods[id(mod)] = new
+    new.__dict__ = dict(vars(mod))
+    new._parameters = type(mod._parameters)((k, None if t is None else _meta(t, tensors))
+                                            for k, t in mod._parameters.items())
+    new._buffers = type(mod._buffers)((k, None if t is None else _meta(t, tensors)) for k, t in mod._buffers.items())
+    new._modules = type(mod._modules)((k, None if c is None else _copy(c, mods, tensors))
+                                      for k, c in mod._modules.items())
+    for name in _HOOK_DICTS:
+        hooks = vars(mod).get(name)
+        if hooks is not None:
+            new.__dict__[name] = type(hooks)()
+    if "_compiled_call_impl" in vars(mod):  # Module.compile()'s function is bound to the live module
+        new.__dict__["_compiled_call_impl"] = None
+    return new
+
+
+def _meta(t: torch.Tensor, tensors: dict) -> torch.Tensor:
+    got = tensors.get(id(t))
+    if got is None:  # a tensor under several names (tied weights) stays one tensor
+        meta = torch.empty_like(t, device="meta")
+        got = tensors[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else meta
+    return got
 
 
 def _layout(model: torch.nn.Module) -> dict:
@@ -58,4 +86,24 @@ def for_replay(live: torch.nn.Module, skel: torch.nn.Module | None) -> torch.nn.
     if skel is None or _layout(live) == _layout(skel):
         return live
     dev = next((t.device for t in itertools.chain(live.parameters(), live.buffers()) if not t.is_meta), None)
-    return copy.deepcopy(skel).to_empty(device=dev or torch.device("cpu"))
+    return _materialise(skel, dev or torch.device("cpu"))
+
+
+def _materialise(skel: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
+    """Give the skeleton uninitialised tensors on `dev`, one per meta tensor (`Module.to_empty` would untie tied
+    weights); a tensor the live model itself keeps on the meta device (a torch.func template) stays there."""
+    made: dict = {}
+    keep = skel.__dict__.get("_ampdoctor_meta", set())
+    for mod in skel.modules():
+        for d in (mod._parameters, mod._buffers):
+            for k, t in d.items():
+                if t is None or id(t) in keep or not t.is_meta:  # (materialised by an earlier replay: as it is)
+                    continue
+                new = made.get(id(t))
+                if new is None:
+                    new = torch.empty_like(t, device=dev)
+                    if isinstance(t, torch.nn.Parameter):
+                        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    made[id(t)] = new
+                d[k] = new
+    return skel
