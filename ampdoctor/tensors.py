@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["flatten_tensors", "copy_tensors", "input_versions", "input_writes", "local", "is_sharded", "module_type", "dt_name", "loss_of", "rng_state", "autocast_dtype", "autocast_str",
+__all__ = ["flatten_tensors", "copy_tensors", "input_versions", "input_writes", "local", "is_sharded", "module_type", "dt_name", "loss_of", "rng_state", "shallow", "autocast_dtype", "autocast_str",
            "ac_from_str", "tb_module", "tb_location"]
 
 
@@ -164,6 +164,18 @@ def tb_location(exc: BaseException) -> tuple[str | None, int | None]:
             best = (fn, tb.tb_lineno)
         tb = tb.tb_next
     return best
+
+
+def shallow(x):
+    """`x` (a model call's args tuple or kwargs dict) with the dicts and lists directly in it copied: what the
+    caller passed, kept as it was even when the forward then changes a container it received. Tensors and other
+    objects are the caller's own. (Every step: nothing deeper.)"""
+    if type(x) is tuple:
+        return tuple(dict(v) if type(v) is dict else list(v) if type(v) is list else v for v in x) \
+            if any(type(v) is dict or type(v) is list for v in x) else x
+    if type(x) is dict:
+        return {k: dict(v) if type(v) is dict else list(v) if type(v) is list else v for k, v in x.items()}
+    return x
 
 
 def nonfinite_input(args, kwargs) -> dict | None:

@@ -238,8 +238,10 @@ class Watch:
         m = self.machine
         m.suspended = True  # the watch's own hooks must not record the replay's forward
         try:
-            # (the model as the capture was written when the script has changed it since: replay/skeleton.py)
-            rr = run_replay(capture, for_replay(self.model, m.skeletons.get(capture)))
+            # (the model as the capture was written when the script has changed it since: replay/skeleton.py; the
+            # batch with the objects a capture cannot give back exactly taken from the live ones: capture.relive)
+            rr = run_replay(_relived(capture, m.capture_live.get(capture)),
+                            for_replay(self.model, m.skeletons.get(capture)))
         finally:
             m.suspended = False
         self._replay = (capture, rr)
@@ -327,3 +329,19 @@ class Watch:
         if getattr(scaler, "_scale", None) is not None:  # its scale() of this iteration ran before it was found
             st.scale_t, st.scaled_since_update = scaler._scale, True
         return True
+
+
+def _relived(capture: str, live: tuple | None):
+    """Capture `capture` loaded, its args/kwargs given back the live objects the model received (capture.relive);
+    the path itself when there are none, or the capture does not load (the replay then says why)."""
+    if live is None:
+        return capture
+    from .capture import load_capture, relive
+    from .errors import BadInput
+    try:
+        cap = load_capture(capture)
+    except BadInput:
+        return capture
+    cap.args = relive(cap.args, tuple(live[0]))
+    cap.kwargs = relive(cap.kwargs, dict(live[1] or {}))
+    return cap

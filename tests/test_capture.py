@@ -1,6 +1,7 @@
 """Tests of ampdoctor/capture.py: round trip of format v1 and refusal of every kind of bad capture."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -59,7 +60,9 @@ def test_round_trip(cap_dir):
     assert tup == (1, 2.5, None) and isinstance(tup, tuple)
     assert d["mask"].dtype == torch.bool
     assert cap.kwargs["flag"] is True and cap.kwargs["name"] == "b" and cap.kwargs["inf"] == float("-inf")
-    assert torch.equal(cap.kwargs["b"]["ids"], torch.arange(3)) and cap.kwargs["b"]["note"] == "hi"
+    b = cap.kwargs["b"]   # a dataclass comes back as one of the same name and fields (Batch itself is not imported)
+    assert dataclasses.is_dataclass(b) and type(b).__name__ == "Batch" and type(b) is not Batch
+    assert torch.equal(b.ids, torch.arange(3)) and b.note == "hi"
     assert set(cap.state_dict) == {"lin.weight", "lin.bias", "count"}
     assert torch.equal(cap.state_dict["lin.weight"], m.lin.weight.detach())
     assert cap.rng["cpu"].dtype == torch.uint8 and cap.manifest["rng"] == ["cpu"]

@@ -73,21 +73,22 @@ def unexplained_nonfinite(steps: list[StepRecord]) -> str | None:
                                                              and r.step not in benign)), None)
 
 
-def run_replay(cap: str, model, loss_fn=None, *, strict: bool = False) -> Report | None:
-    """The op-level replay of capture `cap` that a report folds in (no shadow run or what-if; the fix search only
-    for zeros under a log or a division). With `strict`, a replay that fails raises (BadInput); otherwise it
-    warns and gives None."""
+def run_replay(cap, model, loss_fn=None, *, strict: bool = False) -> Report | None:
+    """The op-level replay of capture `cap` (a path, or a loaded Capture) that a report folds in (no shadow run or
+    what-if; the fix search only for zeros under a log or a division). With `strict`, a replay that fails raises
+    (BadInput); otherwise it warns and gives None."""
     from ..replay import replay
     from ..replay.explain import needs_fp32_check
+    name = getattr(cap, "path", cap)
     try:
         rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=False)
         if needs_fp32_check(rr.findings):  # log/div of zeros: were they zeros in fp32 too? (underflow or not)
             rr = replay(cap, model=model, loss_fn=loss_fn, shadow=False, whatif=False, fix_search=True)
     except Exception as e:  # replay is a bonus here; the watch report stands on its own
         if strict:
-            raise BadInput(f"replaying {cap} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+            raise BadInput(f"replaying {name} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
                 from None
-        warnings.warn(f"ampdoctor: in-process replay of {cap} failed ({type(e).__name__}: {e})", RuntimeWarning,
+        warnings.warn(f"ampdoctor: in-process replay of {name} failed ({type(e).__name__}: {e})", RuntimeWarning,
                       stacklevel=4)
         return None
     return rr

@@ -121,10 +121,12 @@ def maybe_capture(m, st) -> None:
         try:
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
-                                       step=st.step, grad_out=grad_out, extra=_loss_state(st))
-            # the model's structure now, for an in-process replay after the script changed it (replay/skeleton.py)
+                                       step=st.step, grad_out=grad_out, extra=_loss_state(st), opaque=True)
+            # the model's structure now, for an in-process replay after the script changed it (replay/skeleton.py),
+            # and the objects the model received, for what the capture cannot give back exactly (capture.relive)
             from ..replay.skeleton import skeleton
             m.skeletons[st.capture] = skeleton(w.model)
+            m.capture_live[st.capture] = (args, kwargs)
         finally:
             m.suspended = False
             m.hr.on = hr_on

@@ -17,7 +17,7 @@ from .openstep import _Call
 from .params import checked_weights, outside_compare, outside_snapshot, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
-                       input_writes, loss_of, module_type, rng_state, tb_location, tb_module)
+                       input_writes, loss_of, module_type, rng_state, shallow, tb_location, tb_module)
 
 __all__ = ["ModuleHookCallbacks"]
 
@@ -55,7 +55,9 @@ class ModuleHookCallbacks:
                 if self.copy_inputs:  # this model writes into its own inputs: keep them as it received them
                     st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng_state()))
                 else:
-                    st.batches.append((args, kwargs, rng_state()))
+                    # (the containers copied, not the tensors: a forward that pops `labels` out of the dict it gets
+                    # must not empty the capture's batch)
+                    st.batches.append((shallow(args), shallow(kwargs), rng_state()))
                     if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
                         st.in_versions = input_versions((args, kwargs))
                 if st.micro == 1 and self.outside_snap is not None and st.step > self.outside_snap[0]:

@@ -54,6 +54,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         self.host_slots = HostSlots()  # the pinned buffers the step's values come back through (hostcopy.py)
         self.copy_inputs = False  # the model writes into its inputs: batches are kept as copies (input_writes)
         self.skeletons: dict = {}  # capture path -> the model's structure when it was written (replay/skeleton.py)
+        self.capture_live: dict = {}  # capture path -> (args, kwargs) as the model received them (capture.relive)
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}

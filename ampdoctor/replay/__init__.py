@@ -10,13 +10,15 @@ passed in is left exactly as it was: weights, buffers, modes, grads and RNG are 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
+import types
 from typing import Any, Callable
 
 import torch
 
-from ..capture import Capture, load_capture
+from ..capture import Capture, Opaque, load_capture
 from ..errors import BadInput
 from ..findings import Finding, Report
 from ..rules.outside import bad_data_finding
@@ -25,6 +27,22 @@ from . import explain, fixsearch, modelio, shadow as shadow_mod
 from .optrace import OpTracer
 
 __all__ = ["replay"]
+
+
+def _opaque(*trees):
+    """The first `capture.Opaque` placeholder in nested args (a value the capture could not hold), or None."""
+    todo = list(trees)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, Opaque):
+            return x
+        if isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, types.SimpleNamespace) or dataclasses.is_dataclass(x) and not isinstance(x, type):
+            todo.extend(vars(x).values())
+    return None
 
 
 def _device_of(model: torch.nn.Module) -> torch.device | None:
@@ -57,6 +75,10 @@ def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Cal
     """Re-run a capture and report the op/module/step where inf/NaN first appeared, plus fp32 comparisons."""
     say = progress or (lambda s: None)
     cap = capture if isinstance(capture, Capture) else load_capture(capture)
+    held = _opaque(cap.args, cap.kwargs)
+    if held is not None:
+        raise BadInput(f"capture {cap.path}: the model's argument {held.where} was a {held.type}, which a capture "
+                       "does not hold; its replay runs in the training process (w.report() / w.close())")
     if isinstance(loss_fn, str):
         loss_fn = modelio.resolve(loss_fn, "--loss")
     m = modelio.build_model(cap, model)
