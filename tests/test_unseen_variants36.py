@@ -72,8 +72,7 @@ Fixed: a watch's capture holds enums, SimpleNamespace, Mappings that are no dict
 tuples or enums, numpy arrays and scalars, dataclasses (read back as a dataclass of the same name and fields), and
 writes anything else (a callable) as a placeholder naming its type; the in-process replay gives the model the live
 objects it received where the capture cannot give them back exactly (capture.relive), with the capture's tensor
-copies; the watch keeps the batch's containers as they were before the forward (tensors.shallow); the unlocated
-finding is said when nothing else was located. A replay from disk of a capture holding a placeholder is one line,
+copies; the watch keeps the batch's containers as they were before the forward (tensors.shallow). A replay from disk of a capture holding a placeholder is one line,
 exit 2 (tests/test_capture_objects.py); save_batch still refuses such an argument.
 
 Run: .venv/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_unseen_variants36.py

@@ -193,8 +193,9 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         # watch sees the root alone; a root finding of later steps, e.g. NaN from a buffer the captured step
         # poisoned, is another event than the capture's)
         root_here = not g.module and _of_step(g, cap_step)
+        # (nor an op whose inputs already held inf: it only passed on, or made NaN of, what another op made)
         cands = [o for o in ops if o.get("kind") in ("overflow", "nan_origin") and o.get("module") is not None
-                 and not o.get("absorbed") and (unlocated or o["module"] == g.module
+                 and not o.get("absorbed") and not o.get("in_has_inf") and (unlocated or o["module"] == g.module
                                                 or bool(g.module) and o["module"].startswith(g.module + ".")
                                                 or root_here)]
         ev = next((o for o in cands if o.get("phase") == g.phase), None) or (
@@ -218,7 +219,10 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         refined.add(id(findings[i]))
     fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
     search = (rr.data.get("replay") or {}).get("scaler_search") or {}
-    if search.get("finite_at") is not None and not fwd_bad and cap_step is not None:
+    # (not when the loss scale collapsed from that step on: finite at a smaller scale, but the run's scaler never
+    # settled there, as the records' loss_scale_collapse says; its skips are no search)
+    collapsed = any(f.rule == "loss_scale_collapse" and f.severity == "error" and f.step == cap_step for f in findings)
+    if search.get("finite_at") is not None and not fwd_bad and cap_step is not None and not collapsed:
         _benign_backward(findings, cap_step, search)
     cap_rec = next((r for r in steps if cap_step is not None and r.step == cap_step), None)
     cap_bad_fwd = cap_rec is not None and (cap_rec.loss_finite is False or cap_rec.output_finite is False)

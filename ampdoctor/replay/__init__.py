@@ -303,14 +303,14 @@ _LP = ("float16", "bfloat16")
 
 
 def _low_precision_first(events: list) -> list:
-    """Order non-finite op events for blame: ops whose values got out of their module before those whose module
-    still returned finite values (absorbed: NewGELU's x**3 inside a saturating tanh, forward; the backward NaN it
-    leads to, `0 * inf` in tanh's gradient, is the failure, as the live records name it), then forward before
-    backward, then ops that compute in a low-precision dtype before full-precision ones (an fp32 `log(0)` that the
-    model then masks away, as T5's relative-position buckets do, is not a mixed-precision failure)."""
+    """Order non-finite op events for blame: forward before backward and, within a phase, ops whose module still
+    returned finite values (absorbed: NewGELU's x**3 inside a saturating tanh) after those whose values got out,
+    then ops that compute in a low-precision dtype before full-precision ones (an fp32 `log(0)` that the model then
+    masks away, as T5's relative-position buckets do, is not a mixed-precision failure). (An absorbed forward op
+    stays before the backward: T5LayerNorm's x**2 overflowing into exact zeros is the failure, not its backward.)"""
     def lowp(e) -> bool:
         return e.out_dtype in _LP or any(d in _LP for d in (e.in_dtypes or []))
-    return sorted(events, key=lambda e: (e.absorbed, e.phase != "forward", not lowp(e), e.seq))
+    return sorted(events, key=lambda e: (e.phase != "forward", e.absorbed, not lowp(e), e.seq))
 
 
 def _outside_loss_finding(bad: list, step, loss_bad: bool = False) -> Finding:
