@@ -115,11 +115,55 @@ def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
                                for k, v in state_dict.items()}, strict=not any(v.is_meta for v in own.values()))
 
 
+_MODULE_KEYS = frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
+
+
+def _attributes(mod: torch.nn.Module) -> dict:
+    """A module's own attributes besides its parameters, buffers, children and hooks, as the replay's forward may
+    change them (a step counter, a memory kept as a plain tensor, a queue, a torch.Generator it draws from): each
+    value with what restores it (a tensor's values, a container's items, a generator's state)."""
+    out = {}
+    for k, v in vars(mod).items():
+        if k in _MODULE_KEYS:
+            continue
+        if isinstance(v, torch.Generator):
+            keep = v.get_state()
+        elif isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.layout == torch.strided \
+                and not v.is_meta:
+            keep = v.detach().clone()
+        elif isinstance(v, (list, dict, set)):
+            keep = type(v)(v)
+        else:
+            keep = None
+        out[k] = (v, keep)
+    return out
+
+
+def _restore_attributes(mod: torch.nn.Module, saved: dict) -> None:
+    for k in [k for k in vars(mod) if k not in _MODULE_KEYS and k not in saved]:
+        delattr(mod, k)  # (an attribute the replay's forward added)
+    for k, (v, keep) in saved.items():
+        mod.__dict__[k] = v
+        if keep is None:
+            continue
+        if isinstance(v, torch.Generator):
+            v.set_state(keep)
+        elif isinstance(v, torch.Tensor):
+            if v.shape == keep.shape:
+                v.data.copy_(keep)  # (written in place: a memory bank's slots)
+        elif isinstance(v, list):
+            v[:] = keep
+        else:
+            v.clear()
+            v.update(keep)
+
+
 @contextlib.contextmanager
 def preserved(model: torch.nn.Module):
     """Restore the model's weights and buffers (bitwise, the non-persistent ones too, and the tensor objects a
-    forward reassigned), train/eval modes, .grad and the RNG states (torch's, Python's `random`, NumPy's global one:
-    a forward may draw from them, e.g. Wav2Vec2's masks) on exit."""
+    forward reassigned), train/eval modes, .grad, the RNG states (torch's, Python's `random`, NumPy's global one:
+    a forward may draw from them, e.g. Wav2Vec2's masks) and the modules' other attributes (a counter, a plain-tensor
+    memory, a queue, a torch.Generator of the model's own: `_attributes`) on exit."""
     slots = [(mod, d, name, t, t.detach().clone()) for mod in model.modules()
              for d in (mod._parameters, mod._buffers) for name, t in list(d.items()) if t is not None]
     modes = {m: m.training for m in model.modules()}
@@ -130,6 +174,7 @@ def preserved(model: torch.nn.Module):
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    attrs = [(mod, _attributes(mod)) for mod in model.modules()]
     try:
         yield
     finally:
@@ -137,6 +182,8 @@ def preserved(model: torch.nn.Module):
             for mod, d, name, t, v in slots:
                 d[name] = t  # (a forward that replaced the buffer object: the module gets its own back)
                 t.data.copy_(v)
+            for mod, saved in attrs:
+                _restore_attributes(mod, saved)
         random.setstate(py_rng)
         if np_rng is not None:
             np_mod.random.set_state(np_rng)
