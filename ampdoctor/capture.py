@@ -32,6 +32,7 @@ import json
 import keyword
 import math
 import os
+import struct
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from .capturecheck import (FORMAT_NAME, FORMAT_VERSION, MAX_DEPTH, MAX_MANIFEST_
                            _check_manifest, _check_safetensors, _need, _read_tensors, _safe_file)
 from .errors import BadInput
 from .fsutil import atomic_write_bytes, atomic_write_text, loads_bounded, read_regular
+from .tensors import unpack_np_rng, unpack_py_rng
 
 __all__ = ["Capture", "Opaque", "save_batch", "write_capture", "load_capture", "relive", "FORMAT_NAME", "FORMAT_VERSION"]
 
@@ -483,6 +485,11 @@ def load_capture(path: str | os.PathLike) -> Capture:
     rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng/")}
     for k, v in rng.items():
         _need(v.dtype == torch.uint8 and v.dim() == 1, f"RNG state {k} is not a 1-D uint8 tensor", cap)
+        if k in ("py", "np"):  # Python's / NumPy's RNG, packed (tensors.pack_py_rng / pack_np_rng)
+            try:
+                (unpack_py_rng if k == "py" else unpack_np_rng)(v)
+            except (ValueError, struct.error):
+                _need(False, f"RNG state {k} is not a valid {'Python' if k == 'py' else 'NumPy'} RNG state", cap)
         if k == "cpu":  # (torch checks a CPU generator's state itself; a CUDA one is checked when it is set)
             try:
                 torch.Generator().set_state(v)

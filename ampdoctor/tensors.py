@@ -3,10 +3,13 @@ state, the model's own loss, and where in the user's code an exception was raise
 from __future__ import annotations
 
 import dataclasses
+import random
+import struct
+import sys
 
 import torch
 
-__all__ = ["flatten_tensors", "copy_tensors", "input_versions", "input_writes", "local", "is_sharded", "module_type", "dt_name", "loss_of", "rng_state", "shallow", "autocast_dtype", "autocast_str",
+__all__ = ["flatten_tensors", "copy_tensors", "input_versions", "input_writes", "local", "is_sharded", "module_type", "dt_name", "loss_of", "rng_state", "pack_py_rng", "unpack_py_rng", "pack_np_rng", "unpack_np_rng", "shallow", "autocast_dtype", "autocast_str",
            "ac_from_str", "tb_module", "tb_location"]
 
 
@@ -109,13 +112,62 @@ def loss_of(output):
     return None
 
 
-def rng_state():
+def rng_state(extra=None):
     """The CPU and every initialised CUDA generator's state (what `torch.cuda.get_rng_state_all()` returns,
-    without its per-device lookups: this runs at every step's forward)."""
+    without its per-device lookups: this runs at every step's forward). `extra`: (python, numpy, generators) --
+    what else the model's forward draws from (record/modulehooks.py finds out): Python's `random`, NumPy's global
+    RNG (packed as bytes, `pack_py_rng`/`pack_np_rng`) and torch.Generators the model holds ([(name, generator)])."""
     s = {"cpu": torch.default_generator.get_state()}  # (what torch.get_rng_state() returns, without its wrapper)
     if torch.cuda.is_initialized():
         s["cuda"] = [g.get_state() for g in torch.cuda.default_generators]
+    if extra is not None:
+        py, np_rng, gens = extra
+        if py:
+            s["py"] = pack_py_rng(random.getstate())
+        if np_rng and "numpy" in sys.modules:
+            s["np"] = pack_np_rng(sys.modules["numpy"].random.get_state())
+        for name, g in gens:
+            s[f"gen:{name}"] = g.get_state()
     return s
+
+
+_PY_HEAD = struct.Struct("<iBd")   # version, has gauss_next, gauss_next; then 625 uint32 (the state and its index)
+_NP_HEAD = struct.Struct("<iid")   # pos, has_gauss, cached_gaussian; then 624 uint32 keys
+
+
+def pack_py_rng(state) -> torch.Tensor:
+    """Python `random`'s state (random.getstate()) as a uint8 tensor, for a capture's RNG states."""
+    version, internal, gauss = state
+    raw = _PY_HEAD.pack(version, gauss is not None, gauss or 0.0) + struct.pack(f"<{len(internal)}I", *internal)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def unpack_py_rng(t: torch.Tensor):
+    """random.setstate()'s argument from `pack_py_rng`'s tensor; ValueError when it is not one."""
+    raw = bytes(t.numpy().tobytes()) if t.dtype == torch.uint8 and t.dim() == 1 else b""
+    if len(raw) != _PY_HEAD.size + 625 * 4:
+        raise ValueError("not a packed Python RNG state")
+    version, has, gauss = _PY_HEAD.unpack_from(raw)
+    return version, struct.unpack_from("<625I", raw, _PY_HEAD.size), gauss if has else None
+
+
+def pack_np_rng(state) -> torch.Tensor:
+    """NumPy's global RNG state (np.random.get_state(): MT19937) as a uint8 tensor."""
+    _, keys, pos, has_gauss, cached = state
+    raw = _NP_HEAD.pack(int(pos), int(has_gauss), float(cached)) + bytes(keys.astype("<u4").tobytes())
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def unpack_np_rng(t: torch.Tensor):
+    """np.random.set_state()'s argument from `pack_np_rng`'s tensor; ValueError when it is not one."""
+    import numpy as np
+    raw = bytes(t.numpy().tobytes()) if t.dtype == torch.uint8 and t.dim() == 1 else b""
+    if len(raw) != _NP_HEAD.size + 624 * 4:
+        raise ValueError("not a packed NumPy RNG state")
+    pos, has_gauss, cached = _NP_HEAD.unpack_from(raw)
+    if not 0 <= pos <= 624 or has_gauss not in (0, 1):
+        raise ValueError("not a packed NumPy RNG state")
+    return "MT19937", np.frombuffer(raw[_NP_HEAD.size:], dtype="<u4").astype(np.uint32), pos, has_gauss, cached
 
 
 def autocast_dtype(device_type: str):

@@ -87,3 +87,26 @@ def test_a_replay_from_disk_of_a_placeholder_is_one_line_exit_2(tmp_path, capsys
 def test_save_batch_refuses_what_it_cannot_hold(tmp_path):
     with pytest.raises(BadInput, match="unsupported type CrossEntropyLoss"):
         save_batch(tmp_path / "cap", Net(), torch.randn(2, 3), nn.CrossEntropyLoss())
+
+
+def test_python_and_numpy_rng_states_round_trip_and_a_corrupt_one_is_refused(tmp_path):
+    import random
+
+    from ampdoctor.replay.modelio import set_rng
+    from ampdoctor.tensors import pack_np_rng, pack_py_rng
+    random.seed(3)
+    np.random.seed(4)
+    random.random()
+    np.random.rand(5)
+    rng = {"cpu": torch.get_rng_state(), "py": pack_py_rng(random.getstate()),
+           "np": pack_np_rng(np.random.get_state())}
+    want = (random.random(), float(np.random.rand()))
+    path = write_capture(tmp_path / "cap", Net(), (torch.randn(2, 3),), {}, rng=rng)
+    cap = load_capture(path)
+    random.random(), np.random.rand(7)      # move both on
+    set_rng(cap.rng)                          # what the replay does before the captured forward
+    assert (random.random(), float(np.random.rand())) == want
+    bad = write_capture(tmp_path / "bad", Net(), (torch.randn(2, 3),), {},
+                        rng={"cpu": torch.get_rng_state(), "py": torch.zeros(10, dtype=torch.uint8)})
+    with pytest.raises(BadInput, match="RNG state py is not a valid Python RNG state"):
+        load_capture(bad)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import sys
 
 import torch
@@ -53,11 +54,13 @@ class ModuleHookCallbacks:
                 if st.micro == 1:
                     self._input_jump(st, args, kwargs)
                 if self.copy_inputs:  # this model writes into its own inputs: keep them as it received them
-                    st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng_state()))
+                    st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng_state(self.rng_extra)))
                 else:
                     # (the containers copied, not the tensors: a forward that pops `labels` out of the dict it gets
                     # must not empty the capture's batch)
-                    st.batches.append((shallow(args), shallow(kwargs), rng_state()))
+                    st.batches.append((shallow(args), shallow(kwargs), rng_state(self.rng_extra)))
+                if st.sampled and st.micro == 1:
+                    self.rng_probe = _rng_probe()  # (does the forward draw from Python's or NumPy's RNG?)
                     if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
                         st.in_versions = input_versions((args, kwargs))
                 if st.micro == 1 and self.outside_snap is not None and st.step > self.outside_snap[0]:
@@ -143,6 +146,9 @@ class ModuleHookCallbacks:
                         node = t.grad_fn  # (a leaf output, a module returning its own parameter: nothing to keep)
                         if node is not None and t.numel() * t.element_size() <= GRAD_OUT_BYTES:
                             node.register_prehook(EntryHook(t.output_nr, functools.partial(keep_grad, slot, j)))
+        if module is self.root and not st.stack and self.rng_probe is not None:
+            self._rng_drawn(self.rng_probe)
+            self.rng_probe = None
         if module is self.root and not st.stack:
             for buf in st.fbuf.values():  # the forward's pending statistics: measured before the backward begins
                 buf.forward_done()
@@ -167,6 +173,15 @@ class ModuleHookCallbacks:
                 st.regions = Regions()
             for node, idx in gradient_exits(outs, ins, c.seq0, st.regions):
                 node.register_hook(ExitHook(idx, hook))
+
+    def _rng_drawn(self, before) -> None:
+        """A sampled step's forward drew from Python's `random` or NumPy's global RNG (LayerDrop with random.random(),
+        a crop with np.random): from now on each batch keeps their state too, for a faithful replay."""
+        py, np_rng = _rng_probe()
+        extra = self.rng_extra or (False, False, [])
+        drawn = (extra[0] or py != before[0], extra[1] or np_rng != before[1], extra[2])
+        if drawn[:2] != extra[:2]:
+            self.rng_extra = drawn
 
     def exception_info(self, exc: BaseException, default_module: str | None) -> dict:
         f, ln = tb_location(exc)
@@ -193,6 +208,16 @@ class ModuleHookCallbacks:
                 self.fail(e)
             return None
         return hook
+
+
+def _rng_probe() -> tuple:
+    """What tells whether Python's `random` and NumPy's global RNG moved: their states (NumPy's position and first
+    key: a draw moves one or the other)."""
+    np_mod = sys.modules.get("numpy")
+    if np_mod is None:
+        return random.getstate(), None
+    _, keys, pos, _, _ = np_mod.random.get_state()
+    return random.getstate(), (int(pos), int(keys[0]))
 
 
 def output_sum(t: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,13 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         self.copy_inputs = False  # the model writes into its inputs: batches are kept as copies (input_writes)
         self.skeletons: dict = {}  # capture path -> the model's structure when it was written (replay/skeleton.py)
         self.capture_live: dict = {}  # capture path -> (args, kwargs) as the model received them (capture.relive)
+        # what the forward draws from besides torch's default generators, kept with each batch (tensors.rng_state):
+        # (Python's random, NumPy's global RNG: found drawn from on a sampled step, modulehooks._rng_drawn; the
+        # torch.Generators the model holds)
+        gens = [(f"{n}.{k}" if n else k, v) for n, mod in watch.model.named_modules() for k, v in vars(mod).items()
+                if isinstance(v, torch.Generator)]
+        self.rng_extra = (False, False, gens) if gens else None
+        self.rng_probe = None
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}

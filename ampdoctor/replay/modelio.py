@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import BadInput
 from ..record.stats import is_measurable
-from ..tensors import flatten_tensors
+from ..tensors import flatten_tensors, unpack_np_rng, unpack_py_rng
 
 __all__ = ["resolve", "build_model", "match_capture_dtype", "load_weights", "preserved", "set_rng", "autocast_ctx", "to_device",
            "get_loss", "run_step", "floating_params"]
@@ -199,13 +199,30 @@ def preserved(model: torch.nn.Module):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def set_rng(rng: dict) -> None:
+def set_rng(rng: dict, model: torch.nn.Module | None = None) -> None:
+    """The RNG states a capture holds, as they were before the captured forward: torch's CPU and CUDA generators,
+    Python's `random` and NumPy's global RNG when the model's forward draws from them, and a torch.Generator the
+    model holds ("gen:<module>.<attribute>", set on `model`'s own when it has one there). preserved() restores all of
+    them after the replay."""
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"])
     if torch.cuda.is_available():
         for k, s in rng.items():
             if k.startswith("cuda:") and int(k[5:]) < torch.cuda.device_count():
                 torch.cuda.set_rng_state(s, int(k[5:]))
+    if "py" in rng:
+        random.setstate(unpack_py_rng(rng["py"]))
+    if "np" in rng and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(unpack_np_rng(rng["np"]))
+    for k, s in rng.items():
+        if k.startswith("gen:") and model is not None:
+            mod_name, _, attr = k[4:].rpartition(".")
+            try:
+                g = vars(model.get_submodule(mod_name)).get(attr)
+            except AttributeError:
+                continue
+            if isinstance(g, torch.Generator):
+                g.set_state(s)
 
 
 def autocast_ctx(device: str, dtype: torch.dtype | None):
@@ -273,7 +290,7 @@ def floating_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
 def run_step(model, args, kwargs, *, device: str, dtype, rng: dict, loss_fn=None, scale: float | None = None,
              backward: bool = True, on_backward: Callable | None = None):
     """One forward (+ backward through autograd.grad, so no .grad is touched). Returns (output, loss, grads)."""
-    set_rng(rng)
+    set_rng(rng, model)
     with autocast_ctx(device, dtype):
         out = model(*args, **kwargs)
         loss = get_loss(out, args, kwargs, loss_fn)
