@@ -249,6 +249,31 @@ def real_fwd(r, name, step, skip=True):
         assert r["skipped"] and r["skipped"][0] == step, r
 
 
+def real_fwd_after_backoffs(r, name, step, call=None):
+    """The forward failure is real (the probe files' own loops: test_unseen_variants34-37): the oracle's first
+    producer is `name` at `step` (and call `call` where the oracle counts calls), the loss is first non-finite there
+    and the scaler skips it; before it only the first steps' ordinary backoffs (steps 0-2). Where the run dict has
+    a report, it was built and holds findings."""
+    assert r["first"] == ((name, step) if call is None else (name, step, call)), r
+    assert r["bad_loss"] and r["bad_loss"][0] == step, r
+    assert step in r["skipped"] and all(s < 3 for s in r["skipped"] if s < step), r
+    if "rep" in r:
+        assert r["rep"] is not None and r["rep"].findings, r
+
+
+def quiet_twin(r, skips=(), fall=1.0):
+    """A probe's twin (the fix applied) was healthy and ampdoctor is quiet: every loss finite, the last three
+    below `fall` x the first three, no producer, no skip after the first steps' ordinary backoffs but `skips`, no
+    RuntimeWarning of ampdoctor's (where the run dict keeps them), no warning or error in the report."""
+    ls = r["losses"]
+    assert all(map(math.isfinite, ls)) and r["first"] is None, r
+    assert sum(ls[-3:]) < fall * sum(ls[:3]), ls
+    assert [s for s in r["skipped"] if s >= 3] == list(skips), r
+    assert r.get("warns", []) == [], r["warns"]
+    rep = r["rep"]
+    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+
+
 def real_bwd(r, name, step):
     """The backward failure is real: forward and loss finite, first backward producer `name` at `step`, skipped."""
     assert r["first"] is None, r

@@ -90,7 +90,7 @@ from torch.distributions import Normal
 from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
-from probe_harness import at_top3, xf
+from probe_harness import at_top3, xf, quiet_twin as quiet, real_fwd_after_backoffs
 from scenarios import alarms, lines, no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -202,22 +202,7 @@ def run(m, batch, loss_fn, steps, run_dir, *, inject=None, lr=1e-3, backward=Fal
 
 
 def real_fwd(r, name, step, call=1):
-    """The forward failure is real: the oracle's first producer is (name, step, call); the loss is first non-finite
-    at that step and the scaler skips it (its only skips before are the first steps' ordinary backoffs)."""
-    assert r["first"] == (name, step, call), r
-    assert r["bad_loss"] and r["bad_loss"][0] == step, r
-    assert step in r["skipped"] and all(s < 3 for s in r["skipped"] if s < step), r
-
-
-def quiet(r, skips=()):
-    """A twin: every loss finite, the loss fell, no producer, no skip after the first steps' ordinary backoffs but
-    `skips`, and ampdoctor raises no warning and no error."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and r["first"] is None, r
-    assert sum(ls[-3:]) < sum(ls[:3]), ls
-    assert [s for s in r["skipped"] if s >= 3] == list(skips), r
-    rep = r["rep"]
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+    real_fwd_after_backoffs(r, name, step, call)
 
 
 def mse(out, y):

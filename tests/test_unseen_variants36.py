@@ -93,7 +93,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 import ampdoctor
-from probe_harness import Producer, at_top3
+from probe_harness import Producer, at_top3, quiet_twin, real_fwd_after_backoffs as real_fwd
 from scenarios import alarms, lines, no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -112,6 +112,11 @@ class WrongAnswer(AssertionError):
 
 def gen(i):
     return torch.Generator().manual_seed(i)
+
+
+def quiet(r):
+    """A twin: healthy (the loss down by 10% at least) and ampdoctor quiet (probe_harness.quiet_twin)."""
+    quiet_twin(r, fall=0.9)
 
 
 def run(m, batch, loss_fn, steps, run_dir, *, inject=None, lr=1e-3, watch=True):
@@ -162,17 +167,6 @@ def run(m, batch, loss_fn, steps, run_dir, *, inject=None, lr=1e-3, watch=True):
     return r
 
 
-def real_fwd(r, name, step):
-    """The failure is real: the oracle's first producer (first module whose output is non-finite from finite
-    inputs, keyword inputs and own parameters) is `name` at `step`; the loss is first non-finite there and the
-    scaler skips it (its only skips before are the first steps' ordinary backoffs). The run went on to the end and
-    the report was built (whatever the capture could not hold broke neither)."""
-    assert r["first"] == (name, step), r
-    assert r["bad_loss"] and r["bad_loss"][0] == step, r
-    assert step in r["skipped"] and all(s < 3 for s in r["skipped"] if s < step), r
-    assert r["rep"] is not None and r["rep"].findings, r
-
-
 def named(r, rule, module, step, quiet_at=()):
     """The report check: `rule` at the producer, at its step, forward, error, among the first three findings (and
     no error at the modules that only passed it on). A failure is a WrongAnswer naming ampdoctor's top three and
@@ -184,18 +178,6 @@ def named(r, rule, module, step, quiet_at=()):
     except AssertionError as e:
         raise WrongAnswer(f"top3={lines(rep)[:3]} warnings={r['warns']} ({e})") from None
     assert not [s for s in r["warns"] if "could not write a capture" in s or "replay" in s], r["warns"]
-
-
-def quiet(r):
-    """A twin: every loss finite, the loss fell, no producer, no skip after the first steps' ordinary backoffs,
-    no RuntimeWarning of ampdoctor's, and no warning or error in the report."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and r["first"] is None, r
-    assert sum(ls[-3:]) < 0.9 * sum(ls[:3]), ls
-    assert not [s for s in r["skipped"] if s >= 3], r
-    assert r["warns"] == [], r["warns"]
-    rep = r["rep"]
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
 
 
 def same_training(a, b):

@@ -89,7 +89,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from probe_harness import Producer, at_top3, xf
+from probe_harness import Producer, at_top3, xf, quiet_twin, real_fwd_after_backoffs as real_fwd
 from scenarios import alarms, lines, no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -116,6 +116,11 @@ def wrong(reason):
 
 def gen(i):
     return torch.Generator().manual_seed(i)
+
+
+def quiet(r):
+    """A twin: healthy (the loss down by 10% at least) and ampdoctor quiet (probe_harness.quiet_twin)."""
+    quiet_twin(r, fall=0.9)
 
 
 def run(m, batch, loss_fn, steps, run_dir, *, lr=1e-3, watch=True, oracle=True, mid_report=None, before=None,
@@ -172,16 +177,6 @@ def run(m, batch, loss_fn, steps, run_dir, *, lr=1e-3, watch=True, oracle=True, 
     return r
 
 
-def real_fwd(r, name, step):
-    """The failure is real: the oracle's first producer (first module whose output is non-finite from finite
-    inputs, keyword inputs and own parameters) is `name` at `step`; the loss is first non-finite there and the
-    scaler skips it (its only skips before are the first steps' ordinary backoffs); the report was built."""
-    assert r["first"] == (name, step), r
-    assert r["bad_loss"] and r["bad_loss"][0] == step, r
-    assert step in r["skipped"] and all(s < 3 for s in r["skipped"] if s < step), r
-    assert r["rep"] is not None and r["rep"].findings, r
-
-
 def named(r, rule, module, step, quiet_at=()):
     """The report check: `rule` at the producer, at its step, forward, error, among the first three findings (and
     no error at the modules that only passed it on). A failure is a WrongAnswer naming ampdoctor's top three and
@@ -193,18 +188,6 @@ def named(r, rule, module, step, quiet_at=()):
     except AssertionError as e:
         raise WrongAnswer(f"top3={lines(rep)[:3]} warnings={r['warns']} ({e})") from None
     assert not [s for s in r["warns"] if "could not write a capture" in s or "replay" in s], r["warns"]
-
-
-def quiet(r):
-    """A twin: every loss finite, the loss fell, no producer, no skip after the first steps' ordinary backoffs,
-    no RuntimeWarning of ampdoctor's, and no warning or error in the report."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and r["first"] is None, r
-    assert sum(ls[-3:]) < 0.9 * sum(ls[:3]), ls
-    assert not [s for s in r["skipped"] if s >= 3], r
-    assert r["warns"] == [], r["warns"]
-    rep = r["rep"]
-    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
 
 
 def same_training(make, batch, loss_fn, steps, at, mid, tmp_path, lr=1e-3, before=None, after=None):
