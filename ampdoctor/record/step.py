@@ -54,7 +54,9 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         self.host_slots = HostSlots()  # the pinned buffers the step's values come back through (hostcopy.py)
         self.copy_inputs = False  # the model writes into its inputs: batches are kept as copies (input_writes)
         self.skeletons: dict = {}  # capture path -> the model's structure when it was written (replay/skeleton.py)
-        self.capture_live: dict = {}  # capture path -> (args, kwargs) as the model received them (capture.relive)
+        # capture path -> (args, kwargs) as the model received them (capture.relive): references, at most
+        # max_captures batches, kept while the watch lives (the replay runs at report/close)
+        self.capture_live: dict = {}
         # what the forward draws from besides torch's default generators, kept with each batch (tensors.rng_state):
         # (Python's random, NumPy's global RNG: found drawn from on a sampled step, modulehooks._rng_drawn; the
         # torch.Generators the model holds)
