@@ -59,10 +59,10 @@ class ModuleHookCallbacks:
                     # (the containers copied, not the tensors: a forward that pops `labels` out of the dict it gets
                     # must not empty the capture's batch)
                     st.batches.append((shallow(args), shallow(kwargs), rng_state(self.rng_extra)))
-                if st.sampled and st.micro == 1:
-                    self.rng_probe = _rng_probe()  # (does the forward draw from Python's or NumPy's RNG?)
                     if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
                         st.in_versions = input_versions((args, kwargs))
+                if st.sampled and st.micro == 1:
+                    self.rng_probe = _rng_probe()  # (does the forward draw from Python's or NumPy's RNG?)
                 if st.micro == 1 and self.outside_snap is not None and st.step > self.outside_snap[0]:
                     st.outside = outside_compare(self, self.outside_snap)  # frozen fp16 weights written since?
                     self.outside_snap = None
