@@ -40,8 +40,10 @@ def _opaque(*trees):
             todo.extend(x)
         elif isinstance(x, dict):
             todo.extend(x.values())
-        elif isinstance(x, types.SimpleNamespace) or dataclasses.is_dataclass(x) and not isinstance(x, type):
+        elif isinstance(x, types.SimpleNamespace):
             todo.extend(vars(x).values())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            todo.extend(getattr(x, f.name, None) for f in dataclasses.fields(x))
     return None
 
 
