@@ -9,6 +9,8 @@ A capture is a directory:
                            same fields, no class a capture names is imported), and per file its size and sha256
     tensors.safetensors    the batch tensors ("a/…", "k/…"), RNG states taken before the forward ("rng/…") and,
                            from a watch, the gradient that reached the model's outputs ("g/…", manifest grad_out)
+                           and the state the forward reads besides its arguments, as the forward found it
+                           ("state/num:…", "state/tensor:…", "state/buf:…", manifest state: record/modstate.py)
     state.safetensors      the model's weights and buffers (state_dict)
 
 The checks a capture passes before it is read are ampdoctor/capturecheck.py; the args/kwargs structure's JSON
@@ -44,7 +46,9 @@ __all__ = ["Capture", "Opaque", "save_batch", "write_capture", "load_capture", "
 
 @dataclass
 class Capture:
-    """A loaded capture. `args`/`kwargs` are rebuilt with CPU tensors; `rng` maps "cpu"/"cuda:<i>" to states."""
+    """A loaded capture. `args`/`kwargs` are rebuilt with CPU tensors; `rng` maps "cpu"/"cuda:<i>" (and "py", "np",
+    "gen:<module>.<attr>") to RNG states, and the keys of STATE_PREFIXES to the module state the captured forward
+    found (a counter as a 0-d tensor, a memory, a buffer: replay/modelio.set_rng sets both)."""
 
     path: str
     manifest: dict
@@ -85,6 +89,18 @@ def _autocast_now() -> dict:
         except (RuntimeError, TypeError):
             continue
     return {"device": "cpu", "dtype": "float16", "enabled": False}
+
+
+STATE_PREFIXES = ("num:", "tensor:", "buf:")
+"""Keys of a batch's RNG dict (and of a capture's "state/" tensors) that hold module state, not RNG states."""
+_NUM_DTYPES = (torch.bool, torch.int64, torch.float64)
+
+
+def _state_tensor(v) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", copy=True).contiguous()
+    return torch.tensor(v, dtype=torch.bool if isinstance(v, bool) else torch.int64 if isinstance(v, int)
+                        else torch.float64)
 
 
 def _rng_now() -> dict[str, torch.Tensor]:
@@ -151,8 +167,14 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
     tensors: dict[str, torch.Tensor] = {}
     structure = {"args": _encode(tuple(args), "a", tensors, "args", opaque),
                  "kwargs": _encode(dict(kwargs or {}), "k", tensors, "kwargs", opaque)}
-    for name, s in _norm_rng(rng if rng is not None else _rng_now()).items():
+    rng = rng if rng is not None else _rng_now()
+    for name, s in _norm_rng({k: v for k, v in rng.items() if not str(k).startswith(STATE_PREFIXES)}).items():
         tensors[f"rng/{name}"] = s.detach().to("cpu", copy=True).contiguous()
+    for k, v in rng.items():
+        if isinstance(v, tuple):  # (a tensor the forward replaces, its version then): left out if written since
+            v = v[0] if len(v) == 2 and isinstance(v[0], torch.Tensor) and v[0]._version == v[1] else None
+        if str(k).startswith(STATE_PREFIXES) and v is not None:
+            tensors[f"state/{k}"] = _state_tensor(v)
     gkeys = None
     if grad_out:
         gkeys = [None if g is None else f"g/{i}" for i, g in enumerate(grad_out)]
@@ -181,6 +203,7 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
         "training": bool(model.training),
         "eval_modules": [n for n, m in model.named_modules() if not m.training and model.training],
         "structure": structure, "rng": sorted(k[4:] for k in tensors if k.startswith("rng/")),
+        "state": sorted(k[6:] for k in tensors if k.startswith("state/")),
         "files": files, "extra": _plain(extra or {}), "grad_out": gkeys,
     }
     atomic_write_text(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=1))
@@ -260,6 +283,13 @@ def load_capture(path: str | os.PathLike) -> Capture:
                 torch.Generator().set_state(v)
             except (RuntimeError, ValueError):
                 _need(False, f"RNG state {k} is not a valid CPU generator state", cap)
+    for k, v in tensors.items():
+        if k.startswith("state/"):
+            k = k[6:]
+            _need(k.startswith(STATE_PREFIXES), f"state entry {k!r} is not one ampdoctor writes", cap)
+            _need(not k.startswith("num:") or v.dim() == 0 and v.dtype in _NUM_DTYPES,
+                  f"state entry {k} is not a number", cap)
+            rng[k] = v
     sc = manifest.get("scaler")
     _need(sc is None or isinstance(sc, dict), "manifest scaler must be an object", cap)
     for key in ("scale", "backoff_factor", "growth_factor"):

@@ -55,7 +55,7 @@ def _check_manifest(m: Any, cap: str) -> None:
     for k, t in types.items():
         _need(isinstance(m.get(k), t), f"manifest field {k!r} must be {t.__name__}, got {type(m.get(k)).__name__}",
               cap)
-    for k, t in (("hf_config", dict), ("scaler", dict), ("extra", dict), ("rng", list), ("training", bool),
+    for k, t in (("hf_config", dict), ("scaler", dict), ("extra", dict), ("rng", list), ("state", list), ("training", bool),
                  ("eval_modules", list)):
         _need(m.get(k) is None or isinstance(m.get(k), t), f"manifest field {k!r} must be {t.__name__} or null", cap)
     step = m.get("step")

@@ -54,7 +54,7 @@ Not built: a gumbel-softmax VQ whose one dead code was re-seeded with a raw (3e4
 gradient runs through every code, so its backward overflows at every step (the scaler's backoffs at 0-7), not
 only when the sample picks the code: no replay question.
 
-What ampdoctor says (6 of 9 right: 1-4, 8, 9; every identity run unchanged; no RuntimeWarning anywhere):
+What ampdoctor says (9 of 9 right; every identity run unchanged; no RuntimeWarning anywhere):
 - right from the start: 4 (global torch RNG: the capture's RNG state), 8 (dropout), 9 (eval_modules and the
   frozen statistics).
 - fixed since (strict xfails here first): 1 was `overflow at layers.0.fc1 step 13` and 2 `nan_origin at (run) step
@@ -63,11 +63,14 @@ What ampdoctor says (6 of 9 right: 1-4, 8, 9; every identity run unchanged; no R
   forward draws from Python's or NumPy's RNG (record/modulehooks.py `_rng_drawn`), and from then on each batch
   keeps their states, as it keeps those of the torch.Generators the model holds (tensors.rng_state); the capture
   stores them (packed as bytes, validated on load) and the replay sets them before the forward.
-Still wrong (strict xfails):
-- 5: `nan_origin at (run) step 7`: the replay runs with the counter at report time (a seg step).
-- 6: `nan_origin at (run) step 9`: the capture's buffers are those after the step's forward (written at the
-  optimizer step), the running variance already 1.6e11: the replay normalises the glitch away.
-- 7: `nan_origin at (run) step 9`: the replay uses the memory as it is at report time.
+Fixed since (strict xfails here first, each the report's `nan_origin at (run)`: the replay ran the step with
+the state as it stood at report time):
+- 5 (`nan_origin at (run) step 7`: the counter at report time picked a seg step), 6 (`nan_origin at (run) step 9`:
+  the capture's buffers were those after the step's forward, the running variance already 1.6e11, which normalised
+  the glitch away), 7 (`nan_origin at (run) step 9`: the memory as it is at report time). The first routine steps
+  and every sampled one now note which module state the forward changes (record/modstate.py: a number attribute,
+  a tensor attribute replaced or written, a buffer written in place); from then on each batch keeps that state as
+  the forward found it, the capture stores it ("state/..."), and the replay sets it before each forward.
 - identity (all six now unchanged): a mid-run report changed the training of 3 (the replay advanced the model's
   own Generator), 5 (it incremented the counter: the task cycle shifted by one) and 7 (it overwrote the memory);
   replay/modelio.preserved now also restores the modules' other attributes (a counter, a plain-tensor memory, a
@@ -453,9 +456,6 @@ def make_rr():
     return RoundRobin()
 
 
-@wrong("ampdoctor: `[error] nan_origin at (run) step 7: ... a step without per-layer statistics`, `[error] "
-       "skipped_steps at (run) step 7`; no RuntimeWarning. Truth: overflow at `range_proj`, step 7 (a depth step): "
-       "the replay runs the live model with its counter at report time (11 calls: a seg step, the ranges unused; finite)")
 def test_round_robin_counter_ranges_in_mm_overflow_range_proj(tmp_path):
     r = run(make_rr(), rr_batch, rr_loss, MM_AT + 4, tmp_path / "run")
     real_fwd(r, "range_proj", MM_AT)
@@ -519,10 +519,6 @@ def make_policy():
     return Policy()
 
 
-@wrong("ampdoctor: `[error] nan_origin at (run) step 9: ... a step without per-layer statistics`, `[error] "
-       "skipped_steps at (run) step 9`, `[info] overflow at head step 0`; no RuntimeWarning. Truth: overflow at "
-       "`body.0`, step 9: the capture holds the buffers as they were after the step's forward (written at the "
-       "optimizer step; running var[9] already 1.6e11), so the replay normalises the glitch away (finite)")
 def test_lagging_normaliser_sensor_glitch_overflows_first_linear(tmp_path):
     r = run(make_policy(), obs_batch(True), mse, GLITCH_AT + 4, tmp_path / "run", lr=3e-3)
     real_fwd(r, "body.0", GLITCH_AT)
@@ -597,10 +593,6 @@ def make_stream():
     return StreamLM()
 
 
-@wrong("ampdoctor: `[error] nan_origin at (run) step 9: ... a step without per-layer statistics`, `[error] "
-       "skipped_steps at (run) step 9`, `[warning] overflow_risk at mem step 10`; no RuntimeWarning. Truth: overflow "
-       "at `mem`, step 9 (the memory step 8's loud segment filled): the memory is no parameter or buffer, the "
-       "replay runs with it as it is at report time (finite)")
 def test_linear_attention_memory_from_a_loud_segment_overflows_mem(tmp_path):
     r = run(make_stream(), stream_batch, lm_loss, MEM_AT + 4, tmp_path / "run", lr=3e-3)
     real_fwd(r, "mem", MEM_AT)

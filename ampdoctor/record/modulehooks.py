@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from . import modstate
 from .gradexits import EntryHook, ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import GRAD_OUT_BYTES, in_compiled_frame, keep_grad
 from .openstep import _Call
@@ -53,12 +54,17 @@ class ModuleHookCallbacks:
                 st.micro += 1
                 if st.micro == 1:
                     self._input_jump(st, args, kwargs)
+                rng = rng_state(self.rng_extra)
+                if self.state_keys:  # the module state this forward reads (a counter, a memory: modstate.py)
+                    rng.update(modstate.snapshot(self.state_keys))
+                if st.micro == 1 and not self.compiled and modstate.due(st.step, st.sampled):
+                    self.state_probe = modstate.probe(self.w.model)
                 if self.copy_inputs:  # this model writes into its own inputs: keep them as it received them
-                    st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng_state(self.rng_extra)))
+                    st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng))
                 else:
                     # (the containers copied, not the tensors: a forward that pops `labels` out of the dict it gets
                     # must not empty the capture's batch)
-                    st.batches.append((shallow(args), shallow(kwargs), rng_state(self.rng_extra)))
+                    st.batches.append((shallow(args), shallow(kwargs), rng))
                     if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
                         st.in_versions = input_versions((args, kwargs))
                 if st.sampled and st.micro == 1:
@@ -149,6 +155,11 @@ class ModuleHookCallbacks:
         if module is self.root and not st.stack and self.rng_probe is not None:
             self._rng_drawn(self.rng_probe)
             self.rng_probe = None
+        if module is self.root and not st.stack and self.state_probe is not None:
+            probe, self.state_probe = self.state_probe, None
+            if exc is None:
+                known = {k[0] for k in self.state_keys}
+                self.state_keys += [c for c in modstate.changed(probe, self.w.model) if c[0] not in known]
         if module is self.root and not st.stack:
             for buf in st.fbuf.values():  # the forward's pending statistics: measured before the backward begins
                 buf.forward_done()

@@ -64,6 +64,10 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
                 if isinstance(v, torch.Generator)]
         self.rng_extra = (False, False, gens) if gens else None
         self.rng_probe = None
+        # the module state the forward reads besides its arguments (record/modstate.py): [(key, module, name, copy)]
+        # found on probed steps, snapshotted with each batch from then on
+        self.state_keys: list = []
+        self.state_probe = None
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}

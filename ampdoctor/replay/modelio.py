@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map
 
+from ..capture import STATE_PREFIXES
 from ..errors import BadInput
 from ..record.stats import is_measurable
 from ..tensors import flatten_tensors, unpack_np_rng, unpack_py_rng
@@ -199,10 +200,46 @@ def preserved(model: torch.nn.Module):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
+def _set_state(model: torch.nn.Module, key: str, v: torch.Tensor) -> None:
+    """One piece of module state a capture holds (capture.STATE_PREFIXES; record/modstate.py), set where the model
+    has the same kind of thing under that name: a number attribute keeps its Python type, a tensor attribute (or
+    one that is None now: a memory not filled yet) gets a copy, a buffer is written in place (replaced when its
+    shape changed). preserved() restores what was there."""
+    kind, _, path = key.partition(":")
+    mod_name, _, attr = path.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name)
+    except AttributeError:
+        return
+    with torch.no_grad():
+        if kind == "num":
+            cur = vars(mod).get(attr)
+            if type(cur) in (int, float, bool):
+                mod.__dict__[attr] = type(cur)(v.item())
+        elif kind == "buf":
+            b = mod._buffers.get(attr)
+            if isinstance(b, torch.Tensor) and b.layout == torch.strided and not b.is_meta:
+                if b.shape == v.shape and b.dtype == v.dtype:
+                    b.copy_(v)
+                else:
+                    mod._buffers[attr] = v.to(b.device, copy=True)
+        elif kind == "tensor":
+            cur = vars(mod).get(attr, _MISSING)
+            if cur is None or isinstance(cur, torch.Tensor) and not isinstance(cur, torch.nn.Parameter):
+                dev = cur.device if isinstance(cur, torch.Tensor) else next(
+                    (t.device for t in itertools.chain(mod.parameters(), mod.buffers(), model.parameters())),
+                    torch.device("cpu"))
+                mod.__dict__[attr] = v.to(dev, copy=True)
+
+
+_MISSING = object()
+
+
 def set_rng(rng: dict, model: torch.nn.Module | None = None) -> None:
     """The RNG states a capture holds, as they were before the captured forward: torch's CPU and CUDA generators,
     Python's `random` and NumPy's global RNG when the model's forward draws from them, and a torch.Generator the
-    model holds ("gen:<module>.<attribute>", set on `model`'s own when it has one there). preserved() restores all of
+    model holds ("gen:<module>.<attribute>", set on `model`'s own when it has one there); and the module state the
+    captured forward found (a counter, a memory, a buffer it updates: `_set_state`). preserved() restores all of
     them after the replay."""
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"])
@@ -214,6 +251,9 @@ def set_rng(rng: dict, model: torch.nn.Module | None = None) -> None:
         random.setstate(unpack_py_rng(rng["py"]))
     if "np" in rng and "numpy" in sys.modules:
         sys.modules["numpy"].random.set_state(unpack_np_rng(rng["np"]))
+    for k, s in rng.items():
+        if k.startswith(STATE_PREFIXES) and model is not None:
+            _set_state(model, k, s)
     for k, s in rng.items():
         if k.startswith("gen:") and model is not None:
             mod_name, _, attr = k[4:].rpartition(".")
