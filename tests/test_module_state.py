@@ -1,7 +1,8 @@
 """The module state a forward reads besides its arguments (record/modstate.py), kept with each batch and set by
 the replay: which state a watch finds (a counter, a memory that starts as None, a buffer written in place; not a
 BatchNorm's running statistics, not a cache built once on the first forward, not a buffer over the snapshot
-budget), what a capture holds of it (the values the captured forward found), that a replay from disk names the
+budget), a weight the forward writes itself (through `.data`: found by its norm), what a capture holds of it (the
+values the captured forward found; such a weight in the capture's weights), that a replay from disk names the
 producer with it and leaves the live model's state as it was, and that a capture's state entries are data: an
 entry ampdoctor does not write, or a number that is no number, is refused in one line (exit 2), and one naming an
 attribute of another kind is not set.
@@ -202,3 +203,51 @@ def test_state_over_the_snapshot_budget_is_left_out_and_training_is_unchanged(tm
     assert "buf:bank" not in man["state"] and "buf:mean" in man["state"]
     _, plain = train(Stateful(big_buffer=True), bad + 1, bad_step=bad)
     assert [str(v) for v in losses] == [str(v) for v in plain]
+
+
+class EmaCode(nn.Module):
+    """A codebook the forward moves through `.data` (no version bump: found by its norm) after reading it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.code = nn.Embedding(1, 8)
+        self.code.weight.requires_grad_(False)
+
+    def forward(self, x, e):
+        out = self.lin(x) + self.code.weight[0]
+        self.code.weight.data.mul_(0.5).add_(0.5 * x.float().mean(0))
+        return out.float()
+
+
+def test_a_weight_the_forward_writes_through_data_is_captured_as_the_forward_found_it(tmp_path):
+    from ampdoctor.capture import load_capture
+    bad = 6
+
+    def make():
+        return EmaCode()
+    model = make()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run")
+    for i in range(bad + 1):
+        x, _ = batch(i)
+        if i == bad:
+            x = x * 1e5
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x, None).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    w.close()
+    c = load_capture(tmp_path / "run" / "captures" / str(bad))
+    twin = make()  # the codebook as step `bad`'s forward found it: moved by the forwards before
+    with torch.no_grad():
+        for i in range(bad):
+            twin.code.weight.mul_(0.5).add_(0.5 * batch(i)[0].float().mean(0))
+    assert torch.equal(c.state_dict["code.weight"], twin.code.weight.detach())
+    assert not torch.equal(c.state_dict["code.weight"], model.code.weight.detach())
+    assert "param:code.weight" not in c.manifest["rng"] and "param:code.weight" not in c.manifest["state"]

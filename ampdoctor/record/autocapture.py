@@ -11,6 +11,8 @@ import shutil
 import tempfile
 import warnings
 
+import torch
+
 from ..records import BACKOFF_MAX_STREAK, LOSS_JUMP
 
 __all__ = ["CapturePolicy", "maybe_capture"]
@@ -116,10 +118,12 @@ def maybe_capture(m, st) -> None:
         k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else -1  # else the last micro-batch
         args, kwargs, rng = st.batches[k]
         grad_out = st.grad_outs.get(id(st.batches[k]))
+        rng, state_dict = _weights_as_found(w.model, rng)
         m.suspended = True
         hr_on, m.hr.on = m.hr.on, False  # the capture's own forward is not the step's
         try:
-            st.capture = write_capture(path, w.model, args, kwargs, rng=rng, autocast=st.autocast,
+            st.capture = write_capture(path, w.model, args, kwargs, rng=rng, state_dict=state_dict,
+                                       autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
                                        step=st.step, grad_out=grad_out, extra=_loss_state(st), opaque=True)
             # the model's structure now, for an in-process replay after the script changed it (replay/skeleton.py),
@@ -133,6 +137,24 @@ def maybe_capture(m, st) -> None:
     except Exception as e:  # a capture must never break training
         warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=4)
+
+
+def _weights_as_found(model, rng: dict) -> tuple[dict, dict | None]:
+    """The batch's RNG dict without its "param:" entries, and the model's state_dict with those parameters as the
+    step's forward found them (a forward that writes its own weights: record/modstate.py); None when it has none."""
+    found = {k[6:]: v for k, v in rng.items() if k.startswith("param:") and isinstance(v, torch.Tensor)}
+    if not found:
+        return rng, None
+    sd = dict(model.state_dict())
+    ptrs = {}
+    for name, v in found.items():
+        t = sd.get(name)
+        if isinstance(t, torch.Tensor):
+            ptrs[(t.data_ptr(), tuple(t.shape))] = v
+    for name, t in sd.items():  # (a tied weight under every name it has)
+        if isinstance(t, torch.Tensor) and not t.is_meta and (t.data_ptr(), tuple(t.shape)) in ptrs:
+            sd[name] = ptrs[(t.data_ptr(), tuple(t.shape))]
+    return {k: v for k, v in rng.items() if not k.startswith("param:")}, sd
 
 
 def _loss_state(st) -> dict:

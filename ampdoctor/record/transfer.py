@@ -215,6 +215,11 @@ def resolve(m) -> None:
     for k, (i, v) in enumerate(zip(st.pw_index, w_amax)):
         if not math.isfinite(v) and (w_start is None or k >= len(w_start) or not math.isfinite(w_start[k])):
             w_bad[m.params[i][0].rpartition(".")[0]] = "nan" if v != v else "inf"
+    if w_bad and st.batches:  # a weight the forward writes itself, finite when this forward began (modstate.py)
+        for key, v in st.batches[st.bad_batch if st.bad_batch >= 0 else -1][2].items():
+            if key.startswith("param:") and isinstance(v, torch.Tensor) and key[6:].rpartition(".")[0] in w_bad \
+                    and bool(torch.isfinite(v).all()):
+                del w_bad[key[6:].rpartition(".")[0]]
     st.bad_buffer = m.buffers.read(host.get("b_amax"))
     if st.outside is not None:
         got = host.get("outside") or []
