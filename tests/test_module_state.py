@@ -1,6 +1,7 @@
 """The module state a forward reads besides its arguments (record/modstate.py), kept with each batch and set by
 the replay: which state a watch finds (a counter, a memory that starts as None, a buffer written in place; not a
-BatchNorm's running statistics, not a cache built once on the first forward, not a buffer over the snapshot
+BatchNorm's running statistics, not a cache built once on the first forward, not an output kept as an attribute
+(an aux loss in the autograd graph), not a buffer over the snapshot
 budget), a weight the forward writes itself (through `.data`: found by its norm), what a capture holds of it (the
 values the captured forward found; such a weight in the capture's weights), that a replay from disk names the
 producer with it and leaves the live model's state as it was, and that a capture's state entries are data: an
@@ -57,6 +58,7 @@ class Stateful(nn.Module):
             h = h + self.extra(e)
         m = h.float().mean(0, keepdim=True).detach()
         self.mem = m if self.mem is None else (0.5 * self.mem + 0.5 * m)
+        self.aux = h.float().pow(2).mean()  # an output kept as an attribute (in the graph): not state
         return self.heads[head](h + self.mem.to(h.dtype)).float()
 
 
@@ -128,6 +130,7 @@ def test_capture_holds_the_state_the_forward_found(run):
     assert torch.equal(c.rng["buf:mean"], twin.mean)
     assert not any(k.startswith("buf:bn.") for k in man["state"])   # BatchNorm's running statistics: not state
     assert "tensor:cache" not in man["state"]                           # built once, on step 0
+    assert "tensor:aux" not in man["state"]                             # an output in the graph, not state
 
 
 def test_report_names_the_producer_at_the_bad_step(run):

@@ -7,7 +7,7 @@ import warnings
 
 from ..errors import BadInput
 from ..findings import Finding, Report
-from ..fixes import modules_related
+from ..fixes import module_label, modules_related
 from ..records import StepRecord
 from ..rules.steps import benign_backoff
 from ..summary import verdict
@@ -210,7 +210,7 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                      and f.phase == g.phase and f.rule == rule), None)
         if twin is not None and twin.severity == "info" and g.severity != "info":
             twin = None  # the replay alone judged it benign (its scale search): its words would contradict g's
-        msg = twin.message if twin else f"{ev.get('op')} in `{ev['module']}` {what} ({ev.get('line')})."
+        msg = twin.message if twin else f"{ev.get('op')} in `{module_label(ev['module'])}` {what} ({ev.get('line')})."
         if twin is not None and twin.evidence.get("also_producers"):  # (further producers of the step: explain.py)
             evd["also_producers"] = twin.evidence["also_producers"]
         evd.pop("unlocated", None)
@@ -264,18 +264,19 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                 continue
         if f.rule in ("overflow", "nan_origin") and f.severity == "error" and f.phase == "forward" \
                 and f.module is not None and (f.evidence.get("out_posinf") or f.evidence.get("out_nan")):
-            # the records saw the captured step's loss go non-finite with every model output finite ("outside the
-            # model"); the replay finds an op inside the model making +inf/NaN from finite inputs: its values reached
-            # the loss by another way than the outputs (a penalty a module keeps as an attribute)
+            # the records could not locate the captured step's non-finite loss (an unsampled step: "(run)"); the
+            # replay finds an op inside the model making +inf/NaN from finite inputs. Where every model output
+            # stayed finite, its values reached the loss by another way (a penalty a module keeps as an attribute)
             i = next((k for k, g in enumerate(findings) if id(g) not in refined and g.module is None
                       and g.severity == "error" and g.rule in ("overflow", "nan_origin") and _of_step(g, cap_step)),
                      None)
             if i is not None:
                 g = findings[i]
+                other_way = "; the model's outputs stayed finite: its inf/NaN reached the loss another way (a value " \
+                    "the module keeps, e.g. as an attribute, that the loss reads)"
                 findings[i] = Finding(f.rule, "error", f.phase, f.module, f.op, onset(g.step),
-                                      f.message + "; the model's outputs stayed finite: its inf/NaN reached the loss "
-                                      "another way (a value the module keeps, e.g. as an attribute, that the loss "
-                                      "reads)", f.fix, dict(g.evidence, **{k: v for k, v in f.evidence.items()
+                                      f.message + (other_way if cap_rec is not None and cap_rec.output_finite is True
+                                                   else ""), f.fix, dict(g.evidence, **{k: v for k, v in f.evidence.items()
                                                                             if k != "rank_hint"},
                                                             module_level_rule=g.rule, from_replay=cap))
                 refined.add(id(findings[i]))

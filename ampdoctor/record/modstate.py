@@ -40,9 +40,9 @@ def _fingerprint(v):
         return v
     if v is None:  # (a memory not filled yet: a tensor attribute the forward sets for the first time)
         return None
-    if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+    if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and not v.requires_grad:
         return (id(v), v._version)
-    return _SKIP
+    return _SKIP  # (a tensor in the autograd graph kept as an attribute is an output, e.g. an aux loss, not state)
 
 
 _SKIP = object()
@@ -157,5 +157,5 @@ def snapshot(keys: list) -> dict:
             copies -= 1
             out[key] = t.detach().clone()
         else:
-            out[key] = (t, t._version)
+            out[key] = (t.detach(), t._version)  # (the same version counter; no graph kept alive)
     return out

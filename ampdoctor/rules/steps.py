@@ -192,8 +192,9 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     ended in one: a loss whose gradients need a scale of 32 takes 11 halvings from 65536), and either it ended in an
     applied update or it is not NaN made in the backward three times running (halving the scale does nothing to a
     NaN). Skips after the first stepped update count only while
-    they stay rare (fewer than `later_min`, or under `later_share` of the steps after it): a steady rate of
-    skips is the `skipped_steps` rule's business, not a benign search."""
+    they stay rare (fewer than `later_min`, or under `later_share` of the steps after it; a skip whose forward
+    went non-finite is not counted: a failure, no backoff): a steady rate of skips is the `skipped_steps` rule's
+    business, not a benign search."""
     if not has_scaler:
         return set()
     restarts = set(scale_restarts(steps))
@@ -209,9 +210,12 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     probes = _probe_skips(steps, first_good)
     if len(probes) / max(after, 1) >= PROBE_SHARE:
         probes = set()  # probes more often than a sane growth_interval pays for: they count as skips again
-    n_later = _later_probes(steps, first_good, _descent(steps, first_good) | probes)
-    later_ok = n_later < later_min or n_later / max(after, 1) < later_share
     scaled_loss = scaled_loss_steps(steps)
+    # (a skip whose forward itself went non-finite is a failure of its own, no backoff: it does not make the
+    # scaler's searches around it less ordinary)
+    failed = {r.step for r in steps if r.forward_bad and r.step not in scaled_loss or r.exception}
+    n_later = _later_probes(steps, first_good, _descent(steps, first_good) | probes | failed)
+    later_ok = n_later < later_min or n_later / max(after, 1) < later_share
     for s in _streaks(steps):
         first_search = first_good is not None and s[-1].step < first_good
         # skips before a forward failure in the same streak can still be the search (a first-step backoff, then
