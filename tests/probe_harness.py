@@ -5,6 +5,8 @@ copied from one another. It owns
 - `Producer`: the forward/backward "producer oracle" (hooks naming the first module whose output, or gradient, is
   non-finite from finite inputs), with the variants the files use as keyword options;
 - `train_loop`: the ordinary fp16 autocast + GradScaler loop under ampdoctor.watch that reports what the oracle saw;
+- `probe_run`: the unseen-variant probes' loop (its hooks: injections, a mid-run report, an export before close, the
+  unwatched twin), `WrongAnswer` and `wrong` (a strict xfail for a wrong report only);
 - `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
 - `snap_before`: train_loop's after_step callback keeping the weights a given step's forward ran with;
 - `at_top3`, `error_at`: checks that a report names a rule at a module among its first three findings;
@@ -34,6 +36,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -175,6 +178,84 @@ class Producer:
         """Take every hook off."""
         for h in self.hs:
             h.remove()
+
+
+class WrongAnswer(AssertionError):
+    """A probe's report check failed: the only expected failure of a case marked `wrong` (a failing oracle or a
+    crash is a plain failure, never an xfail)."""
+
+
+def wrong(reason):
+    """A strict xfail that accepts only WrongAnswer."""
+    return xf(reason).with_args(raises=WrongAnswer)
+
+
+def probe_run(m, batch, loss_fn, steps, run_dir, *, oracle=lambda m: Producer(m, with_kwargs=True), inject=None,
+              before=None, after=None, params=None, call=None, lr=1e-3, watch=True, mid_report=None, export=None,
+              snap_at=None):
+    """The probe files' user loop (test_unseen_variants34-40) under ampdoctor.watch(m, optimizer=AdamW(params or
+    m.parameters()), scaler=GradScaler("cpu"), run_dir=...) at the default settings, inside a warnings recorder:
+    [inject(i, m) under no_grad] [before(i, m)] -> zero_grad -> fp16 autocast forward (`call`, default m) ->
+    loss_fn(out, y) -> scale(loss).backward -> unscale_ -> clip_grad_norm_(1.0) -> step -> update -> [after(i, m)]
+    [w.report() after step `mid_report`, training going on]; then the oracle's hooks come off, `export(m)` runs (the
+    script's last lines inside the watch), close() and report(). `batch(i)` gives (args, kwargs, y) or (args, y).
+    `oracle`: m -> an oracle (Producer-like: step, first, first_bwd, calls, remove), or None. `watch=False`: the same
+    loop without a watch or an oracle (the losses-identical twin). Returns the oracle's first producers and calls,
+    the steps with a non-finite loss, the skipped steps, the losses, the final weights, (snap_at) the state dict the
+    forward of that step ran with, ampdoctor's RuntimeWarnings and the reports."""
+    opt = torch.optim.AdamW(m.parameters() if params is None else params, lr=lr)
+    sc = torch.amp.GradScaler("cpu")
+    orc = oracle(m) if watch and oracle is not None else None
+    call = m if call is None else call
+    r = dict(skipped=[], bad_loss=[], losses=[], rep=None, mid=None, warns=[], sd=None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir) if watch else None
+        for i in range(steps):
+            if orc is not None:
+                orc.step = i
+            if inject is not None:
+                with torch.no_grad():
+                    inject(i, m)
+            if before is not None:
+                before(i, m)
+            if i == snap_at:
+                r["sd"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+            opt.zero_grad()
+            b = batch(i)
+            args, kwargs, y = b if len(b) == 3 else (b[0], {}, b[1])
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = call(*args, **kwargs)
+            loss = loss_fn(out, y)
+            r["losses"].append(loss.item())
+            if not math.isfinite(loss.item()):
+                r["bad_loss"].append(i)
+            s0 = sc.get_scale()
+            sc.scale(loss).backward()
+            sc.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            sc.step(opt)
+            sc.update()
+            if sc.get_scale() < s0:
+                r["skipped"].append(i)
+            if after is not None:
+                after(i, m)
+            if w is not None and i == mid_report:
+                r["mid"] = w.report()
+        if orc is not None:
+            orc.remove()
+        if export is not None:
+            export(m)
+        if w is not None:
+            w.close()
+            r["rep"] = w.report()
+    r["warns"] = [str(x.message) for x in seen if issubclass(x.category, RuntimeWarning)
+                  and str(x.message).startswith("ampdoctor:")]
+    r["first"] = orc.first if orc is not None else None
+    r["first_bwd"] = getattr(orc, "first_bwd", None)
+    r["calls"] = orc.calls if orc is not None else {}
+    r["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    return r
 
 
 def train_loop(m, batch, loss_fn, steps, *, opt=None, lr=1e-3, init_scale=1024.0, growth_interval=2000, clip=1.0,

@@ -90,8 +90,8 @@ from torch.distributions import Normal
 from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
-from probe_harness import at_top3, xf, quiet_twin as quiet, real_fwd_after_backoffs
-from scenarios import alarms, lines, no_error_at, one_thread, randn
+from probe_harness import at_top3, probe_run, xf, quiet_twin as quiet, real_fwd_after_backoffs
+from scenarios import no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 FWD = ("overflow", "nan_origin")
@@ -162,43 +162,10 @@ class Oracle:
 
 
 def run(m, batch, loss_fn, steps, run_dir, *, inject=None, lr=1e-3, backward=False, snap_at=None):
-    """The user's loop under ampdoctor.watch(m, optimizer=AdamW, scaler=GradScaler("cpu"), run_dir=...):
-    [inject(i, m) under no_grad] -> zero_grad -> fp16 autocast forward -> loss_fn(out, y) -> scale(loss).backward
-    -> unscale_ -> clip -> step -> update. `batch(i)` gives (args, target). Returns the oracle's findings, the steps
-    whose loss was non-finite, the steps the scaler skipped, the losses, the closed watch's report, and (snap_at) the
-    state dict the forward of that step ran with."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu")
-    orc = Oracle(m, backward=backward)
-    w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir)
-    r = dict(skipped=[], bad_loss=[], losses=[], sd=None)
-    for i in range(steps):
-        orc.step = i
-        if inject is not None:
-            with torch.no_grad():
-                inject(i, m)
-        if i == snap_at:
-            r["sd"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
-        opt.zero_grad()
-        args, y = batch(i)
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = m(*args)
-        loss = loss_fn(out, y)
-        r["losses"].append(loss.item())
-        if not math.isfinite(loss.item()):
-            r["bad_loss"].append(i)
-        s0 = sc.get_scale()
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        sc.step(opt)
-        sc.update()
-        if sc.get_scale() < s0:
-            r["skipped"].append(i)
-    w.close()
-    orc.remove()
-    r.update(first=orc.first, first_bwd=orc.first_bwd, calls=orc.calls, rep=w.report())
-    return r
+    """probe_harness.probe_run (the user's loop; `inject(i, m)` under no_grad before each step) with this file's
+    Oracle; `batch(i)` gives (args, target); (snap_at) the state dict the forward of that step ran with."""
+    return probe_run(m, batch, loss_fn, steps, run_dir, inject=inject, lr=lr, snap_at=snap_at,
+                     oracle=lambda m: Oracle(m, backward=backward))
 
 
 def real_fwd(r, name, step, call=1):

@@ -89,7 +89,6 @@ Run: .venv/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_unseen_va
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -102,9 +101,8 @@ from torch.nn.utils.parametrizations import weight_norm
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint_sequential
 
-import ampdoctor
-from probe_harness import Producer, at_top3, xf, quiet_twin as quiet, real_fwd_after_backoffs
-from scenarios import alarms, lines, no_error_at, one_thread, randn
+from probe_harness import Producer, at_top3, probe_run, xf, quiet_twin as quiet, real_fwd_after_backoffs
+from scenarios import no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
@@ -133,50 +131,12 @@ class Oracle(Producer):
 
 def run(m, batch, loss_fn, steps, run_dir, *, inject=None, params=None, lr=1e-3, call=None, backward=False,
         oracle=True, export=None, snap_at=None):
-    """The user's loop under ampdoctor.watch(m, optimizer=AdamW(params or m.parameters()), scaler=GradScaler("cpu"),
-    run_dir=...): [inject(i, m) under no_grad] -> zero_grad -> fp16 autocast forward (`call`, default m) ->
-    loss_fn(out, y) -> scale(loss).backward -> unscale_ -> clip -> step -> update; `export(m)` runs after the loop,
-    before close (the script's last lines inside the watch). `batch(i)` gives (args, target). Returns the oracle's
-    findings and call counts, the steps whose loss was non-finite, the steps the scaler skipped, the losses, the
-    closed watch's report and (snap_at) the state dict the forward of that step ran with."""
-    opt = torch.optim.AdamW(m.parameters() if params is None else params, lr=lr)
-    sc = torch.amp.GradScaler("cpu")
-    orc = Oracle(m, backward=backward) if oracle else None
-    w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir)
-    call = m if call is None else call
-    r = dict(skipped=[], bad_loss=[], losses=[], sd=None)
-    for i in range(steps):
-        if orc is not None:
-            orc.step = i
-        if inject is not None:
-            with torch.no_grad():
-                inject(i, m)
-        if i == snap_at:
-            r["sd"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
-        opt.zero_grad()
-        args, y = batch(i)
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = call(*args)
-        loss = loss_fn(out, y)
-        r["losses"].append(loss.item())
-        if not math.isfinite(loss.item()):
-            r["bad_loss"].append(i)
-        s0 = sc.get_scale()
-        sc.scale(loss).backward()
-        sc.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        sc.step(opt)
-        sc.update()
-        if sc.get_scale() < s0:
-            r["skipped"].append(i)
-    if orc is not None:
-        orc.remove()
-    if export is not None:
-        export(m)
-    w.close()
-    r.update(first=orc and orc.first, first_bwd=orc and orc.first_bwd, calls=orc.calls if orc else {},
-             rep=w.report())
-    return r
+    """probe_harness.probe_run (the user's loop; the optimizer over `params` or m.parameters(); the forward through
+    `call`, default m; `export(m)` after the loop, before close) with this file's Oracle (`oracle=False`: none);
+    `batch(i)` gives (args, target)."""
+    return probe_run(m, batch, loss_fn, steps, run_dir, inject=inject, params=params, lr=lr, call=call,
+                     export=export, snap_at=snap_at,
+                     oracle=(lambda m: Oracle(m, backward=backward)) if oracle else None)
 
 
 def real_fwd(r, name, step, call=1):

@@ -80,9 +80,7 @@ Run: .venv/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_unseen_va
 from __future__ import annotations
 
 import enum
-import math
 import types
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,9 +90,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-import ampdoctor
-from probe_harness import Producer, at_top3, quiet_twin, real_fwd_after_backoffs as real_fwd
-from scenarios import alarms, lines, no_error_at, one_thread, randn
+from probe_harness import WrongAnswer, at_top3, probe_run, quiet_twin, real_fwd_after_backoffs as real_fwd
+from scenarios import lines, no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -103,13 +100,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 # ======================================================================================================================
 # the loop, the oracle and the checks
 # ======================================================================================================================
-class WrongAnswer(AssertionError):
-    """The report's check failed (only this is the expected failure of a case marked `wrong`: a failing oracle or
-    a crash is a plain failure, never an xfail)."""
-
-
-
-
 def gen(i):
     return torch.Generator().manual_seed(i)
 
@@ -120,51 +110,10 @@ def quiet(r):
 
 
 def run(m, batch, loss_fn, steps, run_dir, *, inject=None, lr=1e-3, watch=True):
-    """The user's loop under ampdoctor.watch(m, optimizer=AdamW, scaler=GradScaler("cpu"), run_dir=...) at the
-    default settings: [inject(i, m) under no_grad] -> zero_grad -> fp16 autocast forward m(*args, **kwargs) ->
-    loss_fn(out, y) -> scale(loss).backward -> unscale_ -> clip -> step -> update; close() and report() inside a
-    warnings recorder. `batch(i)` gives (args, kwargs, y). `watch=False`: the same loop, no watch and no oracle (for
-    the losses-identical check). Returns the oracle's first producer, the steps with a non-finite loss, the skipped
-    steps, the losses, the final weights, ampdoctor's RuntimeWarnings and the report."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu")
-    orc = Producer(m, with_kwargs=True) if watch else None
-    r = dict(skipped=[], bad_loss=[], losses=[], rep=None, warns=[])
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir) if watch else None
-        for i in range(steps):
-            if orc is not None:
-                orc.step = i
-            if inject is not None:
-                with torch.no_grad():
-                    inject(i, m)
-            opt.zero_grad()
-            args, kwargs, y = batch(i)
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = m(*args, **kwargs)
-            loss = loss_fn(out, y)
-            r["losses"].append(loss.item())
-            if not math.isfinite(loss.item()):
-                r["bad_loss"].append(i)
-            s0 = sc.get_scale()
-            sc.scale(loss).backward()
-            sc.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            sc.step(opt)
-            sc.update()
-            if sc.get_scale() < s0:
-                r["skipped"].append(i)
-        if orc is not None:
-            orc.remove()
-        if w is not None:
-            w.close()
-            r["rep"] = w.report()
-    r["warns"] = [str(x.message) for x in seen if issubclass(x.category, RuntimeWarning)
-                  and str(x.message).startswith("ampdoctor:")]
-    r["first"] = orc.first if orc is not None else None
-    r["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
-    return r
+    """probe_harness.probe_run (the user's loop at the default settings; `watch=False`: the same loop, no watch and
+    no oracle, for the losses-identical check) with a Producer on keyword inputs; `batch(i)` gives (args, kwargs,
+    y)."""
+    return probe_run(m, batch, loss_fn, steps, run_dir, inject=inject, lr=lr, watch=watch)
 
 
 def named(r, rule, module, step, quiet_at=()):

@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import math
 import random
-import warnings
 
 import numpy as np
 import pytest
@@ -91,9 +90,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ampdoctor
-from probe_harness import Producer, at_top3, xf, quiet_twin, real_fwd_after_backoffs as real_fwd
-from scenarios import alarms, lines, no_error_at, one_thread, randn
+from probe_harness import Producer, WrongAnswer, at_top3, probe_run, quiet_twin, real_fwd_after_backoffs as real_fwd
+from scenarios import lines, no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -102,19 +100,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 # ======================================================================================================================
 # the loop, the oracle and the checks
 # ======================================================================================================================
-class WrongAnswer(AssertionError):
-    """The report's check failed (only this is the expected failure of a case marked `wrong`: a failing oracle or
-    a crash is a plain failure, never an xfail)."""
-
-
 class ChangedTraining(AssertionError):
     """Watching (its mid-run report's replay included) changed the training: the only expected failure of an
     identity case marked `changes`."""
-
-
-def wrong(reason):
-    """A strict xfail that accepts only WrongAnswer."""
-    return xf(reason).with_args(raises=WrongAnswer)
 
 
 def gen(i):
@@ -128,56 +116,12 @@ def quiet(r):
 
 def run(m, batch, loss_fn, steps, run_dir, *, lr=1e-3, watch=True, oracle=True, mid_report=None, before=None,
         after=None):
-    """The user's loop under ampdoctor.watch(m, optimizer=AdamW, scaler=GradScaler("cpu"), run_dir=...) at the
-    default settings: [before(i, m)] -> zero_grad -> fp16 autocast forward m(*args, **kwargs) -> loss_fn(out, y) ->
-    scale(loss).backward -> unscale_ -> clip -> step -> update -> [after(i, m)] ([w.report() after step
-    `mid_report`, training going on]); close() and report() inside a warnings recorder. `batch(i)` gives (args,
-    kwargs, y). `watch=False`: the same loop, no watch and no oracle. `oracle=False`: no oracle (its hooks would see
-    a mid-run replay's forward). Returns the oracle (first producer, per-step calls), the steps with a non-finite
-    loss, the skipped steps, the losses, the final weights, ampdoctor's RuntimeWarnings and the reports."""
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    sc = torch.amp.GradScaler("cpu")
-    orc = Producer(m, with_kwargs=True) if watch and oracle else None
-    r = dict(skipped=[], bad_loss=[], losses=[], rep=None, mid=None, warns=[])
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir) if watch else None
-        for i in range(steps):
-            if orc is not None:
-                orc.step = i
-            if before is not None:
-                before(i, m)
-            opt.zero_grad()
-            args, kwargs, y = batch(i)
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = m(*args, **kwargs)
-            loss = loss_fn(out, y)
-            r["losses"].append(loss.item())
-            if not math.isfinite(loss.item()):
-                r["bad_loss"].append(i)
-            s0 = sc.get_scale()
-            sc.scale(loss).backward()
-            sc.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            sc.step(opt)
-            sc.update()
-            if sc.get_scale() < s0:
-                r["skipped"].append(i)
-            if after is not None:
-                after(i, m)
-            if w is not None and i == mid_report:
-                r["mid"] = w.report()
-        if orc is not None:
-            orc.remove()
-        if w is not None:
-            w.close()
-            r["rep"] = w.report()
-    r["warns"] = [str(x.message) for x in seen if issubclass(x.category, RuntimeWarning)
-                  and str(x.message).startswith("ampdoctor:")]
-    r["first"] = orc.first if orc is not None else None
-    r["calls"] = orc.calls if orc is not None else {}
-    r["weights"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
-    return r
+    """probe_harness.probe_run (the user's loop at the default settings: [before(i, m)] ... [after(i, m)], a
+    `w.report()` after step `mid_report`) with a Producer on keyword inputs; `watch=False`: the same loop, no watch
+    and no oracle; `oracle=False`: no oracle (its hooks would see a mid-run replay's forward). `batch(i)` gives
+    (args, kwargs, y)."""
+    return probe_run(m, batch, loss_fn, steps, run_dir, lr=lr, watch=watch, mid_report=mid_report, before=before,
+                     after=after, oracle=(lambda m: Producer(m, with_kwargs=True)) if oracle else None)
 
 
 def named(r, rule, module, step, quiet_at=()):

@@ -88,15 +88,14 @@ Run: .venv/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_unseen_va
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ampdoctor
-from probe_harness import Producer, at_top3, finite, quiet_twin, real_fwd_after_backoffs as real_fwd, xf
+from probe_harness import (Producer, WrongAnswer, at_top3, finite, probe_run, quiet_twin,
+                           real_fwd_after_backoffs as real_fwd)
 from scenarios import lines, no_error_at, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -106,59 +105,15 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 # ======================================================================================================================
 # the loop, the oracle and the checks
 # ======================================================================================================================
-class WrongAnswer(AssertionError):
-    """The report's check failed (only this is the expected failure of a case marked `wrong`: a failing oracle or
-    a crash is a plain failure, never an xfail)."""
-
-
-def wrong(reason):
-    """A strict xfail that accepts only WrongAnswer."""
-    return xf(reason).with_args(raises=WrongAnswer)
-
-
 def gen(i):
     return torch.Generator().manual_seed(i)
 
 
 def run(m, batch, loss_fn, steps, run_dir, *, lr=1e-3, backward=False):
-    """The user's loop under ampdoctor.watch(m, optimizer=AdamW, scaler=GradScaler("cpu"), run_dir=...) at the
-    default settings: zero_grad -> fp16 autocast forward m(*args, **kwargs) -> loss_fn(out, y) -> scale(loss).backward
-    -> unscale_ -> clip -> step -> update; close() and report() inside a warnings recorder. `batch(i)` gives (args,
-    kwargs, y). The oracle is a Producer with keyword inputs (`backward`: its backward hooks too). Returns the
-    oracle's first producers (forward, backward), the steps with a non-finite loss, the skipped steps, the losses,
-    ampdoctor's RuntimeWarnings and the report."""
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)
-    sc = torch.amp.GradScaler("cpu")
-    orc = Producer(m, backward=backward, with_kwargs=True)
-    r = dict(skipped=[], bad_loss=[], losses=[], rep=None, warns=[])
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir)
-        for i in range(steps):
-            orc.step = i
-            opt.zero_grad()
-            args, kwargs, y = batch(i)
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = m(*args, **kwargs)
-            loss = loss_fn(out, y)
-            r["losses"].append(loss.item())
-            if not math.isfinite(loss.item()):
-                r["bad_loss"].append(i)
-            s0 = sc.get_scale()
-            sc.scale(loss).backward()
-            sc.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            sc.step(opt)
-            sc.update()
-            if sc.get_scale() < s0:
-                r["skipped"].append(i)
-        orc.remove()
-        w.close()
-        r["rep"] = w.report()
-    r["warns"] = [str(x.message) for x in seen if issubclass(x.category, RuntimeWarning)
-                  and str(x.message).startswith("ampdoctor:")]
-    r["first"], r["first_bwd"] = orc.first, orc.first_bwd
-    return r
+    """probe_harness.probe_run (the user's loop at the default settings) with a Producer on keyword inputs as the
+    oracle (`backward`: its backward hooks too); `batch(i)` gives (args, kwargs, y)."""
+    return probe_run(m, batch, loss_fn, steps, run_dir, lr=lr,
+                     oracle=lambda m: Producer(m, backward=backward, with_kwargs=True))
 
 
 def real_bwd(r, name, step):
