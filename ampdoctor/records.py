@@ -198,6 +198,7 @@ class ParamStat:
     weight_absmax: float | None = None
     weight_norm: float | None = None        # L2 norm of the weights right before this step's update (sampled)
     weight_norm_after: float | None = None  # ... and right after it: one update's factor (rule update_spike)
+    lr: float | None = None                 # its parameter group's learning rate for that update (update_spike)
     update_sampled: int = 0
     update_rounded_away: int = 0
     sharded: bool = False  # a DTensor (FSDP2): the gradient values are this rank's shard's (merged by diagnose)

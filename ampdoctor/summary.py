@@ -61,7 +61,7 @@ def crash_covered(crash: dict | None, findings: list[Finding]) -> bool:
 
 def summarize(meta: RunMeta, steps: list[StepRecord], findings: list[Finding], run_dir: str | None,
               has_scaler: bool) -> dict:
-    benign = benign_backoff(steps, has_scaler)
+    benign = benign_backoff(steps, has_scaler, growth_factor=(meta.scaler or {}).get("growth_factor"))
     mods = absorbed_modules(steps)
     bad = [r for r in steps if real_bad(r, benign, mods)]
     crash = crash_of(steps)

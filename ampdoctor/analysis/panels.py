@@ -25,7 +25,8 @@ def _headroom(s) -> float | None:
 
 
 def build_panels(meta: RunMeta, steps: list[StepRecord], findings: list[Finding] = ()) -> dict:
-    benign = benign_backoff(steps, RunData(meta, steps).has_scaler)
+    run = RunData(meta, steps)
+    benign = benign_backoff(steps, run.has_scaler, growth_factor=run.growth_factor)
     mods = absorbed_modules(steps)
     bad = {r.step for r in steps if real_bad(r, benign, mods)}
     timeline = [{"step": r.step, "loss": r.loss, "scale": r.scale, "skipped": r.skipped, "grad_norm": r.grad_norm,

@@ -91,9 +91,9 @@ def finalize(m) -> None:
     checks, st.upd = st.upd, []
     for chk in checks:  # (one per optimizer stepped)
         if skipped:
-            upd.update({n: (0, 0, v, None) for n, v in zip(chk.names, chk.pre.tolist())})
+            upd.update({n: (0, 0, v, None, lr) for n, v, lr in zip(chk.names, chk.pre.tolist(), chk.lrs)})
         elif chk.res is not None:
-            upd.update(zip(chk.names, chk.res.tolist()))
+            upd.update((n, (*r, lr)) for n, r, lr in zip(chk.names, chk.res.tolist(), chk.lrs))
     if upd and not skipped and not m.rounding_seen:
         m.rounding_seen = _rounding(upd)
     params = []
@@ -120,7 +120,8 @@ def finalize(m) -> None:
         params.append(ParamStat(name=name, module=mod, dtype=dt, numel=n, grad_norm=l2, grad_absmax=amax,
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
                                 update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded,
-                                weight_norm=u[2] if u else None, weight_norm_after=u[3] if u else None))
+                                weight_norm=u[2] if u else None, weight_norm_after=u[3] if u else None,
+                                lr=u[4] if u else None))
     if upd:  # a routine step that checked its updates (params.update_check_pre), or a parameter whose gradient
         #      is not among the step's (a sparse one): keep what was found
         seen = {p.name for p in params}
@@ -129,7 +130,8 @@ def finalize(m) -> None:
                 dt, n = dtypes.get(name, ("?", 0))
                 params.append(ParamStat(name=name, module=name.rpartition(".")[0], dtype=dt, numel=n,
                                         update_sampled=int(u[1]), update_rounded_away=int(u[0]),
-                                        sharded=name in m.sharded, weight_norm=u[2], weight_norm_after=u[3]))
+                                        sharded=name in m.sharded, weight_norm=u[2], weight_norm_after=u[3],
+                                        lr=u[4]))
     fwd = forward_producer(calls, parents) if calls else None
     bwd = backward_producer(calls, parents, bad_param_modules) if calls else None
     losses = s["losses"]

@@ -58,6 +58,16 @@ def _stale(mark, backwards: int) -> bool:
     return g is not None and id(g) == gid and backwards > 0 and g._version - ver == backwards
 
 
+def _unscaled_through_another(opt, unscaled: list) -> bool:
+    """`scaler.step(opt)` is about to unscale `opt` itself (no unscale_ of this object this iteration), while another
+    optimizer object holding the same parameters was unscaled already (a wrapper such as Lookahead and its inner
+    optimizer): those gradients get divided by the scale twice."""
+    if any(o is opt for o in unscaled):
+        return False
+    mine = {id(p) for g in opt.param_groups for p in g["params"]}
+    return any(id(p) in mine for o in unscaled for g in o.param_groups for p in g["params"])
+
+
 def _reaches(node, target, limit: int = 16) -> bool:
     """Whether autograd node `target` is `node` or among the first `limit` nodes of the graph behind it (breadth
     first): the loss a scale() gets was made from an already-scaled one. Only the nodes next to the loss are walked
@@ -155,6 +165,8 @@ class MonitorCallbacks:
                 before = (st.unscaled_grads or {}).get(id(opt))
                 if before is not None and _grad_versions(opt) != before:
                     ev.extra["grads_after_unscale"] = True  # rules/scaler.py call_order: scaler_misorder
+                if opt is not None and st.unscaled_opts and _unscaled_through_another(opt, st.unscaled_opts):
+                    ev.extra["unscaled_twice"] = True  # rules/callorder.py: scaler_misorder
             st.in_scaler_step += 1
             if opt is not None and id(opt) not in self.known_optimizers and self.owns(opt):
                 self.known_optimizers.add(id(opt))

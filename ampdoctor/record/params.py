@@ -99,11 +99,12 @@ class UpdateCheck:
     vector, update_check_pre) and the results after it (a matrix, rows [rounded away, sampled, norm before, norm
     after], update_check_post): read at finalize in one transfer each, no per-parameter tensors."""
 
-    __slots__ = ("opt", "names", "params", "samples", "pre", "res")
+    __slots__ = ("opt", "names", "params", "samples", "pre", "res", "lrs")
 
-    def __init__(self, opt: int, names: list, params: list, samples: list, pre: torch.Tensor):
+    def __init__(self, opt: int, names: list, params: list, samples: list, pre: torch.Tensor, lrs: list):
         self.opt = opt  # id of the optimizer: a step of several optimizers keeps one check each
         self.names, self.params, self.samples, self.pre, self.res = names, params, samples, pre, None
+        self.lrs = lrs  # each parameter's group learning rate for this update (a number, or None)
 
 
 def _opt_params(m, opt) -> list:
@@ -132,9 +133,11 @@ def update_check_pre(m, opt) -> None:
                                                          and _low(m, opt)):
         return
     k = m.cfg.update_sample
-    names, params, samples, ws = [], [], [], []
+    names, params, samples, ws, lrs = [], [], [], [], []
     for g, group in zip(opt.param_groups, _opt_params(m, opt)):
         frozen = g.get("lr") == 0  # (a warmup from 0: the update is exactly zero, nothing rounds)
+        lr = g.get("lr")
+        lr = float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
         for name, p in group:
             w = local(p.detach())
             if not w.numel():
@@ -146,8 +149,9 @@ def update_check_pre(m, opt) -> None:
             params.append(p)
             samples.append(sample)
             ws.append(w)
+            lrs.append(lr)
     if names:
-        st.upd.append(UpdateCheck(id(opt), names, params, samples, norms(ws, 2)))
+        st.upd.append(UpdateCheck(id(opt), names, params, samples, norms(ws, 2), lrs))
 
 
 _NO_SAMPLE = (None, None, None)

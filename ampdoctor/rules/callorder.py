@@ -76,6 +76,15 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     "gradients get no protection from underflow."),
                 "Scale every backward and unscale only between it and the step (read a gradient norm for the logs "
                 "before `scaler.update()`, from the unscaled gradients):\n" + ORDER)
+        elif e.kind == "step" and e.extra.get("unscaled_twice"):
+            u = next((p for p in reversed(since_update) if p.kind == "unscale_"), None) or next(
+                (p for p in reversed(prev) if p.kind == "unscale_"), e)
+            add("scaler_misorder", e, f"`scaler.step()` at {_loc(e)} unscales gradients that `scaler.unscale_()` at "
+                f"{_loc(u)} already unscaled through another optimizer object holding the same parameters (a "
+                "wrapper such as Lookahead and the optimizer inside it): GradScaler tracks them as two optimizers, so "
+                "the update uses gradients divided by the loss scale twice and the model barely moves.",
+                "Call `scaler.unscale_()` and `scaler.step()` on the same object (the wrapper the loop steps):\n"
+                + ORDER)
         elif e.kind == "step" and (_CLOSURE in (e.error or "") or e.extra.get("closure")):
             add("scaler_misorder", e, f"`scaler.step(optimizer, closure)` at {_loc(e)}: GradScaler does not support "
                 "closures (given as `closure=` it raises 'Closure use is not currently supported'; given positionally "
@@ -245,15 +254,16 @@ def _no_inf_follows(events: list[CallEvent], i: int) -> bool:
 
 def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallEvent | None:
     """This optimizer's `zero_grad` after the iteration's last scaled backward and before `e` (its unscale_ or
-    step), when one came after a `scale`: the gradients the step was to apply were cleared."""
+    step), when one came after a `scale`: the gradients the step was to apply were cleared (before its unscale_,
+    or between the unscale_ and the step: `unscale_` -> clip -> `zero_grad` -> `step`)."""
     last_scale = max((i for i, p in enumerate(since_update) if p.kind == "scale"), default=None)
     if last_scale is None:
         return None
     for p in since_update[last_scale + 1:]:
         if p.kind == "zero_grad" and (p.opt is None or e.opt is None or p.opt == e.opt):
             return p
-        if p.kind in ("unscale_", "step") and p.opt == e.opt:
-            return None  # (this optimizer's own unscale_ came first: the zero_grad is judged from there)
+        if p.kind == "step" and p.opt == e.opt:
+            return None  # (this optimizer already stepped: a zero_grad after it is the next iteration's)
     return None
 
 

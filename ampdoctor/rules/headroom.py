@@ -269,7 +269,7 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
 
     def bad() -> int | None:
         if not first_bad:
-            first_bad.append(first_bad_step(list(run.steps), run.has_scaler))
+            first_bad.append(first_bad_step(list(run.steps), run.has_scaler, run.growth_factor))
         return first_bad[0]
     out: list[Finding] = []
     root = next((i for i, m in enumerate(mods) if m[0] == ""), None)

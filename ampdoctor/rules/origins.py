@@ -92,7 +92,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
             del groups[(phase, module, kind)]
     out = []
     outside = outside_model(run)
-    benign = benign_backoff(run.steps, run.has_scaler)
+    benign = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
     dev = autocast_device(run)
     for (phase, module, kind), recs in groups.items():
         r0 = recs[0]

@@ -137,7 +137,7 @@ def bad_data_finding(b: dict, step: int | None, capture: str | None) -> Finding:
 def unlocated(run: RunData) -> list[Finding]:
     """A step whose loss (or, without a scaler, whose gradients) went non-finite on a step without per-layer
     statistics: say so, so that the step's capture is replayed to locate the op."""
-    backoff = benign_backoff(run.steps, run.has_scaler)
+    backoff = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
     for r in run.steps:
         if r.bad_input:
             continue  # the data brought it (_bad_data)
@@ -219,7 +219,7 @@ def outside_model(run: RunData) -> list[Finding]:
     although the loss was finite (backward: the loss's own backward, e.g. a manual loss scale too large for fp16
     or an fp16 cast of the loss gradient)."""
     out_bwd = [r for r in run.steps if output_grad_nonfinite(r)]
-    backoff = benign_backoff(run.steps, run.has_scaler)
+    backoff = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
     benign = bool(out_bwd) and all(r.step in backoff for r in out_bwd)
     for r in run.steps:
         p = r.forward_producer

@@ -39,6 +39,11 @@ class RunData:
             cached = self.__dict__["_has_scale"] = (key, any(r.scale is not None for r in self.steps))
         return cached[1]
 
+    @property
+    def growth_factor(self) -> float | None:
+        """The GradScaler's growth_factor where the run recorded it (rules/steps.benign_backoff)."""
+        return (self.meta.scaler or {}).get("growth_factor")
+
 
 @dataclass(kw_only=True)
 class RuleConfig:

@@ -99,6 +99,7 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     later = [s for s in skipped if first_good is not None and s > first_good]
     out = []
     benign = benign_backoff(steps, True, max_streak=cfg.collapse_consecutive, later_min=cfg.skipped_min,
+                            growth_factor=run.growth_factor,
                             later_share=cfg.skipped_share)
     # (a loss the scale itself made non-finite in the first search is the search: steps.scaled_loss_steps)
     forward_bad = [r.step for r in steps if r.skipped and r.forward_bad and r.step not in benign]

@@ -66,6 +66,9 @@ def _descent(steps: list[StepRecord], first_good: int | None, settle_min: int = 
     return set(skips[:best])
 
 
+LATER_SKIPS_MAX = 0.2
+"""The share of the steps after the first applied update that skipped steps may take and still be GradScaler's
+ordinary searches and probes (benign_backoff): a growth_interval of 10 at the default growth_factor skips ~9%."""
 PROBE_SHARE = 0.125
 """GradScaler's probes of a scale it just grew (one skip per growth at most, the scale back where it was) are the
 design's price, paid at most once per `growth_interval` + 1 steps: benign up to this share of the steps (a
@@ -185,7 +188,8 @@ def scale_restarts(steps: list[StepRecord], jump: float = 8.0) -> list[int]:
 
 
 def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
-                   min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05) -> set[int]:
+                   min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05,
+                   growth_factor: float | None = None) -> set[int]:
     """The skipped steps that GradScaler's dynamic loss scaling explains, as designed: the forward was finite
     (loss, outputs, no crash, no inf/NaN producer other than a mask), the scale was still >= `min_scale`, the
     streak of consecutive skips is shorter than `max_streak` (or it is the first search, before any update, and it
@@ -194,13 +198,14 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     NaN). Skips after the first stepped update count only while
     they stay rare (fewer than `later_min`, or under `later_share` of the steps after it; a skip whose forward
     went non-finite is not counted: a failure, no backoff): a steady rate of skips is the `skipped_steps` rule's
-    business, not a benign search."""
+    business, not a benign search. `growth_factor`: the scaler's, where known (a growth by it is no restart)."""
     if not has_scaler:
         return set()
-    restarts = set(scale_restarts(steps))
+    restarts = set(scale_restarts(steps, max(8.0, growth_factor or 0.0)))
     cuts = [i for i, r in enumerate(steps) if r.step in restarts]
     if cuts:  # a GradScaler made anew (each epoch) or reloaded: every restart's search is judged as a run of its own
-        kw = dict(max_streak=max_streak, min_scale=min_scale, later_min=later_min, later_share=later_share)
+        kw = dict(max_streak=max_streak, min_scale=min_scale, later_min=later_min, later_share=later_share,
+                  growth_factor=growth_factor)
         return set().union(*(benign_backoff(steps[a:b], has_scaler, **kw)
                              for a, b in zip([0] + cuts, cuts + [len(steps)])))
     out: set[int] = set()
@@ -216,6 +221,12 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     failed = {r.step for r in steps if r.forward_bad and r.step not in scaled_loss or r.exception}
     n_later = _later_probes(steps, first_good, _descent(steps, first_good) | probes | failed)
     later_ok = n_later < later_min or n_later / max(after, 1) < later_share
+    # however they group into probes, skips that throw away this share of the steps after the first update are no
+    # search's price (a growth_factor of 16 every 3 steps: four backoffs per growth, half the run skipped)
+    n_skips = sum(1 for r in steps if r.skipped and first_good is not None and r.step > first_good
+                  and r.step not in failed)
+    if n_skips >= later_min and n_skips / max(after, 1) >= LATER_SKIPS_MAX:
+        later_ok = False
     for s in _streaks(steps):
         first_search = first_good is not None and s[-1].step < first_good
         # skips before a forward failure in the same streak can still be the search (a first-step backoff, then
@@ -296,8 +307,8 @@ def real_bad(r: StepRecord, benign: set[int], absorbed_mods: set[str]) -> bool:
     return bool(backward) and r.step not in benign
 
 
-def first_bad_step(steps: list[StepRecord], has_scaler: bool) -> int | None:
-    benign = benign_backoff(steps, has_scaler)
+def first_bad_step(steps: list[StepRecord], has_scaler: bool, growth_factor: float | None = None) -> int | None:
+    benign = benign_backoff(steps, has_scaler, growth_factor=growth_factor)
     mods = absorbed_modules(steps)
     return next((r.step for r in steps if real_bad(r, benign, mods)), None)
 

@@ -35,12 +35,13 @@ def _lr(run: RunData) -> float | None:
     return max(lrs) if lrs else None
 
 
-def _by_updates(run: RunData, growth: float, n_upd: int, numel: int) -> bool:
+def _by_updates(run: RunData, growth: float, n_upd: int, numel: int, lr_now: float | None = None) -> bool:
     """Whether `n_upd` optimizer updates can have grown a weight's norm by `growth`. An Adam-type optimizer moves
     each element by at most a few learning rates per update, so its updates bound the growth; a larger change
     between two sampled steps was made outside the optimizer (the user's code, a checkpoint load) and is not an
-    update spike (the overflow it causes is named where it happens)."""
-    lr = _lr(run)
+    update spike (the overflow it causes is named where it happens). `lr_now`: the learning rate a routine update
+    check recorded (a scheduler may have raised it since the run began)."""
+    lr = max((x for x in (_lr(run), lr_now) if x is not None), default=None)
     cls = str(run.meta.optimizer.get("class") or "")
     if lr is None or "adam" not in cls.lower():
         return True
@@ -48,7 +49,10 @@ def _by_updates(run: RunData, growth: float, n_upd: int, numel: int) -> bool:
 
 
 def _clipped(r: StepRecord) -> str:
-    """'before' when the step clipped gradients before the optimizer step, 'after' if only after, else 'off'."""
+    """'before' when the step clipped gradients before the optimizer step, 'after' if only after, else 'off';
+    'unknown' for a routine step kept without its calls (storage thins them) and no clip norm."""
+    if not r.events:
+        return "before" if r.grad_norm is not None else "unknown"
     kinds = [e.kind for e in r.events if not e.internal]
     step_at = next((i for i, k in enumerate(kinds) if k in ("step", "optimizer.step")), None)
     clips = [i for i, k in enumerate(kinds) if k.startswith("clip_grad")]
@@ -95,11 +99,11 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 rms0 = n0 / math.sqrt(max(numel, 1))
                 applied_bad = any(s0 <= b < r.step for b in bad_grad.get(p.name, ()))
                 if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)) \
-                        and _by_updates(run, p.weight_norm - n0, n_upd, numel) and not applied_bad:
+                        and _by_updates(run, p.weight_norm - n0, n_upd, numel, p.lr) and not applied_bad:
                     first = upd[0]
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
                                    "after": p.weight_norm, "step": first if n_upd == 1 else s0 + 1,
-                                   "between": [s0, r.step], "updates": n_upd, "rms_before": rms0}
+                                   "between": [s0, r.step], "updates": n_upd, "rms_before": rms0, "lr": p.lr}
                     continue
             # (an update that applied a non-finite gradient is that gradient's consequence: the overflow or
             # nan_origin finding names where it came from)
@@ -109,7 +113,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 if f >= factor and (p.numel >= _FEW or p.name in peak or f >= _HUGE):
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": p.weight_norm,
                                    "after": p.weight_norm_after, "step": r.step, "between": [r.step, r.step + 1],
-                                   "updates": 1, "rms_before": rms}
+                                   "updates": 1, "rms_before": rms, "lr": p.lr}
                     continue
             after = p.weight_norm_after if p.weight_norm_after is not None and r.step in updated else p.weight_norm
             ref[p.name] = (r.step, after, p.numel, young)
@@ -139,10 +143,10 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
     layers: dict[str, float] = {}
     for s in sorted(first, key=lambda s: -s["factor"]):
         layers.setdefault(s["module"], s["factor"])
-    benign = benign_backoff(run.steps, run.has_scaler)
+    benign = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
     mods = absorbed_modules(run.steps)
     went_bad = next((r.step for r in run.steps if r.step >= step and real_bad(r, benign, mods)), None)
-    lr = _lr(run)
+    lr = worst.get("lr") or _lr(run)  # (the update's own where a check recorded it: a scheduler's jump)
     rec = next((r for r in run.steps if r.step == worst["between"][0]), None)
     clip = _clipped(rec) if rec is not None else "off"
     one = worst["updates"] == 1
@@ -164,10 +168,11 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
     else:
         causes.append("a learning rate too high for these weights")
     causes.append("no warmup (start from ~1% of the learning rate and ramp up over the first 1-2k steps)")
-    causes.append({"off": "no gradient clipping", "after": "gradient clipping after the optimizer step",
-                   "before": "clipping cannot help here: it bounds the gradient, not Adam's ±lr step" if adam else
-                   "a clipping threshold too loose for this learning rate (the update is lr × the clipped "
-                   "gradient)"}[clip])
+    if clip != "unknown":
+        causes.append({"off": "no gradient clipping", "after": "gradient clipping after the optimizer step",
+                       "before": "clipping cannot help here: it bounds the gradient, not Adam's ±lr step" if adam
+                       else "a clipping threshold too loose for this learning rate (the update is lr × the clipped "
+                       "gradient)"}[clip])
     fix = ("Lower the learning rate or add a warmup, e.g. "
            "`sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2000))`; "
            "clip after unscale_ and before step:\n"
