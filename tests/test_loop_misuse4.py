@@ -71,7 +71,8 @@ scaled backward or zero_grad between, across an update: rules/callorder.py _step
 previous scale()'s output is noted by record/monitorsink.py), M8 (rules/scaler.py _pinned_streak: skips at one
 unchanging scale are skipped_steps, named at the update(new_scale) call), T13 and T15 (a zero_grad after
 scaler.step and before its update no longer begins the next step record: MonitorCallbacks._awaits_update);
-M11's message now says update() ran twice. Strict xfail left: M10.
+M11's message now says update() ran twice. M10 since: the recorder notes a scaler.step() that will unscale
+gradients another optimizer object holding the same parameters already unscaled (record/monitorsink.py).
  - M3: missing_scaler_update is dated step 2 (the unscale_ that raised), not step 1 (the iteration that ended
    without update()): rules/callorder.py call_order, the unscale_ branch's `new_iter` case, hands the failing
    unscale_ event to add() instead of the scaler.step() whose iteration lacked its update.
@@ -643,11 +644,6 @@ def rebuilt_run(rebind):
     return rep, raised, deltas
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an empty report: rules/callorder.py call_order drops from `since_update` the unscale_/step events of another "
-    "optimizer (`p.opt != e.opt`, the documented multi-optimizer pattern), so unscale_(old optimizer #0) then "
-    "step(new optimizer #1) reads as two optimizers unscaled/stepped once each; nothing compares their parameters "
-    "(the same tensors, whose gradients are divided twice)"))
 def test_m10_clip_callback_unscales_the_old_optimizer_after_a_rebuild():
     rep, raised, deltas = rebuilt_run(False)
     _, _, ref = rebuilt_run(True)

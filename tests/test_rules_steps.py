@@ -8,7 +8,7 @@ from ampdoctor.doctor import check_deepspeed
 from ampdoctor.env import deprecated_amp_in_use
 from ampdoctor.findings import Finding
 from ampdoctor.record.producers import forward_producer
-from ampdoctor.records import ModuleCall, ParamStat, Producer, RunMeta, StepRecord, TensorStats
+from ampdoctor.records import CallEvent, ModuleCall, ParamStat, Producer, RunMeta, StepRecord, TensorStats
 from ampdoctor.rules import RuleConfig, RunData, run_rules
 from ampdoctor.rules.scaler import ranks_diverged
 from ampdoctor.rules.steps import benign_backoff, first_bad_step, onset_step, parents
@@ -160,18 +160,27 @@ def test_overflow_risk_once_per_chain_at_the_producer():
 
 # --- update_spike ----------------------------------------------------------------------------------------
 
-def _ps(name, before, after, numel=100):
-    return ParamStat(name, name.rpartition(".")[0], "float32", numel, weight_norm=before, weight_norm_after=after)
+def _ps(name, before, after, numel=100, lr=None):
+    return ParamStat(name, name.rpartition(".")[0], "float32", numel, weight_norm=before, weight_norm_after=after,
+                     lr=lr)
 
 
 def test_update_spike_one_update_and_between_sampled_steps():
     m = meta(optimizer={"class": "AdamW", "groups": [{"lr": 10.0}]})
-    lr10 = [ok(0, sampled=True, params=[_ps("fc.weight", 1.0, 100.0), _ps("fc.bias", 0.0, 0.1)]),
+    calls = [CallEvent("scale", 0, 0), CallEvent("step", 0, 1), CallEvent("update", 0, 2)]  # (a sampled step: no clip call)
+    lr10 = [ok(0, sampled=True, params=[_ps("fc.weight", 1.0, 100.0), _ps("fc.bias", 0.0, 0.1)], events=calls),
             StepRecord(1, loss=float("inf"), loss_finite=False, skipped=True)]
     fs = [f for f in run_rules(RunData(m, lr10)) if f.rule == "update_spike"]
     assert [(f.severity, f.module, f.step) for f in fs] == [("error", "fc", 0)]
     assert fs[0].evidence["factor"] == pytest.approx(100.0) and "lr=10" in fs[0].message
     assert "warmup" in fs[0].message and fs[0].evidence["clipping"] == "off"
+    # a record kept without its calls (a routine step, thinned): its clipping is not known, and not called off; the
+    # update's own lr (a routine update check's ParamStat.lr: a scheduler raised it) is the one quoted
+    thinned = [ok(0, sampled=True, params=[_ps("fc.weight", 1.0, 100.0, lr=20.0)]),
+               StepRecord(1, loss=float("inf"), loss_finite=False, skipped=True)]
+    f = next(f for f in run_rules(RunData(m, thinned)) if f.rule == "update_spike")
+    assert f.evidence["clipping"] == "unknown" and "clipping" not in f.message, f.message
+    assert f.evidence["lr"] == 20.0 and "lr=20" in f.message, f.message
     healthy = [ok(i, sampled=True, params=[_ps("fc.weight", 1.0 + i * 1e-3, 1.0 + (i + 1) * 1e-3),
                                            _ps("fc.bias", 0.0 if i == 0 else 1e-3 * i, 1e-3 * (i + 1))])
                for i in range(5)]

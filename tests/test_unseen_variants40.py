@@ -104,7 +104,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import WrongAnswer, at_top3, run_misuse, wrong
+from probe_harness import WrongAnswer, at_top3, run_misuse
 from scenarios import FP16, alarms, gen, lines, one_thread, randn
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
