@@ -71,7 +71,7 @@ import torch.nn.functional as F
 
 import ampdoctor  # noqa: F401  (the public API, through probe_harness.run_misuse)
 from scenarios import one_thread
-from probe_harness import (expect as _expect, learned as _learned, quiet_report, run_misuse, gnorm, 
+from probe_harness import (expect as _expect, learned as _learned, quiet_report, run_misuse, gnorm,
                            misuse_net, misuse_batch)
 
 
