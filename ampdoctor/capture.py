@@ -91,14 +91,22 @@ def _autocast_now() -> dict:
     return {"device": "cpu", "dtype": "float16", "enabled": False}
 
 
-STATE_PREFIXES = ("num:", "tensor:", "buf:")
+STATE_PREFIXES = ("num:", "tensor:", "buf:", "list:", "tlist:")
 """Keys of a batch's RNG dict (and of a capture's "state/" tensors) that hold module state, not RNG states."""
 _NUM_DTYPES = (torch.bool, torch.int64, torch.float64)
 
 
 def _state_tensor(v) -> torch.Tensor:
+    """A state entry's value as a tensor: a tensor itself, a number 0-d, a list of numbers 1-D (bool, int64 or
+    float64 as the values are), a list of tensors ("tlist:") stacked."""
     if isinstance(v, torch.Tensor):
         return v.detach().to("cpu", copy=True).contiguous()
+    if isinstance(v, list):
+        if v and isinstance(v[0], torch.Tensor):
+            return torch.stack([t.detach().to("cpu") for t in v]).contiguous()
+        dt = torch.bool if all(isinstance(x, bool) for x in v) and v else torch.int64 if all(
+            isinstance(x, int) for x in v) and v else torch.float64
+        return torch.tensor(v, dtype=dt).reshape(-1)
     return torch.tensor(v, dtype=torch.bool if isinstance(v, bool) else torch.int64 if isinstance(v, int)
                         else torch.float64)
 
@@ -289,6 +297,9 @@ def load_capture(path: str | os.PathLike) -> Capture:
             _need(k.startswith(STATE_PREFIXES), f"state entry {k!r} is not one ampdoctor writes", cap)
             _need(not k.startswith("num:") or v.dim() == 0 and v.dtype in _NUM_DTYPES,
                   f"state entry {k} is not a number", cap)
+            _need(not k.startswith("list:") or v.dim() == 1 and v.dtype in _NUM_DTYPES,
+                  f"state entry {k} is not a list of numbers", cap)
+            _need(not k.startswith("tlist:") or v.dim() >= 1, f"state entry {k} is not a list of tensors", cap)
             rng[k] = v
     sc = manifest.get("scaler")
     _need(sc is None or isinstance(sc, dict), "manifest scaler must be an object", cap)

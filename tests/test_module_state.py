@@ -165,7 +165,8 @@ def _tamper(src, dst, edit):
 @pytest.mark.parametrize("edit, says", [
     (lambda t: t.__setitem__("state/call:os.system", torch.zeros(1)), "not one ampdoctor writes"),
     (lambda t: t.__setitem__("state/num:calls", torch.zeros(3)), "is not a number"),
-], ids=["foreign-entry", "num-not-a-number"])
+    (lambda t: t.__setitem__("state/list:calls", torch.zeros(2, 2)), "is not a list of numbers"),
+], ids=["foreign-entry", "num-not-a-number", "list-not-numbers"])
 def test_a_foreign_state_entry_is_one_line_and_exit_2(run, tmp_path, edit, says):
     d, bad, _, _, _ = run
     cap = tmp_path / "cap"

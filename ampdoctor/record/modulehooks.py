@@ -58,7 +58,7 @@ class ModuleHookCallbacks:
                 if self.state_keys:  # the module state this forward reads (a counter, a memory: modstate.py)
                     rng.update(modstate.snapshot(self.state_keys))
                 if st.micro == 1 and not self.compiled and modstate.due(st.step, st.sampled):
-                    self.state_probe = modstate.probe(self.w.model)
+                    self.state_probe = modstate.probe(self.w.model, modstate.params_due(st.step, st.sampled))
                 if self.copy_inputs:  # this model writes into its own inputs: keep them as it received them
                     st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng))
                 else:
@@ -159,7 +159,11 @@ class ModuleHookCallbacks:
             probe, self.state_probe = self.state_probe, None
             if exc is None:
                 known = {k[0] for k in self.state_keys}
-                self.state_keys += [c for c in modstate.changed(probe, self.w.model) if c[0] not in known]
+                keys, was = modstate.changed(probe, self.w.model)
+                new = [c for c in keys if c[0] not in known]
+                self.state_keys += new
+                if st.batches and any(c[0] in was for c in new):  # this batch's own, from before its forward
+                    st.batches[-1][2].update(modstate.snapshot([c for c in new if c[0] in was], was))
         if module is self.root and not st.stack:
             for buf in st.fbuf.values():  # the forward's pending statistics: measured before the backward begins
                 buf.forward_done()

@@ -3,6 +3,7 @@ and leave a caller's model exactly as it was (weights, buffers, modes, grads, RN
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import itertools
@@ -121,7 +122,7 @@ _MODULE_KEYS = frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call
 
 def _attributes(mod: torch.nn.Module) -> dict:
     """A module's own attributes besides its parameters, buffers, children and hooks, as the replay's forward may
-    change them (a step counter, a memory kept as a plain tensor, a queue, a torch.Generator it draws from): each
+    change them (a step counter, a memory kept as a plain tensor, a queue or deque, a torch.Generator it draws from): each
     value with what restores it (a tensor's values, a container's items, a generator's state)."""
     out = {}
     for k, v in vars(mod).items():
@@ -132,6 +133,8 @@ def _attributes(mod: torch.nn.Module) -> dict:
         elif isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.layout == torch.strided \
                 and not v.is_meta:
             keep = v.detach().clone()
+        elif isinstance(v, collections.deque):
+            keep = list(v)  # (a deque keeps its maxlen: restored in place)
         elif isinstance(v, (list, dict, set)):
             keep = type(v)(v)
         else:
@@ -154,6 +157,9 @@ def _restore_attributes(mod: torch.nn.Module, saved: dict) -> None:
                 v.data.copy_(keep)  # (written in place: a memory bank's slots)
         elif isinstance(v, list):
             v[:] = keep
+        elif isinstance(v, collections.deque):
+            v.clear()
+            v.extend(keep)
         else:
             v.clear()
             v.update(keep)
@@ -204,7 +210,7 @@ def _set_state(model: torch.nn.Module, key: str, v: torch.Tensor) -> None:
     """One piece of module state a capture holds (capture.STATE_PREFIXES; record/modstate.py), set where the model
     has the same kind of thing under that name: a number attribute keeps its Python type, a tensor attribute (or
     one that is None now: a memory not filled yet) gets a copy, a buffer is written in place (replaced when its
-    shape changed). preserved() restores what was there."""
+    shape changed), a list or deque gets its items back in place. preserved() restores what was there."""
     kind, _, path = key.partition(":")
     mod_name, _, attr = path.rpartition(".")
     try:
@@ -216,6 +222,14 @@ def _set_state(model: torch.nn.Module, key: str, v: torch.Tensor) -> None:
             cur = vars(mod).get(attr)
             if type(cur) in (int, float, bool):
                 mod.__dict__[attr] = type(cur)(v.item())
+        elif kind in ("list", "tlist"):
+            cur = vars(mod).get(attr)
+            if type(cur) in (list, collections.deque):
+                dev = next((t.device for t in itertools.chain(mod.parameters(), mod.buffers(), model.parameters())),
+                           torch.device("cpu"))
+                items = v.tolist() if kind == "list" else [t.to(dev, copy=True) for t in v.unbind(0)]
+                cur.clear()
+                cur.extend(items)  # (in place: a deque keeps its maxlen; preserved() restores the items)
         elif kind == "buf":
             b = mod._buffers.get(attr)
             if isinstance(b, torch.Tensor) and b.layout == torch.strided and not b.is_meta:

@@ -165,10 +165,11 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
         out.extend(bad_weights(run) or unlocated(run))
     else:
         # the run first went non-finite on a step without per-layer statistics, before anything located (a later,
-        # separate failure that a sampled step caught): that first step is said too, to be replayed
+        # separate failure that a sampled step caught), or where nothing else is an error (only GradScaler's first
+        # search at step 0, an info): that first step is said too, to be replayed
         located = _first_error(out)
         u = unlocated(run)
-        if u and located is not None and u[0].step < located:
+        if u and (located is None or u[0].step < located):
             out.extend(u)
     # a buffer turned non-finite before any error above (or with none: silent) is where it began
     first = _first_error(out)
