@@ -101,7 +101,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from probe_harness import (ROOT, Producer, WrongAnswer, at_top3, finite, probe_run, wrong, xf,
+from probe_harness import (ROOT, Producer, WrongAnswer, at_top3, finite, probe_run, wrong,
                            real_fwd_after_backoffs as real_fwd)
 from scenarios import lines, no_error_at, one_thread, randn
 
