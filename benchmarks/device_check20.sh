@@ -10,6 +10,6 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 NOTMIS=$(python -c "
 from benchmarks.realworld.cases import all_cases
 print(' '.join(c.name for c in all_cases() if c.name.split('/')[1] not in ('clip-scaled','no-update','update-first','half')))" | tr ' ' '\n' | sort -u | tr '\n' ' ')
-timeout 330 python benchmarks/realworld/run.py --device cuda --size small --compiled no --cases $NOTMIS --budget-s 310 --json $O/corpus.json > $O/corpus.txt 2>&1
+timeout 420 python benchmarks/realworld/run.py --device cuda --size small --compiled no --cases $NOTMIS --budget-s 390 --json $O/corpus.json > $O/corpus.txt 2>&1
 echo "== corpus (not PASS)"; grep "^[a-z0-9_]*/" $O/corpus.txt | grep -v "| PASS" | cut -c1-250
 echo "== corpus"; grep "PASS " $O/corpus.txt | tail -1 | cut -c1-60
