@@ -104,6 +104,7 @@ from torch.utils.checkpoint import checkpoint
 from probe_harness import (ROOT, Producer, WrongAnswer, at_top3, finite, probe_run, wrong,
                            real_fwd_after_backoffs as real_fwd)
 from scenarios import lines, no_error_at, one_thread, randn
+from test_unseen_variants37 import MEM_AT, StreamLM, lm_loss, stream_batch
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -466,39 +467,10 @@ class GuardedMem(nn.Module):
         return self.o(out + v)
 
 
-class StreamLM(nn.Module):
-    def __init__(self, vocab=64, d=32):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.feat = nn.Linear(4, d)
-        self.mem = GuardedMem(d)
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids, feats):
-        h = self.emb(ids) + self.feat(feats)
-        return self.head(self.ln(h + self.mem(h)))
-
-
-MEM_AT = 9            # the loud segment is step 8's; the memory overflows at step 9
-
-
-def stream_batch(i):
-    g = gen(i)
-    ids = torch.randint(0, 64, (8, 16), generator=g)
-    feats = torch.rand(8, 16, 4, generator=g)
-    if i == MEM_AT - 1:                            # this segment's loudness feature is in raw units, not normalised
-        feats = feats * 300
-    return (ids, feats), {}, torch.roll(ids, -1, 1)
-
-
-def lm_loss(out, y):
-    return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
-
-
 def make_stream():
+    """test_unseen_variants37's streaming LM (its batches: the loud segment at step MEM_AT - 1) around GuardedMem."""
     torch.manual_seed(0)
-    return StreamLM()
+    return StreamLM(mem=GuardedMem)
 
 
 def test_guarded_memory_zeroed_in_place_after_the_loud_segment_overflows_mem(tmp_path):
