@@ -385,6 +385,17 @@ def test_moco_queue_glitched_keys_overflow_neg(tmp_path, persistent, hw):
     named(r, FWD, "neg", QUEUE_READ_AT, quiet_at=("enc.2", ""))
 
 
+def test_moco_over_budget_says_its_replay_stayed_finite(tmp_path):
+    """Where the state is over the budget the step stays unlocated, and the report says that the replay it already
+    ran stayed finite (not "replay its capture", which would send the user in a circle)."""
+    m, batch = make_moco(True, 48), (lambda i: moco_batch(i, 48))
+    r = run(m, batch, ce, QUEUE_READ_AT + 4, tmp_path / "run")
+    real_fwd(r, "neg", QUEUE_READ_AT)
+    f = next(f for f in r["rep"].findings if f.step == QUEUE_READ_AT and f.evidence.get("unlocated"))
+    assert f.evidence.get("replay_finite") and "stayed finite" in f.message, f.message
+    assert "replay its capture" not in f.message and "every=1" in f.fix, (f.message, f.fix)
+
+
 # ======================================================================================================================
 # 4. spectral_norm's power-iteration vectors, a discriminator called twice a step (D(real), D(fake))
 # ======================================================================================================================

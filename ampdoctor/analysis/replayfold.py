@@ -137,6 +137,21 @@ def _benign_backward(findings: list[Finding], cap_step: int, search: dict) -> No
                               dict(g.evidence, scaler_search=search))
 
 
+def _replay_stayed_finite(findings: list[Finding], cap_step: int | None) -> None:
+    """The step's unlocated finding, when the replay of its capture made no inf/NaN at all: asking for that replay
+    would send the user in a circle. The step depended on something the capture does not hold."""
+    for i, g in enumerate(findings):
+        if g.evidence.get("unlocated") and g.step == cap_step and cap_step is not None:
+            msg = g.message.split("; replay its capture")[0]
+            findings[i] = Finding(
+                g.rule, g.severity, g.phase, g.module, g.op, g.step,
+                msg + "; the replay of its capture (run for this report) stayed finite, so the step depended on "
+                "something the capture does not hold: module state it could not keep (over 8 MiB of it, or first "
+                "changed late in the run), data the loop changed after the forward, or a nondeterministic kernel.",
+                "Watch with every=1 (full statistics every step) to name the layer on the step itself.",
+                dict(g.evidence, replay_finite=True))
+
+
 def _of_step(g: Finding, step: int | None) -> bool:
     """The finding `g` covers `step` (its own step, or one of its evidence's steps)."""
     return step is not None and (g.step == step or step in (g.evidence.get("steps") or ()))
@@ -314,6 +329,8 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                 f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
     _follow_refined(findings, refined, before)
+    if not any(o.get("kind") in ("overflow", "nan_origin") for o in ops):
+        _replay_stayed_finite(findings, cap_step)
     # two module-level findings refined onto the same op of the same step (a later step's finding re-dated to the
     # captured one) say one thing: keep one
     seen: set = set()
