@@ -208,13 +208,18 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         # watch sees the root alone; a root finding of later steps, e.g. NaN from a buffer the captured step
         # poisoned, is another event than the capture's)
         root_here = not g.module and _of_step(g, cap_step)
+        # (an op the replay judged absorbed still counts for an unlocated forward failure whose own step's loss or
+        # output went non-finite: there it was not absorbed)
+        fwd_bad_here = unlocated and g.phase == "forward" and any(
+            r.step == g.step and (r.loss_finite is False or r.output_finite is False) for r in steps)
         # (nor an op whose inputs already held inf: it only passed on, or made NaN of, what another op made)
         cands = [o for o in ops if o.get("kind") in ("overflow", "nan_origin") and o.get("module") is not None
-                 and not o.get("absorbed") and not o.get("in_has_inf") and (unlocated or o["module"] == g.module
-                                                or bool(g.module) and o["module"].startswith(g.module + ".")
-                                                or root_here)]
+                 and (not o.get("absorbed") or fwd_bad_here) and not o.get("in_has_inf")
+                 and (unlocated or o["module"] == g.module or bool(g.module) and o["module"].startswith(g.module + ".")
+                      or root_here)]
+        # (an unlocated forward failure is no backward op's: a loss that went non-finite was made in the forward)
         ev = next((o for o in cands if o.get("phase") == g.phase), None) or (
-            next(iter(cands), None) if unlocated else None)
+            next(iter(cands), None) if unlocated and g.phase != "forward" else None)
         if ev is None:
             continue
         rule = "overflow" if ev["kind"] == "overflow" else "nan_origin"

@@ -35,13 +35,12 @@ def _lr(run: RunData) -> float | None:
     return max(lrs) if lrs else None
 
 
-def _by_updates(run: RunData, growth: float, n_upd: int, numel: int, lr_now: float | None = None) -> bool:
+def _by_updates(run: RunData, growth: float, n_upd: int, numel: int) -> bool:
     """Whether `n_upd` optimizer updates can have grown a weight's norm by `growth`. An Adam-type optimizer moves
     each element by at most a few learning rates per update, so its updates bound the growth; a larger change
     between two sampled steps was made outside the optimizer (the user's code, a checkpoint load) and is not an
-    update spike (the overflow it causes is named where it happens). `lr_now`: the learning rate a routine update
-    check recorded (a scheduler may have raised it since the run began)."""
-    lr = max((x for x in (_lr(run), lr_now) if x is not None), default=None)
+    update spike (the overflow it causes is named where it happens)."""
+    lr = _lr(run)
     cls = str(run.meta.optimizer.get("class") or "")
     if lr is None or "adam" not in cls.lower():
         return True
@@ -99,7 +98,7 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 rms0 = n0 / math.sqrt(max(numel, 1))
                 applied_bad = any(s0 <= b < r.step for b in bad_grad.get(p.name, ()))
                 if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)) \
-                        and _by_updates(run, p.weight_norm - n0, n_upd, numel, p.lr) and not applied_bad:
+                        and _by_updates(run, p.weight_norm - n0, n_upd, numel) and not applied_bad:
                     first = upd[0]
                     out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
                                    "after": p.weight_norm, "step": first if n_upd == 1 else s0 + 1,
