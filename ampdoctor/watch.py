@@ -162,11 +162,11 @@ class Watch:
                 del _WATCHED[self.model]
             OPEN.discard(self)
             hook_exit(False)
-        # not in a distributed run: a replay's forward may need a collective that the ranks without a capture
-        # would never join (w.report() on such a rank still replays, as it always did); and only when a capture
-        # was taken (a healthy run's close reads no records and builds no report)
-        if replay and self.run_dir is not None and not self.machine.disabled and (self.meta.world_size or 1) <= 1 \
-                and self.machine.policy.captures:
+        # in a distributed run only where this rank can run the model by itself (replay/skeleton.alone: a DDP
+        # model's module; not when its forward needs a collective the ranks without a capture would never join);
+        # and only when a capture was taken (a healthy run's close reads no records and builds no report)
+        if replay and self.run_dir is not None and not self.machine.disabled and self.machine.policy.captures and \
+                ((self.meta.world_size or 1) <= 1 or _runs_alone(self.model)):
             try:
                 from .analysis import build_report
                 from .analysis.replayfold import alarming, pick_capture
@@ -234,14 +234,14 @@ class Watch:
         if self._replay is not None and self._replay[0] == capture:
             return self._replay[1]
         from .analysis.replayfold import run_replay
-        from .replay.skeleton import for_replay
+        from .replay.skeleton import alone as _alone, for_replay
         m = self.machine
         m.suspended = True  # the watch's own hooks must not record the replay's forward
         try:
             # (the model as the capture was written when the script has changed it since: replay/skeleton.py; the
             # batch with the objects a capture cannot give back exactly taken from the live ones: capture.relive)
             rr = run_replay(_relived(capture, m.capture_live.get(capture)),
-                            for_replay(self.model, m.skeletons.get(capture)))
+                            for_replay(_alone(self.model) or self.model, m.skeletons.get(capture)))
         finally:
             m.suspended = False
         self._replay = (capture, rr)
@@ -329,6 +329,12 @@ class Watch:
         if getattr(scaler, "_scale", None) is not None:  # its scale() of this iteration ran before it was found
             st.scale_t, st.scaled_since_update = scaler._scale, True
         return True
+
+
+def _runs_alone(model) -> bool:
+    """This rank can replay the model by itself (replay/skeleton.alone; imported here: a later stage)."""
+    from .replay.skeleton import alone
+    return alone(model) is not None
 
 
 def _relived(capture: str, live: tuple | None):

@@ -96,6 +96,17 @@ def _combine_shards(per_rank: list[list[StepRecord]]) -> None:
                 s.grad_norm = math.sqrt(sum(v * v for v in norms))
 
 
+_CONSEQUENCES = ("SystemExit", "KeyboardInterrupt")
+
+
+def _first_crash(reports) -> dict | None:
+    """The crash that ended the run, with its rank: an exception of its own before an exit that another rank's
+    failure caused (a rank whose collective broke exits with sys.exit), then the earliest step."""
+    crashes = [dict(rep.summary["crash"], rank=r) for r, rep, _ in reports if rep.summary.get("crash")]
+    return min(crashes, key=lambda c: (c.get("type") in _CONSEQUENCES,
+                                       c["step"] if isinstance(c.get("step"), int) else 1 << 62), default=None)
+
+
 def _merge_ranks(run_dir, reports) -> Report:
     merged: dict[tuple, Finding] = {}
     for r, rep, _ in reports:
@@ -110,7 +121,7 @@ def _merge_ranks(run_dir, reports) -> Report:
     findings = rank(list(merged.values()) + ranks_diverged({r: steps for r, _, steps in reports}))
     first = reports[0][1]
     summ = dict(first.summary)
-    crash = next((rep.summary.get("crash") for _, rep, _ in reports if rep.summary.get("crash")), None)
+    crash = _first_crash(reports)
     firsts = [rep.summary.get("first_bad_step") for _, rep, _ in reports if rep.summary.get("first_bad_step") is not None]
     summ.update({"run_dir": run_dir, "ranks": [r for r, _, _ in reports], "crash": crash,
                  "first_bad_step": min(firsts) if firsts else None, **counts(findings, crash)})

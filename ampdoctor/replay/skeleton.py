@@ -80,6 +80,30 @@ def _layout(model: torch.nn.Module) -> dict:
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
 
 
+class _Alone(torch.nn.Module):
+    """A DistributedDataParallel model's module under the same name (`module`), without DDP's forward (its buffer
+    broadcast is a collective the other ranks would never join): the qualified names, the capture's state_dict keys
+    and the findings' modules stay those of the watched model."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.module = inner
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def alone(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model as one rank can run it by itself (a distributed run's in-process replay: only the ranks with a
+    capture replay, so the forward must need no collective): a DDP model's module under DDP's own naming, a plain
+    model as it is; None when its forward would need the other ranks (SyncBatchNorm, DTensor parameters)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in inner.modules()) or any(
+            type(p.detach()) is not torch.Tensor for p in inner.parameters()):
+        return None
+    return _Alone(inner) if inner is not model else model
+
+
 def for_replay(live: torch.nn.Module, skel: torch.nn.Module | None) -> torch.nn.Module:
     """`live` while its parameters and buffers are still those the capture was taken of (names, shapes, dtypes),
     else the skeleton on `live`'s device (uninitialised: the replay loads the capture's weights into it)."""

@@ -267,11 +267,14 @@ def _clips(e: CallEvent) -> bool:
 
 
 def ranks_diverged(per_rank: dict[int, list[StepRecord]]) -> list[Finding]:
-    """scaler_misorder across the ranks of one run: their GradScalers disagree (scale or skipped) at a step."""
+    """scaler_misorder across the ranks of one run: their GradScalers disagree (scale or skipped) at a step (not at
+    a step a rank's crash cut short, where its scaler never ran)."""
     by_step: dict[int, dict[int, tuple]] = {}
+    cut = {s.step for steps in per_rank.values() for s in steps if s.exception}
     for r, steps in per_rank.items():
         for s in steps:
-            by_step.setdefault(s.step, {})[r] = (s.scale, s.skipped)
+            if s.step not in cut:
+                by_step.setdefault(s.step, {})[r] = (s.scale, s.skipped)
     diverged = next((st for st, d in sorted(by_step.items()) if len(set(d.values())) > 1), None)
     if diverged is None:
         return []
