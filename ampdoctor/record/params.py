@@ -252,17 +252,19 @@ def outside_snapshot(m, step: int):
     return (step, items) if items else None
 
 
-def outside_compare(m, snap) -> tuple[list[str], torch.Tensor] | None:
-    """At the next step's forward: of the parameters written since the snapshot (version moved), how many sampled
-    elements are unchanged: `(names, [[unchanged, sampled], ...])`, read with the step's transfer. An update made
-    outside the optimizer that rounds away (w * 0.9999 + 0.0001 * w' == w in fp16) leaves them all as they were."""
-    names, rows = [], []
+def outside_compare(m, snap) -> tuple[list[str], torch.Tensor, set] | None:
+    """At the next step's forward: of the parameters written since the snapshot, how many sampled elements are
+    unchanged: `(names, [[unchanged, sampled], ...], by_data)`, read with the step's transfer. An update made outside
+    the optimizer that rounds away (w * 0.9999 + 0.0001 * w' == w in fp16) leaves them all as they were. `by_data`:
+    the names whose version did not move (written through `.data`, as DINO/BYOL/MoCo momentum encoders do, or not
+    written at all): transfer.resolve keeps those only where some element did change."""
+    names, rows, by_data = [], [], set()
     for i, version, before in snap[1]:
         name, p = m.params[i]
         if p._version == version:
-            continue
+            by_data.add(name)
         now = local(p.detach()).reshape(-1)[:before.numel()]
         names.append(name)
         rows.append(torch.stack([(now == before).sum().double(), torch.tensor(float(before.numel()),
                                                                             dtype=torch.float64, device=now.device)]))
-    return (names, torch.stack(rows)) if rows else None
+    return (names, torch.stack(rows), by_data) if rows else None

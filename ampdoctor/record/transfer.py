@@ -223,8 +223,9 @@ def resolve(m) -> None:
     st.bad_buffer = m.buffers.read(host.get("b_amax"))
     if st.outside is not None:
         got = host.get("outside") or []
+        by_data = st.outside[2]  # (all unchanged without a version move: a frozen weight, not one written)
         st.outside = {n: [int(got[2 * k]), int(got[2 * k + 1])] for k, n in enumerate(st.outside[0])
-                      if 2 * k + 1 < len(got)} or None
+                      if 2 * k + 1 < len(got) and not (n in by_data and got[2 * k] >= got[2 * k + 1])} or None
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite,
