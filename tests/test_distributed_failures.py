@@ -42,9 +42,10 @@ only passed it on, nor at a module of the other rank. A wrong report raises Wron
     (b) it names rank 1's exception (RuntimeError at step 5 in `module.num_proj`) and does not call it a divergence of
     the GradScalers.
 
-What ampdoctor says: 1, 2, 4, 5, 6a and 6b right; 3 wrong (a strict xfail). At first (on c6b6f59) 1, 2, 3 and 6b
-were wrong (strict xfails; each proved the failure first and failed only at the report check); 1, 2 and 6b are fixed
-since: a distributed watch's close() replays its capture where the rank can run the model by itself (a DDP model's
+What ampdoctor says: all 7 right. At first (on c6b6f59) 1, 2, 3 and 6b were wrong (strict xfails; each proved the
+failure first and failed only at the report check); fixed since: 3 (a rank whose own backward made only finite
+gradients no longer takes the parameters' gradients that DDP's all-reduce made non-finite for its own producer:
+record/assemble.py), and 1, 2 and 6b: a distributed watch's close() replays its capture where the rank can run the model by itself (a DDP model's
 module under DDP's naming, replay/skeleton.alone; not with SyncBatchNorm or DTensor parameters), the merged crash is
 the rank's own exception before another rank's exit, and no divergence is read at a step a crash cut short:
 - 1: `[error] nan_origin at (run) step 6` ("a step without per-layer statistics; replay its capture ... or watch with
@@ -93,7 +94,7 @@ import torch.nn.functional as F
 import ampdoctor
 import distsetup
 from distsetup import BACKEND, DEV, WORLD, available, process_group
-from probe_harness import Producer, WrongAnswer, finite, wrong
+from probe_harness import Producer, WrongAnswer, finite
 from scenarios import alarms, lines
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"torch.distributed with {BACKEND} is not available")
@@ -374,9 +375,6 @@ def data_named(rep, step, rank):
     assert not at_module, f"errors at modules that only passed the NaN on: {at_module}"
 
 
-@wrong("[error] nan_origin at (run) step 4 (the batch, rank 1), then [error] overflow at module.head step 4 (backward, "
-       "rank 0) and [error] loss_scale_collapse at module.head step 4 (rank 0): rank 0 blames its own head for the "
-       "all-reduced NaN")
 def test_one_ranks_persistent_nan_collapses_both_scales_and_blames_the_data(tmp_path):
     rd, (o0, o1) = run(tmp_path, "collapse")
     bad = list(range(4, 16))

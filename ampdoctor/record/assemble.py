@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .openstep import StepPhase
 from .params import MIN_SAMPLED, ROUNDED_SHARE
 from .producers import backward_producer, forward_producer
@@ -66,6 +68,12 @@ def unpropagated(st) -> None:
         if ran[0] or node in done or (st.micro_stepped is not None and micro < st.micro_stepped):
             continue
         ev.extra["backward"] = False
+
+
+def _allreduced(m) -> bool:
+    """The watched model is a DistributedDataParallel of several ranks: its parameters' gradients are averaged over
+    the ranks after each rank's own backward."""
+    return (m.w.meta.world_size or 1) > 1 and isinstance(m.w.model, torch.nn.parallel.DistributedDataParallel)
 
 
 def finalize(m) -> None:
@@ -133,6 +141,11 @@ def finalize(m) -> None:
                                         sharded=name in m.sharded, weight_norm=u[2], weight_norm_after=u[3],
                                         lr=u[4]))
     fwd = forward_producer(calls, parents) if calls else None
+    if bad_param_modules and _allreduced(m) and not any(
+            x is not None and not x.finite for c in calls for x in (c.gout, c.gin)):
+        # every gradient this rank's backward made was finite: its parameters' gradients turned non-finite in DDP's
+        # all-reduce, from another rank (whose record names the producer), not in one of its own modules
+        bad_param_modules = set()
     bwd = backward_producer(calls, parents, bad_param_modules) if calls else None
     losses = s["losses"]
     g_l2 = [v for v in s["g_l2"]]
