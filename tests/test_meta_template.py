@@ -101,3 +101,15 @@ def test_meta_template_capture_is_written_and_replays(tmp_path):
     assert any(f.severity == "error" for f in r2.findings), r2.text()
     top = [(f.rule, f.module, f.step) for f in rep.findings[:3]]
     assert ("overflow", "base.net.0", rep.summary["first_bad_step"]) in top, rep.text()
+
+
+def test_the_replay_moves_the_model_to_its_device_and_leaves_a_meta_template_there():
+    """replay/modelio.module_to is what the replay calls to put the model on its device: a second `to_device` (the
+    batch's tree_map) once shadowed it, so the model was never moved (a tree_map leaves a Module as it is). Moved
+    here to the meta device, which the CPU has besides itself: every tensor goes, the template's stays meta."""
+    from ampdoctor.replay import modelio
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    m[1].register_buffer("template", torch.empty(3, device="meta"))
+    modelio.module_to(m, torch.device("meta"))
+    assert all(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+    assert modelio.to_device((torch.ones(2),), torch.device("meta"))[0].is_meta  # (the batch's own: a tree_map)

@@ -90,7 +90,7 @@ def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Cal
     if model is not None and not isinstance(model, str) and _device_of(m) not in (None, dev):
         m = copy.deepcopy(m)   # never move the caller's model
     with modelio.preserved(m):
-        modelio.to_device(m, dev)
+        modelio.module_to(m, dev)
         return _replay(cap, m, loss_fn, dev, shadow, whatif, fix_search, say)
 
 

@@ -20,7 +20,7 @@ from ..errors import BadInput
 from ..record.stats import is_measurable
 from ..tensors import flatten_tensors, unpack_np_rng, unpack_py_rng
 
-__all__ = ["resolve", "build_model", "match_capture_dtype", "load_weights", "preserved", "set_rng", "autocast_ctx", "to_device",
+__all__ = ["resolve", "build_model", "match_capture_dtype", "load_weights", "preserved", "set_rng", "autocast_ctx", "to_device", "module_to",
            "get_loss", "run_step", "floating_params"]
 
 
@@ -77,7 +77,7 @@ def build_model(capture, model: Any = None) -> torch.nn.Module:
     return build_hf_model(capture.model_class, dict(capture.hf_config), numel)
 
 
-def to_device(model: torch.nn.Module, dev: torch.device) -> None:
+def module_to(model: torch.nn.Module, dev: torch.device) -> None:
     """`model.to(dev)`, leaving tensors on the meta device where they are (a template module whose weights
     torch.func.functional_call supplies: `Module.to` refuses to move them, and they hold nothing to move)."""
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
