@@ -48,7 +48,7 @@ __all__ = ["Capture", "Opaque", "save_batch", "write_capture", "load_capture", "
 class Capture:
     """A loaded capture. `args`/`kwargs` are rebuilt with CPU tensors; `rng` maps "cpu"/"cuda:<i>" (and "py", "np",
     "gen:<module>.<attr>") to RNG states, and the keys of STATE_PREFIXES to the module state the captured forward
-    found (a counter as a 0-d tensor, a memory, a buffer: replay/modelio.set_rng sets both)."""
+    found (a counter as a 0-d tensor, a memory, a buffer: replay/modelstate.set_rng sets both)."""
 
     path: str
     manifest: dict

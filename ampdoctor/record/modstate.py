@@ -2,7 +2,7 @@
 (`self.calls % 3`), a memory carried between steps as a plain tensor attribute (`self.state = (...).detach()`),
 buffers the forward updates before or after reading them (a lagging observation normaliser, spectral_norm's power
 iteration vectors). A replay of a captured batch must start from that state as the step's forward found it, not
-as it stands when the report runs (replay/modelio.set_rng sets it, `preserved()` restores the live one after).
+as it stands when the report runs (replay/modelstate.set_rng sets it, `preserved()` restores the live one after).
 
 Which state a model has is learned on probed steps (steps 1-8 and every sampled one after step 0: `probe` before
 the root's forward and `changed` after it): an int/float/bool attribute whose value changed, a list or deque of
@@ -34,14 +34,15 @@ import collections
 
 import torch
 
-__all__ = ["probe", "changed", "snapshot", "due", "SNAPSHOT_BYTES", "MAX_COPIES"]
+__all__ = ["probe", "changed", "snapshot", "due", "params_due", "SNAPSHOT_BYTES", "MAX_COPIES", "MODULE_KEYS"]
 
 SNAPSHOT_BYTES = 8 << 20   # per batch: larger state (a MoCo queue of 65536 keys) is left out
 MAX_COPIES = 32            # ... and at most this many copies (an EMA teacher updated inside the forward: none of it)
 REF_BYTES = 1 << 20        # a tensor the forward replaces is referenced above this size (a copy below it: the
 #                            forward may also write it in place, e.g. zero a memory that went non-finite)
 MAX_ITEMS = 1024           # a longer list is no state kept per batch (a log of every loss)
-_MODULE_KEYS = frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
+MODULE_KEYS = frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
+"""A module's own bookkeeping (hooks, parameters, buffers, children, mode): never state (replay/modelstate.py too)."""
 _NORM = torch.nn.modules.batchnorm._NormBase
 _NUM = (int, float, bool)
 _SEQ = (list, collections.deque)
@@ -84,7 +85,7 @@ def probe(model: torch.nn.Module, params: bool = True) -> dict:
     for name, mod in model.named_modules():
         pre = f"{name}." if name else ""
         for k, v in vars(mod).items():
-            if k in _MODULE_KEYS or k.startswith("__"):
+            if k in MODULE_KEYS or k.startswith("__"):
                 continue
             fp = _fingerprint(v)
             if fp is _SKIP:
