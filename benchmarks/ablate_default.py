@@ -56,7 +56,7 @@ def _patch() -> None:
     A.store = lambda m, rec: None if "store" in OFF else store(m, rec)
 
     rng = MH.rng_state  # (the module hooks' names live in record/modulehooks.py)
-    MH.rng_state = lambda: None if "rng" in OFF else rng()
+    MH.rng_state = lambda *a: {} if "rng" in OFF else rng(*a)
 
     flat = MH.flatten_tensors
 
@@ -138,6 +138,10 @@ def main() -> None:
             if i >= 10:
                 v.times.append(time.perf_counter() - t)
     OFF.clear()
+    # a watch that switched itself off (an internal error, e.g. a patch here gone stale) measures nothing: say so
+    off = sorted({v.label for v in vs if v.watch is not None and v.watch.machine.disabled})
+    if off:
+        print(f"INVALID: these variants' watches disabled themselves: {', '.join(off)}")
     meds: dict[str, list[float]] = {}
     for v in vs:
         meds.setdefault(v.label, []).append(statistics.median(v.times))

@@ -33,7 +33,7 @@ ENTRIES = [
     ("ampdoctor.record.openstep", "_Step.measure"),
     ("ampdoctor.record.transfer", "presync"),
     ("ampdoctor.record.transfer", "resolve"),
-    ("ampdoctor.record.transfer", "finalize"),
+    ("ampdoctor.record.assemble", "finalize"),
     ("ampdoctor.record.params", "update_check_pre"),
     ("ampdoctor.record.params", "update_check_post"),
     ("ampdoctor.record.params", "grads_after_unscale"),

@@ -409,6 +409,9 @@ def run_benchmark(a) -> dict:
                         log(f"  {v.label}: sync count failed: {type(e).__name__}: {e}")
     finally:
         for v in variants:
+            if v.watch is not None and v.watch.machine.disabled and not v.error:
+                v.error = "the watch disabled itself (an internal error): its times measure no watch"
+                log(f"  {v.label}: {v.error}")
             v.remove()
     plain = variants[0]
     p_med = statistics.median(plain.times) if plain.times else float("nan")
