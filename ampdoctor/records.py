@@ -46,7 +46,7 @@ RuleConfig.rounded_away_share defaults to the same share)."""
 
 BACKOFF_MAX_STREAK = 10
 """A streak of this many skipped steps in a row is a collapse, never GradScaler's normal search for a loss scale:
-one definition for the recorder (which bad steps get a capture) and the rules (rules/steps.benign_backoff; the
+one definition for the recorder (which bad steps get a capture) and the rules (rules/backoff.benign_backoff; the
 `loss_scale_collapse` rule's `collapse_consecutive` defaults to the same number)."""
 
 
@@ -438,7 +438,7 @@ class StepRecord:
     @property
     def bad(self) -> bool:
         """Something went non-finite where it matters (`forward_bad` or `backward_bad`); an additive -inf mask
-        alone is not. Whether it was GradScaler's benign backoff is ampdoctor/rules/steps.py's question."""
+        alone is not. Whether it was GradScaler's benign backoff is ampdoctor/rules/backoff.py's question."""
         return self.forward_bad or self.backward_bad
 
     def to_dict(self) -> dict:

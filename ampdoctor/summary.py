@@ -1,13 +1,15 @@
 """The Report's summary: the verdict line, the step counts, the first step that went bad for a reason other
 than GradScaler's benign backoff, and the crash that ended the run (if one did).
 
-What counts as bad, benign or a crash is decided once, in ampdoctor/rules/steps.py; this file only words it.
+What counts as bad, benign or a crash is decided once, in ampdoctor/rules/steps.py and rules/backoff.py; this file
+only words it.
 """
 from __future__ import annotations
 
 from .findings import Finding, Report
 from .records import RunMeta, StepRecord
-from .rules.steps import absorbed_modules, benign_backoff, crash as crash_of, real_bad, unfinished
+from .rules.backoff import benign_backoff
+from .rules.steps import absorbed_modules, crash as crash_of, real_bad, unfinished
 
 __all__ = ["summarize", "verdict", "crash_covered", "counts", "only_rules"]
 

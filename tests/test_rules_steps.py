@@ -11,7 +11,8 @@ from ampdoctor.record.producers import forward_producer
 from ampdoctor.records import CallEvent, ModuleCall, ParamStat, Producer, RunMeta, StepRecord, TensorStats
 from ampdoctor.rules import RuleConfig, RunData, run_rules
 from ampdoctor.rules.scaler import ranks_diverged
-from ampdoctor.rules.steps import benign_backoff, first_bad_step, onset_step, parents
+from ampdoctor.rules.backoff import benign_backoff
+from ampdoctor.rules.steps import first_bad_step, onset_step, parents
 
 
 def ts(**kw):

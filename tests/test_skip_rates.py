@@ -5,7 +5,7 @@ fp16 autocast (`torch.autocast("cpu", dtype=torch.float16)`), a real `torch.amp.
 60-400 steps. The loop records `scaler.get_scale()` at every step and which steps the scaler skipped (the scale went
 down), so each test first checks the skip pattern it is about (and, where it matters, re-runs a step from its saved
 weights and RNG at its own scale, at half of it, down to 1); only then w.report() and ampdoctor.diagnose(DIR) are
-judged. The rules are rules/steps.py benign_backoff (_descent, _later_probes), rules/scaler.py scale_timeline
+judged. The rules are rules/backoff.py benign_backoff (_descent, _later_probes), rules/scaler.py scale_timeline
 (skipped_steps, loss_scale_collapse) and rules/origins.py producers (overflow/nan_origin: info for the scaler's
 expected backoff); tests/test_healthy_skips.py already covers single skips at a settled scale (one-off spikes and
 their replay), so this file is about rates, runs of backoffs and where they stop.
@@ -47,7 +47,7 @@ Unhealthy (a warning or an error; the producer module named among the first thre
     half the scale).
 
 What ampdoctor got wrong (strict xfails; `raises=WrongVerdict`, so a precondition that fails fails the test). Fixed
-since: the 60-step warm-up, the two backoffs in a row and the later outlier (rules/steps.py _descent: the longest
+since: the 60-step warm-up, the two backoffs in a row and the later outlier (rules/backoff.py _descent: the longest
 settled prefix of lowest-so-far skips, settling measured against the longest gap between them, a double backoff
 allowed), the slow lr blow-up (rules/scaler.py: a skip at a scale below 1 is loss_scale_collapse), and 9's probe
 rate (single probes above the scale that earned the growth are benign up to 1 in 8 steps, steps.PROBE_SHARE). Left:
@@ -688,7 +688,7 @@ def test_rare_backward_nan_at_any_scale(tmp_path):
 
 
 @pytest.mark.xfail(strict=True, raises=WrongVerdict, reason=(
-    "two gaps: (1) rules/steps.py benign_backoff: _later_probes counts 17 later skips in 399 steps, under "
+    "two gaps: (1) rules/backoff.py benign_backoff: _later_probes counts 17 later skips in 399 steps, under "
     "later_share (5%), so all 17 are benign (the last at scale 1.0, not below BACKOFF_MIN_SCALE) although each is at "
     "a scale below every one before and the scale fell 2**16: scale_timeline says [info] 'a normal rate', the "
     "summary 'Healthy'; (2) `dist` is never located: record/autocapture.py CapturePolicy.observe captures one bad "

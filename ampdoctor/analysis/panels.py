@@ -8,7 +8,8 @@ import math
 from ..findings import Finding
 from ..records import DTYPE_LIMITS, RunMeta, StepRecord
 from ..rules import RunData
-from ..rules.steps import absorbed_modules, benign_backoff, real_bad
+from ..rules.backoff import benign_backoff
+from ..rules.steps import absorbed_modules, real_bad
 
 __all__ = ["build_panels"]
 

@@ -9,7 +9,7 @@ from ..errors import BadInput
 from ..findings import Finding, Report
 from ..fixes import module_label, modules_related
 from ..records import StepRecord
-from ..rules.steps import benign_backoff
+from ..rules.backoff import benign_backoff
 from ..summary import verdict
 from .ranking import rank
 
@@ -67,7 +67,7 @@ def unexplained_nonfinite(steps: list[StepRecord]) -> str | None:
     """The capture of a step whose loss or model output went non-finite, in a report with nothing wrong: the
     records put it down to something harmless (a module's -inf that the later sampled steps absorbed, dated back
     to this unsampled step), which a non-finite loss contradicts; only the step's replay says what made it."""
-    # (not a loss the scale made non-finite in GradScaler's search, which benign_backoff counts: rules/steps.py)
+    # (not a loss the scale made non-finite in GradScaler's search, which benign_backoff counts: rules/backoff.py)
     benign = benign_backoff(steps, any(r.scale is not None for r in steps))
     return next((r.capture for r in steps if r.capture and (r.output_finite is False or r.loss_finite is False
                                                              and r.step not in benign)), None)

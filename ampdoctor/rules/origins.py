@@ -7,7 +7,8 @@ from ..findings import Finding
 from ..records import ACCUMULATING, ModuleCall, StepRecord
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
-from .steps import absorbed, benign_backoff, first_unlocated_skip, onset_step
+from .backoff import benign_backoff
+from .steps import absorbed, first_unlocated_skip, onset_step
 from .outside import bad_buffers, bad_data, bad_weights, output_grad_nonfinite, outside_model, unlocated
 
 

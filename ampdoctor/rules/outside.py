@@ -8,7 +8,8 @@ import math
 from ..findings import Finding
 from ..records import StepRecord
 from .registry import RunData
-from .steps import benign_backoff, onset_step
+from .backoff import benign_backoff
+from .steps import onset_step
 
 __all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "output_grad_nonfinite", "outside_model",
            "unlocated"]

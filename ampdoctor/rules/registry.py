@@ -41,7 +41,7 @@ class RunData:
 
     @property
     def growth_factor(self) -> float | None:
-        """The GradScaler's growth_factor where the run recorded it (rules/steps.benign_backoff)."""
+        """The GradScaler's growth_factor where the run recorded it (rules/backoff.benign_backoff)."""
         return (self.meta.scaler or {}).get("growth_factor")
 
 

@@ -9,7 +9,7 @@ from ..findings import Finding
 from ..records import CallEvent, StepRecord
 from .registry import RuleConfig, RunData, register
 from .outside import output_grad_nonfinite
-from .steps import BACKOFF_MIN_SCALE, benign_backoff, scale_restarts
+from .backoff import BACKOFF_MIN_SCALE, benign_backoff, scale_restarts
 
 ORDER = ("scaler.scale(loss).backward()\n"
          "scaler.unscale_(optimizer)                      # before anything reads the gradients\n"

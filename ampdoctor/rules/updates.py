@@ -19,7 +19,8 @@ import math
 from ..findings import Finding
 from ..records import StepRecord
 from .registry import RuleConfig, RunData, register
-from .steps import absorbed_modules, benign_backoff, real_bad
+from .backoff import benign_backoff
+from .steps import absorbed_modules, real_bad
 
 _MIN_RMS = 1e-3        # weights whose root-mean-square is below this have no scale to spike from
 _WINDOW_UPDATES = 50   # between two sampled steps, look only this many updates apart (or at a huge factor)
