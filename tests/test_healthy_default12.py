@@ -60,7 +60,7 @@ this file: all quiet.)
 
 What ampdoctor got wrong (fixed since): at growth_interval=10 every later skip is the probe of a just-doubled scale
 (4096 -> 8192) at about the designed rate 1/(gi + 1); it was a `skipped_steps` warning ("skipped 14 of 176 steps
-after warm-up (8%)") and at every=1 also an `overflow` error at `4` step 0, because rules/steps.py benign_backoff
+after warm-up (8%)") and at every=1 also an `overflow` error at `4` step 0, because rules/backoff.py benign_backoff
 counted the probes against its 5% `later_share`. Single probes above the scale that earned the growth are now
 benign up to 1 in 8 steps (`PROBE_SHARE`).
 """

@@ -22,7 +22,7 @@ xfail that names the finding.
 The PINN through PyTorch's gradient-penalty AMP recipe from GradScaler's default init_scale 65536, whose first step
 overflows in the scaled input gradient (NaN loss, steps 0-1 skipped, then finite and falling), was reported as two
 errors (nan_origin in the loss computation at step 0; skipped_steps 'which no loss scale can fix') instead of the info
-the first backoffs get (a strict xfail first; fixed by rules/steps.scaled_loss_steps)."""
+the first backoffs get (a strict xfail first; fixed by rules/backoff.scaled_loss_steps)."""
 import copy
 import math
 import sys

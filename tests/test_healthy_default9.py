@@ -84,7 +84,7 @@ analysis/replayfold.py no longer takes the words of a replay finding it judged i
     `st.unscaled_opts == [opt_g]` and ends the record with `presync(self, None)`, whose gradient check
     (record/transfer.py presync -> model_grads) reads D's discarded, non-finite gradients: grad_finite False, a
     backward producer at `4`, not skipped (opt_g's found_inf is 0), so not GradScaler's benign backoff
-    (rules/steps.py benign_backoff) and rules/origins.py producers() makes it an `overflow` error. The message
+    (rules/backoff.py benign_backoff) and rules/origins.py producers() makes it an `overflow` error. The message
     contradicts the severity: analysis/replayfold.py fold_replay, refining the module-level finding with the
     replay's op, copies the replay's message (replay/explain.py: `benign` scaler search, severity info) but keeps
     the module-level `g.severity` ("error").
@@ -92,7 +92,7 @@ Seen, not asserted: run 6 at 160 steps (instead of 240) and run 8 at 160 gave `[
 aten::convolution_backward step 1` / `at head aten::mm step 0` with the same "GradScaler's normal search ... as
 designed" message, and `[warning] skipped_steps ... GradScaler skipped 8 of 160 steps after warm-up (5%)` (9 of 159,
 6%): the scale halves 8-9 times while the gradients grow with the activations during the first ~30 steps, then holds
-with no skip. rules/steps.py benign_backoff counts each halving at a new, lower scale as a "later" skip
+with no skip. rules/backoff.py benign_backoff counts each halving at a new, lower scale as a "later" skip
 (`_later_probes`: no growth, so no probe base) and, past 5 and 5% of the run, none is benign any more; on a run of
 240 steps the same 8-10 halvings are under 5% and read as the normal search (info). Kept at 240 steps here: at 160 the
 verdict rests on a 5% threshold met by a hair, not on a clear defect (the message/severity contradiction is the

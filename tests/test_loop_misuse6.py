@@ -62,7 +62,7 @@ goes on); T10 the evaluation under autocast with fp32 weights.
 
 What ampdoctor got wrong (fixed since): M7's skipped_steps was dated at step 0 (the first epoch's normal search)
 and came third, after overflow errors at step 0 and 5 that the scaler-once twin reports as info: the restart branch
-of rules/scaler.py now dates it at the first skip after the first restart, and rules/steps.py benign_backoff judges
+of rules/scaler.py now dates it at the first skip after the first restart, and rules/backoff.py benign_backoff judges
 each restart's search as a run of its own (`scale_restarts`).
 
 Seen but not asserted: M8's third finding is '[error] skipped_steps at (run) step 6 ... the forward pass itself was

@@ -44,7 +44,7 @@ What ampdoctor got wrong (strict xfails, 7 of 12):
  6. a GradScaler per epoch, not given to watch: only step 0 of 32 recorded; "[error] overflow at 2 step 0" (the
     ordinary backoff from 65536) instead of skipped_steps. (Since: a scaler not given to watch is adopted at its
     first unscale_/step, each epoch's anew; all 32 steps are recorded and the run is a loss_scale_collapse, every
-    step skipped; fixed since: rules/steps.py scale_restarts judges each restart's search on its own, and
+    step skipped; fixed since: rules/backoff.py scale_restarts judges each restart's search on its own, and
     skipped_steps names the restarts.)
  7. clamp hooks on scaled gradients: an empty report.
  8. unscale_ after the first of four micro-batches: update_spike / overflow / skipped_steps (consequences), no

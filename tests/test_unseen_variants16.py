@@ -49,7 +49,7 @@ ampdoctor got wrong (fixed since: benign_backoff takes a streak still running at
 recorded step made NaN, two or more, as no scale's doing; and the three message/warning slips below):
 - 11 (In-Place ABN after soft pruning, NaN made in abn2's backward on steps 4, 5, 6 at scales 1024, 512, 256): only
   `[info] nan_origin at abn2 step 4: The loss-scaled backward overflowed ... as designed` and `[info] skipped_steps
-  ... a normal rate` (exit code 0). Cause: ampdoctor/rules/steps.py benign_backoff counts a streak that has not ended
+  ... a normal rate` (exit code 0). Cause: ampdoctor/rules/backoff.py benign_backoff counts a streak that has not ended
   as NaN made in the backward only on steps with a recorded backward_producer; at the default sampling the streak's
   first skip (step 4) was seen by the trip-wire only, so nan_made = 2 < 3 and the streak passes as GradScaler's
   search (rules/origins.py producers then writes the "as designed" info). With every=1 (3 located) or a 9-step run

@@ -59,7 +59,7 @@ take a replay's op only when the capture is of one of its steps):
 - 12 at step 25 (PaiNN's backward NaN on the step right after GradScaler grew its scale from 1024 to 2048): the
   report is only `[info] skipped_steps ... a normal rate for dynamic loss scaling` (exit code 0); at step 22 the same
   batch is `[error] overflow at upds.1 aten::div step 22` and `[error] eps_underflow at upds.0/upds.1`. A lone
-  skip that ends in an applied update is GradScaler's search for ampdoctor/rules/steps.py benign_backoff (its
+  skip that ends in an applied update is GradScaler's search for ampdoctor/rules/backoff.py benign_backoff (its
   `nan_made` test only applies to streaks still running), at step 22 as at step 25; what saves step 22 is the replay
   of its capture, which analysis/replayfold.py pick_capture/unexplained_skip choose because the skip came at a scale
   that had already stepped, and whose proven errors fold_replay adds. At step 25 neither happens: record/autocapture.py
@@ -1040,7 +1040,7 @@ def _molecules(i, ion_at, cutoff=5.0):
         "only `[info] skipped_steps ... a normal rate` (exit 0): a lone skip at a freshly grown scale is taken for "
         "GradScaler probing upwards: record/autocapture.py CapturePolicy.kind writes no capture (`skip_streak == 1 "
         "and scale > prev`), analysis/replayfold.py unexplained_skip replays only a skip at a scale <= one that "
-        "stepped (2048 > 1024), and rules/steps.py benign_backoff counts any streak that ended in an applied update "
+        "stepped (2048 > 1024), and rules/backoff.py benign_backoff counts any streak that ended in an applied update "
         "as the scaler's search (rules/origins.py makes the located producer info at every=1), though sqrt'(0) is "
         "inf at every scale"))),
 ], ids=["step22", "step25_after_growth"])

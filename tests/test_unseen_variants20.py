@@ -57,7 +57,7 @@ strict xfail whose reason says what it reported instead.
 What ampdoctor got wrong (strict xfails, 4 of 19 runs left; fixed since: 11, whose critic weights went NaN from the
 clip's NaN: rules/outside.py dates them at the update that wrote them and ranks them after what made the gradients
 non-finite; 3 at every=1, the 0 / 0 in the compression
-Function's backward was `[info] ... as designed`: rules/steps.py benign_backoff now refuses a streak whose recorded
+Function's backward was `[info] ... as designed`: rules/backoff.py benign_backoff now refuses a streak whose recorded
 backward producer made NaN from a gradient 8 bits or more below the max, `_nan_at_any_scale`):
 - 4 at the default (NaN in the 6th of 8 micro-batches): only `[info] skipped_steps ... a normal rate`; no module
   located, and the replay proves nothing (the capture keeps one call of the model, presumably the healthy last
@@ -141,7 +141,7 @@ def train_loop(m, loss_of, steps, *, lr=1e-3, init_scale=1024.0, clip=1.0, every
 EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
 
 
-_BEN = ("rules/steps.py benign_backoff takes a lone skip followed by applied updates for GradScaler's search and "
+_BEN = ("rules/backoff.py benign_backoff takes a lone skip followed by applied updates for GradScaler's search and "
         "rules/origins.py producers then writes the located backward producer as `info ... as designed`; nobody "
         "asks whether the step is finite at a lower scale (it is not: ")
 
@@ -153,7 +153,7 @@ XVEC_EVERY = [
         "the 6th of 8 micro-batches; no module is located and the replay of the step's capture proves no error "
         "(analysis/replayfold.py unexplained_skip / fold_replay: the capture keeps one call of the model, presumably "
         "the step's last micro-batch, which is healthy), so the lone skip passes as GradScaler's search "
-        "(rules/steps.py benign_backoff)")),
+        "(rules/backoff.py benign_backoff)")),
     pytest.param(1, id="every1", marks=_xf(
         "every=1: `[info] overflow at tdnn.2 step 4: The loss-scaled backward overflowed in `tdnn.2` ... as "
         "designed`: the wrong module (the oracle: pool's sqrt backward in micro-batch 6; tdnn.2 only received its "

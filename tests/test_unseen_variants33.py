@@ -45,7 +45,7 @@ What ampdoctor got wrong (strict xfails; 2 fixed since):
 - 5 (the explanation): the rule and step are right (`[error] skipped_steps at (run) step 0`), but its message says
   "the scale stayed at 65536: the scaler's backoff_factor leaves it where it is" and the fix "call update() without
   an argument, keep backoff_factor < 1" (both already so); the `[error] overflow at (run) step 0` above it says "use
-  GradScaler instead of a fixed multiplier". rules/steps.py scale_restarts looks for a scale that rises after a skip;
+  GradScaler instead of a fixed multiplier". rules/backoff.py scale_restarts looks for a scale that rises after a skip;
   a scaler made anew each iteration is recorded at 65536 every step, so no rise is seen.
 Seen, not asserted: in 3 the loss_scale_collapse names `enc` (the parameter's owner), not `penalty`, which the
 overflow finding above it names.

@@ -76,7 +76,7 @@ quiet, no RuntimeWarning. Wrong at first (a strict xfail here, fixed since):
   ordinary backoffs of steps 1-2 at loss scale 65536/32768 made an error), `[error] overflow at (root) step 8`
   (forward, from the records), `[error] skipped_steps at (root) step 6`. The three forward failures' skips were
   counted as later backoffs (5 after the first applied update: no longer rare), so the backoffs of steps 1-2 were
-  judged no search; rules/steps.benign_backoff no longer counts a skip whose forward went non-finite. Its message
+  judged no search; rules/backoff.benign_backoff no longer counts a skip whose forward went non-finite. Its message
   also wrote the root as `` (now `(root)`).
 Noticed: in 2 the op named is aten::bmm (the NaN maker) while the first inf came from aten::exp (its input held
 the mask's -inf: not asserted); its message said "the model's outputs stayed finite: its inf/NaN reached the loss

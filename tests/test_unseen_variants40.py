@@ -78,7 +78,7 @@ What ampdoctor says (now 10 of 10 right, 5 at first; the three twins quiet; no R
   optimizer object holding the same parameters already unscaled: record/monitorsink.py, rules/callorder.py);
   8 `[info] overflow at out step 1 ... as designed` + `[info] skipped_steps at (run) step 0 ... a normal rate`
   (each x16 growth looked like a restart of the scaler, and skips throwing away 20% or more of the steps after the
-  first update are no longer benign: rules/steps.py); 9 an empty report ("Healthy"): a zero_grad between unscale_
+  first update are no longer benign: rules/backoff.py); 9 an empty report ("Healthy"): a zero_grad between unscale_
   and step is now scaler_misorder (rules/callorder.py _zeroed_after_backward).
 - 1: `[warning] update_spike at fc step 0`: the rule, layer and step right; a warning, not an error, because the run
   does not go non-finite (update_spike's design); its causes name the lr, warmup and clipping, not the restored
