@@ -6,6 +6,7 @@ run directory round-trips exactly (see ampdoctor/rundir.py for the on-disk layou
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -406,6 +407,10 @@ class StepRecord:
     outside_updates: dict | None = None
     """Frozen fp16/bf16 parameters (no gradient) that the user's code wrote in place since the last sampled step (an
     EMA teacher, a momentum encoder): `{name: [unchanged, sampled]}` over their first elements."""
+    int_inputs: list | None = None
+    """On a routine step: the watched modules' small fp16/bf16 inputs that held only integers past the dtype's exact
+    range (`[{"module", "type", "dtype", "max", "exact_up_to", ...}]`, ampdoctor/record/intwatch.py; a sampled step
+    says it per module call, `ModuleCall.int_input`)."""
     headroom: dict | None = None
     """Every step, every module (ampdoctor/record/series.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it
@@ -456,7 +461,24 @@ class StepRecord:
         d["modules"] = [ModuleCall.from_dict(m) for m in d.get("modules") or []]
         d["params"] = [ParamStat.from_dict(p) for p in d.get("params") or []]
         d["events"] = [CallEvent.from_dict(e) for e in d.get("events") or []]
+        if d.get("int_inputs") is not None:
+            d["int_inputs"] = _int_inputs(d["int_inputs"])
         return _fromd(cls, d)
+
+
+def _int_inputs(v) -> list:
+    """StepRecord.int_inputs from disk: a list of {"module": str, "type": str, "dtype": str, numbers...}."""
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise ValueError(f"int_inputs must be a list of objects, not {_short(v)}"[:120])
+    for x in v:
+        if not isinstance(x.get("module"), str) or not isinstance(x.get("type", ""), str) \
+                or not isinstance(x.get("dtype", ""), str):
+            raise ValueError(f"int_inputs entries need string module/type/dtype, not {_short(x)}"[:120])
+        for k in ("max", "exact_up_to", "rounds_products_from"):
+            n = x.get(k, 0)
+            if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
+                raise ValueError(f"int_inputs {k} must be a finite number, not {_short(n)}"[:120])
+    return v
 
 
 @dataclass

@@ -149,6 +149,7 @@ class Watch:
         finally:
             self.machine.remove_module_hooks()
             self.machine.hr_hooks.remove()
+            self.machine.int_watch.remove()
             for h in self._handles:
                 h.remove()
             self._handles.clear()

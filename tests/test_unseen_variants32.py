@@ -42,10 +42,11 @@ What ampdoctor said. Right: 1 `[error] overflow at crf aten::sum step 12`; 3 `[e
 step 11`; 4 `[error] overflow at phase aten::reciprocal step 10` (backward); 5 `[error] nan_origin at sharpen aten::div
 step 11`; 6 `[error] overflow at criterion aten::logsumexp step 12`; 7 `[error] overflow at dice aten::mul step 9`;
 both twins quiet.
-Wrong (strict xfails; 8 fixed since):
- 2. an EMPTY report. integer_precision (rules/numeric.py) reads the integer probes that record/modulehooks.py takes
-    only on sampled steps; step 10 is not one, and nothing goes non-finite to trigger a capture. With every=1:
-    `[warning] precision_loss at attn.rope step 10`.
+Wrong when written (strict xfails; 2 and 8 fixed since):
+ 2. (fixed) an EMPTY report. integer_precision (rules/numeric.py) read the integer probes that record/modulehooks.py
+    takes only on sampled steps; step 10 is not one, and nothing goes non-finite to trigger a capture. Now the
+    modules whose inputs a sampled step found to be an integer ramp are probed on routine steps too
+    (record/intwatch.py): `[warning] precision_loss at attn.rope step 10`, as every=1 said.
  8. (a strict xfail when written, fixed) only `[info] overflow at linker step 13: ... emits -inf from finite inputs
     (first at step 14), but later ops absorb it: the loss and the outputs stayed finite`, verdict "Healthy". Step 13
     (unsampled, loss and output NaN, gradients finite, no skip) has no forward producer in its record;
@@ -67,7 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import at_top3, error_at, finite, healthy, real_bwd, real_fwd, snap_before, train_loop, xf
+from probe_harness import at_top3, error_at, finite, healthy, real_bwd, real_fwd, snap_before, train_loop
 from scenarios import gen, no_error_at, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -228,9 +229,6 @@ def lm_loss(out, ids):
     return F.cross_entropy(out[:, :-1].float().reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-@xf("At the default sampling the report is EMPTY (no finding at all). True: precision_loss at `attn.rope`, step 10: "
-    "from the context warmup's first 2560-token batch the fp16 positions past 2048 are rounded together (2049 -> "
-    "2048; RoPE phases off by up to 1 rad). With every=1 it says '[warning] precision_loss at attn.rope step 10'.")
 def test_rope_positions_in_fp16_collide_past_2048_after_a_context_length_warmup():
     torch.manual_seed(0)
     m = RopeLM()

@@ -70,8 +70,8 @@ accumulate bf16 in fp32: the mean of 1e5 values is off only by its final roundin
 0.7-2% of the fp32 sum of the same micro-batch gradients, measured: rounding, not a stalled training); attention
 scores that collapse in bf16 (test_bf16_probe.py 8 builds it); a hand-written running sum (test_bf16_probe.py 7).
 
-What ampdoctor says (torch 2.13 CPU; 3 of 8 right: 1, 2 and the no-failure case 7; all 7 twins quiet; 5 strict
-xfails, each failing only at the report check; at first 2 was wrong too):
+What ampdoctor says (torch 2.13 CPU; 4 of 8 right: 1, 2, 8 and the no-failure case 7; all 7 twins quiet; 4 strict
+xfails, each failing only at the report check; at first 2 and 8 were wrong too):
 - right: 1 `[error] update_underflow at enc.0 step 0` (97% of enc.0's sampled elements); 7 quiet (no eps_underflow:
   rules/weights.py optimizer_eps judges only float16 parameters, which is right for bf16).
 - 2 (fixed since; was a strict xfail): an empty report, also at every=1. DINO's `param_k.data.mul_(m).add_(...)` writes through `.data`, which does
@@ -87,10 +87,11 @@ xfails, each failing only at the report check; at first 2 was wrong too):
   precision_loss needs a capture), and no integer input is involved.
 - 6: an empty report, also at every=1: the bf16 positions are made inside `rotary`, never a module's input, so the
   integer probe (record/openstep.py probe_integers, on module inputs) never sees them.
-- 8: `[error] update_underflow at mix.2 step 60` (51% of mix.2's sampled elements: borderline true, the oracle
-  measures 50% of mix.2.weight at step 59-60), nothing at `seasonal`: the integer probe runs only on sampled steps
-  (record/modulehooks.py returns before probing when `not st.sampled`), and step 0's days are all below 256. At
-  every=1 it is seen: `[warning] precision_loss at seasonal step 27`, third after two update_underflow findings.
+- 8 (fixed since; was a strict xfail): `[error] update_underflow at mix.2 step 60` (51% of mix.2's sampled
+  elements: borderline true, the oracle measures 50% of mix.2.weight at step 59-60), nothing at `seasonal`: the
+  integer probe ran only on sampled steps (record/modulehooks.py returns before probing when `not st.sampled`), and
+  step 0's days are all below 256. Now a module whose input a sampled step found to be an integer ramp is probed
+  on routine steps too (record/intwatch.py): `[warning] precision_loss at seasonal` at the onset step.
 Seen, not asserted: MoCo's own form `param_k.data = param_k.data * m + param_q.data * (1 - m)` with an fp32 student
 silently turns the bf16 key encoder into fp32 (`.data =` takes the promoted fp32 result), so it does not fail.
 
@@ -763,9 +764,6 @@ def fc_onset():
     return next(i for i in range(FC_STEPS) if fc_raw(i)[1].to(BF16).unique().numel() < fc_raw(i)[1].unique().numel())
 
 
-@wrong("top3=['[error] update_underflow at mix.2 step 60' (51%: borderline)]: nothing at seasonal; the integer "
-       "probe runs on sampled steps only (step 0, every 200th) and step 0's days are below 256 (at every=1: "
-       "'[warning] precision_loss at seasonal step 27', third)")
 def test_online_forecaster_bf16_day_index_past_256_is_precision_loss_at_seasonal(tmp_path):
     onset = fc_onset()
     assert 24 <= onset <= 30, onset

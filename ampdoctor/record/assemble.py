@@ -92,6 +92,8 @@ def finalize(m) -> None:
                         gout=_stats_for(c, "gout", rows), gin=_stats_for(c, "gin", rows), bseq=c.bseq,
                         grad_enabled=c.grad_enabled, int_input=_integer_input(c, probes)) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}
+    if st.sampled:
+        m.int_watch.learn(st.calls, probes)  # integer ramps among the inputs: probed on routine steps from now on
     upd = {}
     # [rounded away, sampled, norm before, norm after] per parameter (params.UpdateCheck); a skipped step made no
     # update, but its weights as the step found them (the norms before) show an earlier update's blow-up
@@ -165,7 +167,7 @@ def finalize(m) -> None:
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
                      loss_ops=st.loss_ops, bad_input=st.bad_input, loss_in_model=st.loss_in_model,
                      bad_weights=(w_bad or None) if not st.sampled else None, bad_buffer=st.bad_buffer,
-                     outside_updates=st.outside,
+                     outside_updates=st.outside, int_inputs=m.int_watch.found(st, probes) if st.int_calls else None,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True

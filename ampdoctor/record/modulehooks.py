@@ -48,6 +48,7 @@ class ModuleHookCallbacks:
                 self.compiled = True
                 self.remove_module_hooks()
                 self.hr_hooks.remove()
+                self.int_watch.remove()
             self.begin()
             st = self.st
             if torch.is_grad_enabled():

@@ -126,6 +126,7 @@ class _Step:
     late: object = None  # values queued after presync (transfer.found_inf_all), read at finalize
     probes: list = field(default_factory=list)  # stats.integer_probe vectors of small low-precision inputs
     probe_seen: dict = field(default_factory=dict)
+    int_calls: list = field(default_factory=list)  # a routine step's watched integer inputs (intwatch.py)
     bad_input: dict | None = None  # a bad step's non-finite model input (transfer.nonfinite_input)
     loss_in_model: bool | None = None  # the scaled loss's node was made before the root's forward returned
     scaled_outs: list = field(default_factory=list)  # (scale CallEvent, [backward ran through it], id of the loss's

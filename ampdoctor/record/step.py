@@ -27,6 +27,7 @@ from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Step
 from .headroom import Headroom
 from .headroomhooks import HeadroomHooks
+from .intwatch import IntWatch
 from .hostcopy import HostSlots
 from .fused import DeferPlan
 from .assemble import finalize
@@ -76,6 +77,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         self.hr_skip = frozenset(i for i, m in enumerate(mods) if passes_on(m))  # not read (see passes_on)
         self._root_tap = GradTap(self.hr, 0)
         self.hr_hooks = HeadroomHooks(self)  # their life, and which routine steps record the series
+        self.int_watch = IntWatch(self)  # integer inputs (positions, timesteps) probed on routine steps too
         cs = self.cfg.compile_stats
         self._compile_stats = cs if cs is not None else self.cfg.every <= 10
         # fixed for the watch's lifetime; not a parameter on the meta device (a template whose weights a
@@ -210,6 +212,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         self.hr.on = False
         self.remove_module_hooks()
         self.hr_hooks.remove()
+        self.int_watch.remove()
         warnings.warn(f"ampdoctor disabled itself after an internal error ({type(e).__name__}: {e}); "
                       "training continues unwatched. Please report this.", RuntimeWarning, stacklevel=3)
         try:

@@ -192,37 +192,41 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
 def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """precision_loss seen by the watch: a small fp16/bf16 input that holds only integers past the range where the
     dtype holds every integer (bf16: 256, fp16: 2048) — positions, timesteps or labels already rounded together
-    (257 -> 256 in bf16). Named at the innermost module that received it (a parent passing it down is not)."""
+    (257 -> 256 in bf16). Named at the innermost module that received it (a parent passing it down is not). A
+    sampled step says it per module call; a routine step for the modules whose inputs a sampled step found to be
+    integers (StepRecord.int_inputs: record/intwatch.py watches the innermost only)."""
     out: list[Finding] = []
     seen: set[str] = set()
     for r in run.steps:
         hits = [c for c in r.modules if c.int_input]
-        if not hits:
-            continue
-        par = parents(r.modules)
-        for c in hits:
-            if c.module in seen or any(d.int_input for d in descendants(r.modules, c, par)):
+        par = parents(r.modules) if hits else {}
+        found = [(c.module, c.type, c.int_input) for c in hits
+                 if not any(d.int_input for d in descendants(r.modules, c, par))]
+        found += [(x["module"], x.get("type", "?"), x) for x in r.int_inputs or ()]
+        for module, typ, info in found:
+            if module in seen:
                 continue
-            seen.add(c.module)
-            info = c.int_input
             dt, mx, lim = info.get("dtype", "bfloat16"), float(info.get("max", 0)), float(info.get("exact_up_to", 256))
+            if not (mx > 0 and lim > 0):
+                continue  # (a record from disk that says nothing usable)
+            seen.add(module)
             spacing = 2.0 ** max(math.floor(math.log2(mx)) - math.log2(lim) + 1, 1) if mx > lim else 1.0
             if mx > lim:
-                msg = (f"`{c.module or '(root)'}` ({c.type}) takes a {dt} input that holds only integers, up to "
+                msg = (f"`{module or '(root)'}` ({typ}) takes a {dt} input that holds only integers, up to "
                        f"{mx:g}: {dt} holds every integer only up to {lim:g}, so above it neighbouring values "
                        f"(positions, timesteps, labels) are already rounded together, {spacing:g} apart near the "
                        f"top (e.g. {lim + 1:g} becomes {lim:g}).")
             else:  # exact integers, but what is computed from them in this dtype is not
                 frm = float(info.get("rounds_products_from", lim))
                 grid = 2.0 ** (math.floor(math.log2(mx)) - 10)
-                msg = (f"`{c.module or '(root)'}` ({c.type}) takes a {dt} input that holds only integers, up to "
+                msg = (f"`{module or '(root)'}` ({typ}) takes a {dt} input that holds only integers, up to "
                        f"{mx:g} (positions or timesteps): exact in {dt}, but anything computed from them in {dt} "
                        f"past {frm:g} lands on a grid {grid:g} apart — a sinusoidal embedding's phases t * freq "
                        f"are off by {grid / 2:g} rad or more, and its sin/cos with them.")
             fix = ("Keep positions and timesteps in fp32 (or int64) until the embedding has used them, and cast "
                    "the embedding's output, not its input, to the model's dtype:\n"
                    "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))")
-            out.append(Finding("precision_loss", "warning", "forward", c.module, None, r.step, msg, fix,
+            out.append(Finding("precision_loss", "warning", "forward", module, None, r.step, msg, fix,
                                {"dtype": dt, "max_integer": mx, "exact_up_to": lim, "spacing_at_max": spacing,
                                 "rank_hint": 45}))
     return out
