@@ -112,6 +112,24 @@ def test_an_unrelated_overflow_leaves_the_trend_a_warning():
     assert f[0].severity == "warning"
 
 
+def test_a_trend_first_reached_after_the_layer_overflowed_is_no_early_warning():
+    """The layer already overflowed (its forward made the inf at step 30, on a step the thinned series did not
+    read), and the series' trend is first reached afterwards: a warning then forecasts what already happened, so
+    there is none (the overflow finding says it). The same trend with the overflow elsewhere, or later, stays."""
+    vals = [None] * 31 + grow(300.0, 1.15, 40)
+    run = _with_overflow(run_of({"blk.fc": vals}), 30, "blk.fc", n=1)
+    assert headroom_trend(run, RuleConfig()) == []
+    f = headroom_trend(_with_overflow(run_of({"blk.fc": vals}), 30, "ln", n=1), RuleConfig())
+    assert len(f) == 1 and f[0].module == "blk.fc" and f[0].step > 30
+    # a routine step whose forward went non-finite names no producer in its record (the report's replay of its
+    # capture does): it may have been this layer, so the trend reached after it is no early warning either
+    run = run_of({"blk.fc": vals})
+    run.steps[30].skipped, run.steps[30].found_inf, run.steps[30].output_finite = True, True, False
+    assert headroom_trend(run, RuleConfig()) == []
+    f = headroom_trend(_with_overflow(run_of({"blk.fc": vals}), 69, "blk.fc", n=1), RuleConfig())
+    assert len(f) == 1 and f[0].severity == "error" and f[0].step < 69
+
+
 # -- a real run ------------------------------------------------------------------------------------------------
 def test_nanogpt_layer_whose_weights_grow_is_named_early():
     nanogpt = pytest.importorskip("benchmarks.realworld.nanogpt")

@@ -35,7 +35,8 @@ from ..records import DTYPE_LIMITS
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .origins import autocast_device
-from .steps import first_bad_step
+from .backoff import benign_backoff
+from .steps import absorbed_modules, real_bad
 
 __all__ = ["headroom_trend", "trend", "series"]
 
@@ -264,13 +265,19 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not mods or not any(r.headroom for r in run.steps):
         return []
     order = _order(run)
-    first_bad: list = []  # the run's first bad step, read once when a warning needs it (a long run's records
-    #                       come from the spill file)
+    known: list = []  # the run's real bad steps, read once when a warning needs them (a long run's records come from
+    #                   the spill file): not GradScaler's search, not an absorbed mask (rules/steps.real_bad)
+
+    def bad_steps() -> list:
+        if not known:
+            steps = list(run.steps)
+            benign = benign_backoff(steps, run.has_scaler, growth_factor=run.growth_factor)
+            mods = absorbed_modules(steps)
+            known.append([r for r in steps if real_bad(r, benign, mods)])
+        return known[0]
 
     def bad() -> int | None:
-        if not first_bad:
-            first_bad.append(first_bad_step(list(run.steps), run.has_scaler, run.growth_factor))
-        return first_bad[0]
+        return bad_steps()[0].step if bad_steps() else None
     out: list[Finding] = []
     root = next((i for i, m in enumerate(mods) if m[0] == ""), None)
     for phase in ("forward", "backward"):
@@ -304,6 +311,8 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             named.update(chain)
             named.update(j for j in warn if any(_inside(mods[j][0], mods[c][0]) or j == c for c in chain))
             first = min(chain, key=lambda j: _bits_at(pts[j], w["step"]))
+            if _failed_by(bad_steps(), [mods[j][0] for j in chain] + [mods[first][0]], w["step"], phase):
+                continue  # reached only after these layers had already overflowed: no early warning (that finding says it)
             out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"],
                                 _came_true(run, w, [mods[j][0] for j in chain] + [mods[first][0]], bad())))
     # a module warned at the same step and phase as one inside it says the same thing (its output is that one's,
@@ -317,6 +326,30 @@ CONFIRM_STEPS = 8
 """Steps after the first bad one whose producers may tie it to the warned layers (the follow-up steps)."""
 
 
+def _produced_by(p, chain: list[str], parents: set) -> bool:
+    m = p.module
+    if m is None:
+        return "" in chain  # (a producer the run names no module for: the root's)
+    return (m in chain or any(_inside(m, c) for c in chain) or m.rpartition(".")[0] in parents)
+
+
+def _failed_by(bad: list, chain: list[str], step: int, phase: str) -> bool:
+    """One of the warned layers (as _came_true matches them) was already the inf/NaN producer, in the warned phase,
+    of a real bad step (`bad`, in order) at or before `step`, or (forward) the forward failed there on a routine
+    step whose record names no producer (only the report's replay of its capture does, and it may be this layer): a
+    warning reached then comes after the fact."""
+    parents = {c.rpartition(".")[0] for c in chain}
+    for r in bad:
+        if r.step > step:
+            break
+        p = r.forward_producer if phase == "forward" else r.backward_producer
+        if p is not None and _produced_by(p, chain, parents):
+            return True
+        if phase == "forward" and p is None and not r.sampled and r.forward_bad:
+            return True
+    return False
+
+
 def _came_true(run: RunData, w: dict, chain: list[str], bad: int | None) -> dict | None:
     """The forecast overflow happened: the run's first bad step came after the warning, and its inf/NaN producer
     (on that step or the follow-up steps) is one of the warned layers, inside one, or beside one in the same
@@ -328,11 +361,8 @@ def _came_true(run: RunData, w: dict, chain: list[str], bad: int | None) -> dict
         if r.step < bad or r.step > bad + CONFIRM_STEPS:
             continue
         for p in (r.forward_producer, r.backward_producer):
-            if p is None:
-                continue
-            m = p.module
-            if m in chain or any(_inside(m, c) for c in chain) or m.rpartition(".")[0] in parents:
-                return {"step": bad, "module": m}
+            if p is not None and _produced_by(p, chain, parents):
+                return {"step": bad, "module": p.module}
     return None
 
 
