@@ -81,7 +81,7 @@ class Watch:
         self.optimizer, self.scaler = optimizer, scaler
         self._scaler_found = False  # self.scaler was adopted (ScalerFinder), not given
         self._closed = False
-        self._replay: tuple | None = None  # (capture, its replay Report or None): see replayed()
+        self._replays: dict = {}  # capture -> its replay Report or None: see replayed()
         self._handles: list = []
         self._patches: list = []
         names = {}
@@ -170,12 +170,11 @@ class Watch:
                 ((self.meta.world_size or 1) <= 1 or _runs_alone(self.model)):
             try:
                 from .analysis import build_report
-                from .analysis.replayfold import alarming, pick_capture
+                from .analysis.replayfold import alarming, choose_replay
                 steps = list(self.machine.records)
                 rep = build_report(self.meta, steps, run_dir=self.run_dir)
-                cap = pick_capture(rep, steps)
-                if cap is not None:  # (of a healthy-looking report, only a replay that finds an error is kept)
-                    self.replayed(cap, save_any=alarming(rep))
+                # (of a healthy-looking report, only a replay that finds an error is kept)
+                choose_replay(rep, steps, lambda cap: self.replayed(cap, save_any=alarming(rep)))
             except Exception as e:  # the run directory stands without it; diagnose() then reports module-level
                 import warnings
                 warnings.warn(f"ampdoctor: could not save the replay of the run's capture ({type(e).__name__}: "
@@ -232,8 +231,8 @@ class Watch:
         then kept, and written into the run directory (`replay-<run>.json`) for `diagnose(run_dir)` (without
         `save_any`, only when it found an error: what `fold_replay` takes from it into a report without one). None
         when the replay could not run."""
-        if self._replay is not None and self._replay[0] == capture:
-            return self._replay[1]
+        if capture in self._replays:
+            return self._replays[capture]
         from .analysis.replayfold import run_replay
         from .replay.skeleton import alone as _alone, for_replay
         m = self.machine
@@ -245,7 +244,7 @@ class Watch:
                             for_replay(_alone(self.model) or self.model, m.skeletons.get(capture)))
         finally:
             m.suspended = False
-        self._replay = (capture, rr)
+        self._replays[capture] = rr
         writer = m.writer
         if rr is not None and writer is not None and getattr(writer, "run", None) is not None and (
                 save_any or any(f.severity == "error" for f in rr.findings)):

@@ -49,13 +49,13 @@ def _with_saved_replay(rep: Report, steps: list[StepRecord], path: str) -> Repor
     """Fold in the replay saved with this run (rundir.read_replay) when it is of the capture this report would
     replay; any other (a stale one, of another capture) is left out."""
     from ..rundir import capture_name, read_replay
-    from .replayfold import fold_replay, pick_capture
+    from .replayfold import candidates, fold_replay
     saved = read_replay(path)
     if saved is None:
         return rep
     name, doc = saved
-    cap = pick_capture(rep, steps)
-    if cap is None or capture_name(cap) != name:
+    cap = next((c for c in candidates(rep, steps) if capture_name(c) == name), None)
+    if cap is None:
         return rep
     return fold_replay(rep, steps, cap, Report.from_dict(doc))
 

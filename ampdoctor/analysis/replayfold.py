@@ -13,7 +13,8 @@ from ..rules.backoff import benign_backoff
 from ..summary import verdict
 from .ranking import rank
 
-__all__ = ["merge_capture_replay", "merge_replay", "pick_capture", "unexplained_skip", "alarming", "run_replay", "fold_replay"]
+__all__ = ["merge_capture_replay", "merge_replay", "pick_capture", "candidates", "choose_replay", "unexplained_skip",
+           "unexplained_skips", "alarming", "run_replay", "fold_replay"]
 
 
 _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow", "underflow")
@@ -24,11 +25,37 @@ def merge_replay(rep: Report, watch) -> Report:
     """Re-run the first capture in-process with op-level instrumentation and fold its findings in: an op-level
     finding at the same module (or inside it) refines the module-level one (rule and op). The watch keeps the
     replay (and writes it into its run directory, see `Watch.replayed`), so `diagnose(run_dir)` folds in the same."""
-    picked = pick_capture(rep, watch.steps)
-    if picked is None:
-        return rep
-    rr = watch.replayed(picked, save_any=alarming(rep))
+    picked, rr = choose_replay(rep, watch.steps, lambda cap: watch.replayed(cap, save_any=alarming(rep)))
     return rep if rr is None else fold_replay(rep, watch.steps, picked, rr)
+
+
+def choose_replay(rep: Report, steps: list[StepRecord], replayed) -> tuple[str | None, Report | None]:
+    """(capture, its replay) that a report folds in, `replayed(capture)` giving a replay (or None). A report with
+    something wrong replays `pick_capture`'s; one with nothing wrong tries the captures `candidates` gives in order
+    and takes the first whose replay finds an error (a harmless skip's capture says nothing; a later one, of a
+    NaN at any loss scale, may), else the first replay."""
+    caps = candidates(rep, steps)
+    first: tuple = (None, None)
+    for cap in caps:
+        rr = replayed(cap)
+        if rr is None:
+            continue
+        if first[1] is None:
+            first = (cap, rr)
+        if alarming(rep) or any(f.severity == "error" for f in rr.findings):
+            return cap, rr
+    return first
+
+
+def candidates(rep: Report, steps: list[StepRecord]) -> list[str]:
+    """The captures a report may replay, in order: `pick_capture`'s for a report with something wrong; else every
+    unexplained skip's, then the first unexplained non-finite step's."""
+    if alarming(rep):
+        cap = pick_capture(rep, steps)
+        return [cap] if cap is not None else []
+    out = unexplained_skips(steps)
+    nf = unexplained_nonfinite(steps)
+    return out + [nf] if nf is not None and nf not in out else out
 
 
 def alarming(rep: Report) -> bool:
@@ -54,13 +81,21 @@ def unexplained_skip(steps: list[StepRecord]) -> str | None:
     """The capture of a step the scaler skipped at a loss scale that an earlier step already stepped with: the
     scale had not grown past what works, so the inf/NaN came from the batch or the model (e.g. a sqrt at 0 in the
     backward on one batch), which only a replay of the step tells apart from a gradient spike."""
+    caps = unexplained_skips(steps)
+    return caps[0] if caps else None
+
+
+def unexplained_skips(steps: list[StepRecord]) -> list[str]:
+    """Every such capture, in step order (a watch captures a skip again after the run recovered:
+    autocapture.CapturePolicy)."""
     worked = None  # the largest scale an applied update has used so far
+    out = []
     for r in steps:
         if r.skipped and r.capture and r.scale is not None and worked is not None and r.scale <= worked:
-            return r.capture
+            out.append(r.capture)
         if not r.skipped and r.scale is not None and r.grad_finite is not False:
             worked = r.scale if worked is None else max(worked, r.scale)
-    return None
+    return out
 
 
 def unexplained_nonfinite(steps: list[StepRecord]) -> str | None:
@@ -97,10 +132,7 @@ def run_replay(cap, model, loss_fn=None, *, strict: bool = False) -> Report | No
 def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=None, *, strict: bool = False) -> Report:
     """`merge_replay` for any model (e.g. `ampdoctor report RUN_DIR --model pkg.mod:factory`). With `strict`, a
     replay that fails raises (BadInput); otherwise it only warns and the report stands as it was."""
-    cap = pick_capture(rep, steps)
-    if cap is None:
-        return rep
-    rr = run_replay(cap, model, loss_fn, strict=strict)
+    cap, rr = choose_replay(rep, steps, lambda c: run_replay(c, model, loss_fn, strict=strict))
     return rep if rr is None else fold_replay(rep, steps, cap, rr)
 
 

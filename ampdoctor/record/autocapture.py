@@ -15,7 +15,10 @@ import torch
 
 from ..records import BACKOFF_MAX_STREAK, LOSS_JUMP
 
-__all__ = ["CapturePolicy", "maybe_capture"]
+__all__ = ["CapturePolicy", "maybe_capture", "RECUR_CLEAN"]
+
+RECUR_CLEAN = 5
+"""Clean steps after which a `backward` skip at a working scale is captured again (CapturePolicy.observe)."""
 
 
 class CapturePolicy:
@@ -26,7 +29,11 @@ class CapturePolicy:
     before the first applied update (a streak shorter than records.BACKOFF_MAX_STREAK), or a single skip right
     after the scale grew (the scaler probing upwards). What is: a forward failure (`forward`); a skip after the
     scale had settled (`backward`); skips that persist (`persistent`). One capture of each kind, within
-    `WatchConfig.max_captures`; a bad step that was not sampled has the next `bad_step_followup` steps sampled."""
+    `WatchConfig.max_captures`, and another of a `backward` skip that comes again after RECUR_CLEAN clean steps at
+    a scale an update already used (no scale explains it: a NaN at any loss scale, an empty tile, a zero-length
+    sequence, after an earlier harmless skip took the kind; a report with nothing wrong replays these in turn,
+    analysis/replayfold.choose_replay); a bad step that was not sampled has the next `bad_step_followup` steps
+    sampled."""
 
     def __init__(self, cfg):
         self.cfg = cfg              # the watch's WatchConfig
@@ -37,6 +44,8 @@ class CapturePolicy:
         self.stepped = False        # an update has been applied (GradScaler's initial search is over)
         self.prev_scale = None      # the loss scale of the step before
         self.prev_loss = None       # the finite loss of the step before (loss_jump)
+        self.clean = 0              # steps since the last bad one (neither forward nor gradients non-finite)
+        self.worked = None          # the largest loss scale a clean step has used
 
     def sampled(self, step: int) -> bool:
         """Whether step `step` takes full statistics: every `every`-th, and the follow-ups of a bad step. Once per
@@ -69,7 +78,14 @@ class CapturePolicy:
         it is the first of that kind (a capture is due), else None."""
         if (bad_fwd or bad_bwd) and not sampled:
             self.followup = max(self.followup, self.cfg.bad_step_followup)
+        clean, self.clean = self.clean, 0 if (bad_fwd or bad_bwd) else self.clean + 1
+        worked = self.worked
+        if not (bad_fwd or bad_bwd) and scale is not None:
+            self.worked = scale if self.worked is None else max(self.worked, scale)
         k = self.kind(bad_fwd, bad_bwd, scale, scaler)
+        if k == "backward" and k in self.kinds and clean >= RECUR_CLEAN and scale is not None \
+                and worked is not None and scale <= worked:
+            return k  # a skip again, after the run had recovered, at a scale that worked: worth its own replay
         if k is None or k in self.kinds:
             return None
         self.kinds.add(k)
