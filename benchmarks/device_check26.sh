@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Twenty-fifth session (nvidia-h200): after the integer watch (record/intwatch.py: a pre-hook on modules whose
-# integer inputs a sampled step found) and headroom_trend's after-the-fact filter: the eager corpus (every case but the
+# integer inputs a sampled step found), headroom_trend's after-the-fact filter and the recurring-skip captures: the eager
+# corpus (every case but the
 # loop-misuse ones; losses bitwise with and without the watch). Logs go to $OUT; the short table prints last.
 # ~5.5 minutes.
 set -u
