@@ -53,8 +53,8 @@ allowed), the slow lr blow-up (rules/scaler.py: a skip at a scale below 1 is los
 rate (single probes above the scale that earned the growth are benign up to 1 in 8 steps, steps.PROBE_SHARE), and
 i (the twenty-fifth session: a `backward` skip that comes again after 5 clean steps at a working scale is captured
 too, and a report with nothing wrong replays those captures in turn, analysis/replayfold.choose_replay; the replay
-of step 24's names `dist`: `[error] nan_origin at dist step 24` first, in the live report and from the run dir;
-skipped_steps itself still says "a normal rate", as info). It was:
+of step 24's names `dist`: `[error] nan_origin at dist step 24` first, in the live report and from the run dir,
+and skipped_steps is a warning that says the replay found NaN at every scale, no longer "a normal rate"). It was:
  - i: only [info] skipped_steps "a normal rate", summary "Healthy", while 16 batches NaN'd the backward at any scale
    and the scale fell 65536 -> 0.5. (1) benign_backoff: 17 later skips in 399 steps, under later_share, so all are
    benign (each at a scale below every one before, never settling); (2) `dist` is never located: record/
@@ -698,3 +698,7 @@ def test_rare_backward_nan_at_any_scale_after_a_harmless_spike(tmp_path):
     assert r.skipped == [10] + RARE, (r.skipped, r.scales)
     assert not grads_finite(r, 10, r.scales[10]) and grads_finite(r, 10, r.scales[10] / 2)
     assert_flagged(r, SCALER_RULES + ("overflow", "nan_origin"))
+    assert_flagged(r, ("overflow", "nan_origin"), "dist", ("error",), top=3)
+    # and the skips are not called GradScaler's normal rate beside it (the replay found NaN at every scale down to 1)
+    for rep in reports(r):
+        assert not any(f.rule == "skipped_steps" and f.severity == "info" for f in rep.findings), lines(rep)

@@ -184,6 +184,20 @@ def _replay_stayed_finite(findings: list[Finding], cap_step: int | None) -> None
                 dict(g.evidence, replay_finite=True))
 
 
+def _no_search(findings: list[Finding], cap_step: int | None) -> None:
+    """The replay found the captured step non-finite at every loss scale down to 1: a `skipped_steps` the records
+    took for a normal rate of GradScaler's search (info) is no search; it becomes a warning that says why."""
+    for j, k in enumerate(findings):
+        if k.rule == "skipped_steps" and k.severity == "info" and k.evidence.get("benign_backoff"):
+            findings[j] = Finding(
+                k.rule, "warning", k.phase, k.module, k.op, k.step,
+                f"GradScaler skipped {k.evidence.get('skipped', '?')} of {k.evidence.get('steps', '?')} "
+                f"steps; the replay of step {cap_step} finds its gradients non-finite at every loss scale "
+                "down to 1, so these skips are not the scaler's search (see the overflow above).",
+                "Fix the producer of the inf/NaN (the finding above); no loss scale can.",
+                dict(k.evidence, benign_backoff=False, rank_hint=70))
+
+
 def _of_step(g: Finding, step: int | None) -> bool:
     """The finding `g` covers `step` (its own step, or one of its evidence's steps)."""
     return step is not None and (g.step == step or step in (g.evidence.get("steps") or ()))
@@ -293,15 +307,7 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                 findings[i] = _promoted(f, findings[i], cap, onset, " No loss scale makes it finite (the replay "
                                         "tried down to 1).", scaler_search=search)
                 refined.add(id(findings[i]))
-                for j, k in enumerate(findings):  # nor are the skips it caused a normal rate
-                    if k.rule == "skipped_steps" and k.severity == "info" and k.evidence.get("benign_backoff"):
-                        findings[j] = Finding(
-                            k.rule, "warning", k.phase, k.module, k.op, k.step,
-                            f"GradScaler skipped {k.evidence.get('skipped', '?')} of {k.evidence.get('steps', '?')} "
-                            f"steps; the replay of step {cap_step} finds its gradients non-finite at every loss scale "
-                            "down to 1, so these skips are not the scaler's search (see the overflow above).",
-                            "Fix the producer of the inf/NaN (the finding above); no loss scale can.",
-                            dict(k.evidence, benign_backoff=False, rank_hint=70))
+                _no_search(findings, cap_step)  # nor are the skips it caused a normal rate
                 continue
         if f.rule in ("overflow", "nan_origin") and f.severity == "error" and f.phase == "forward" \
                 and f.module is not None and cap_bad_fwd:
@@ -366,6 +372,9 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                 f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
     _follow_refined(findings, refined, before)
+    if any_scale and any(f.severity == "error" and f.rule in ("overflow", "nan_origin") and f.module is not None
+                         and f.evidence.get("from_replay") == cap for f in findings):
+        _no_search(findings, cap_step)  # (an error the replay added to a report with nothing else wrong, too)
     if not any(o.get("kind") in ("overflow", "nan_origin") for o in ops):
         _replay_stayed_finite(findings, cap_step)
     # two module-level findings refined onto the same op of the same step (a later step's finding re-dated to the
