@@ -154,7 +154,10 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad or outside_bad or loss_bad_aside)
 
     scaler_search = None
-    fwd_events = any(e.phase == "forward" for e in tracer.events)
+    # (an fp32 op whose inf/NaN never left its module, e.g. the log(0) of T5's and WavLM's relative-position
+    # buckets, which the model casts and masks away: no failure of the step's, nor a reason to skip the scale search)
+    failing = [e for e in tracer.events if not _fp32_absorbed(e)]
+    fwd_events = any(e.phase == "forward" for e in failing)
     if grads_bad and scale and not forward_error and out_ok and loss_finite is not False and not fwd_events:
         say("replay: the backward overflowed alone: trying lower loss scales (GradScaler's backoff)")
         scaler_search = _scaler_search(m, args, kwargs, devtype, dtype, cap, loss_fn, scale)
@@ -191,7 +194,8 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         fix = _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref)
 
     bad_input = nonfinite_input(cap.args, cap.kwargs)
-    findings = explain.build_findings(events=tracer.events, consts=tracer.constants, step_bad=step_bad,
+    findings = explain.build_findings(events=[e for e in tracer.events if not _fp32_absorbed(e)],
+                                      consts=tracer.constants, step_bad=step_bad,
                                       step=cap.step, device=devtype, forward_error=forward_error, fix=fix,
                                       suspects=suspects, dtype=dtype_name, error_module=tracer.exception_module,
                                       softmax_inputs=tracer.softmax_inputs, sdpa_used=tracer.sdpa_used,
@@ -304,15 +308,23 @@ def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> di
 _LP = ("float16", "bfloat16")
 
 
+def _lowp(e) -> bool:
+    return e.out_dtype in _LP or any(d in _LP for d in (e.in_dtypes or []))
+
+
+def _fp32_absorbed(e) -> bool:
+    """A forward op computing in full precision (inputs and output) whose inf/NaN never left its module: not a
+    mixed-precision failure, and not the step's (fp32 would do the same; the module's output stayed finite)."""
+    return e.phase == "forward" and e.absorbed and not _lowp(e)
+
+
 def _low_precision_first(events: list) -> list:
     """Order non-finite op events for blame: forward before backward and, within a phase, ops whose module still
     returned finite values (absorbed: NewGELU's x**3 inside a saturating tanh) after those whose values got out,
     then ops that compute in a low-precision dtype before full-precision ones (an fp32 `log(0)` that the model then
     masks away, as T5's relative-position buckets do, is not a mixed-precision failure). (An absorbed forward op
     stays before the backward: T5LayerNorm's x**2 overflowing into exact zeros is the failure, not its backward.)"""
-    def lowp(e) -> bool:
-        return e.out_dtype in _LP or any(d in _LP for d in (e.in_dtypes or []))
-    return sorted(events, key=lambda e: (e.phase != "forward", e.absorbed, not lowp(e), e.seq))
+    return sorted(events, key=lambda e: (e.phase != "forward", e.absorbed, not _lowp(e), e.seq))
 
 
 def _outside_loss_finding(bad: list, step, loss_bad: bool = False) -> Finding:

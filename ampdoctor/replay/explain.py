@@ -133,7 +133,10 @@ def _pole_underflow(e: OpEvent, fix: dict | None, device: str, step, severity: s
         return None
     if not (fix and fix.get("found")):
         return None  # zero in fp32 too: a real singular point, not a precision effect
-    dt = next((d for d in (e.in_dtypes or []) if d in ("float16", "bfloat16")), None) or "float16"
+    dt = next((d for d in (e.in_dtypes or []) if d in ("float16", "bfloat16")), None)
+    if dt is None and e.in_dtypes:
+        return None  # the op's inputs were fp32 already: its zeros are zeros in fp32 (the fix search cured another op)
+    dt = dt or "float16"
     mods = ", ".join(f"`{module_label(m)}`" for m in fix.get("modules") or []) or _where(e.module)
     msg = (f"the zeros that {e.op} in {_where(e.module)} turned into {_inf_sign(e)} are not zero in fp32 (running "
            f"{mods} in fp32 keeps the step finite): they underflowed or rounded to exactly 0 in low precision — a "

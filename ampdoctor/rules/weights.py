@@ -9,6 +9,7 @@ import os
 from ..findings import Finding
 from ..records import ROUNDING_MIN_SAMPLED
 from .registry import RuleConfig, RunData, register
+from .steps import crash
 
 _FP16_GRADS = "Attempting to unscale FP16 gradients"
 
@@ -95,7 +96,16 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # an Adam-style eps that vanishes on them (optimizer_eps) breaks the run through the same missing master copy:
     # the two are one cause, and the master copy is the fix for both
     eps_vanishes = any(held.intersection(f.evidence.get("params") or ()) for f in optimizer_eps(run, cfg))
-    sev = "error" if run.has_scaler or rounds or eps_vanishes else "warning"
+    # the run died of a dtype clash once they were made fp16 mid-run (AdamW's fp32 moments beside parameters an
+    # eval callback `.half()`d): the crash is theirs
+    first_low = min((became[n] for n in names if n in became), default=None)
+    died = crash(list(run.steps)) if first_low is not None else None
+    if died is not None and not (died["step"] >= first_low and any(
+            w in str(died.get("message") or "") for w in ("Half", "float16", "dtype"))):
+        died = None
+    if died is not None:
+        ev.update({"crash": died.get("message"), "crash_file": died.get("file"), "crash_line": died.get("line")})
+    sev = "error" if run.has_scaler or rounds or eps_vanishes or died is not None else "warning"
     if eps_vanishes:
         ev["rank_hint"] = 7  # right after the eps (how the updates broke), before their consequences
     at = run.steps[0].step if run.steps else None
