@@ -183,3 +183,27 @@ def test_observe_captures_each_kind_once_schedules_followups_and_spends_the_budg
     assert p.followup == 0  # a sampled bad step schedules none
     assert p.observe(False, True, 1.0, sampled=True, scaler=True) == "backward"
     assert [p.spend(), p.spend(), p.spend()] == [True, True, False] and p.captures == 2
+
+
+def _observe(p: CapturePolicy, seq):
+    """seq: (bad_fwd, bad_bwd, scale) per step; the steps whose capture observe() asks for (spending the budget as
+    maybe_capture does)."""
+    out = []
+    for i, (f, b, s) in enumerate(seq):
+        if p.observe(f, b, s, sampled=False, scaler=True) is not None and p.spend():
+            out.append(i)
+    return out
+
+
+def test_a_skip_that_comes_back_at_a_working_scale_is_captured_once_more_leaving_budget():
+    """After a first backward skip took the kind, a skip at a scale an update already used, after 5+ clean steps,
+    is captured once more (a harmless spike first, a NaN at any scale later); not a third time, not right after
+    the first, not above the working scale, and never the last capture of the budget."""
+    ok, skip = (False, False, 1024.0), (False, True, 1024.0)
+    run = [ok] * 10 + [skip] + [ok] * 3 + [skip] + [ok] * 6 + [skip] + [ok] * 6 + [skip] + [ok] * 6
+    assert _observe(CapturePolicy(WatchConfig()), run) == [10, 21]          # not 14 (too soon), not 28 (once)
+    high = run[:21] + [(False, True, 2048.0)] + run[22:]
+    assert _observe(CapturePolicy(WatchConfig()), high) == [10, 28]         # above what worked: not at 21
+    assert _observe(CapturePolicy(WatchConfig(max_captures=2)), run) == [10]  # the last slot stays free
+    fwd = run + [(True, False, 1024.0)]
+    assert _observe(CapturePolicy(WatchConfig()), fwd) == [10, 21, len(run)]  # ... for a forward failure

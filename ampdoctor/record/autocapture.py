@@ -29,11 +29,11 @@ class CapturePolicy:
     before the first applied update (a streak shorter than records.BACKOFF_MAX_STREAK), or a single skip right
     after the scale grew (the scaler probing upwards). What is: a forward failure (`forward`); a skip after the
     scale had settled (`backward`); skips that persist (`persistent`). One capture of each kind, within
-    `WatchConfig.max_captures`, and another of a `backward` skip that comes again after RECUR_CLEAN clean steps at
+    `WatchConfig.max_captures`, and one more of a `backward` skip that comes again after RECUR_CLEAN clean steps at
     a scale an update already used (no scale explains it: a NaN at any loss scale, an empty tile, a zero-length
     sequence, after an earlier harmless skip took the kind; a report with nothing wrong replays these in turn,
-    analysis/replayfold.choose_replay); a bad step that was not sampled has the next `bad_step_followup` steps
-    sampled."""
+    analysis/replayfold.choose_replay), while it leaves a capture of the budget for a later failure; a bad step
+    that was not sampled has the next `bad_step_followup` steps sampled."""
 
     def __init__(self, cfg):
         self.cfg = cfg              # the watch's WatchConfig
@@ -46,6 +46,7 @@ class CapturePolicy:
         self.prev_loss = None       # the finite loss of the step before (loss_jump)
         self.clean = 0              # steps since the last bad one (neither forward nor gradients non-finite)
         self.worked = None          # the largest loss scale a clean step has used
+        self.recurred = False       # the one extra `backward` capture was taken
 
     def sampled(self, step: int) -> bool:
         """Whether step `step` takes full statistics: every `every`-th, and the follow-ups of a bad step. Once per
@@ -84,7 +85,9 @@ class CapturePolicy:
             self.worked = scale if self.worked is None else max(self.worked, scale)
         k = self.kind(bad_fwd, bad_bwd, scale, scaler)
         if k == "backward" and k in self.kinds and clean >= RECUR_CLEAN and scale is not None \
-                and worked is not None and scale <= worked:
+                and worked is not None and scale <= worked and not self.recurred \
+                and self.captures < self.cfg.max_captures - 1:
+            self.recurred = True
             return k  # a skip again, after the run had recovered, at a scale that worked: worth its own replay
         if k is None or k in self.kinds:
             return None
