@@ -222,11 +222,15 @@ def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 msg = (f"`{module or '(root)'}` ({typ}) takes a {dt} input that holds only integers, up to "
                        f"{mx:g} (positions or timesteps): exact in {dt}, but anything computed from them in {dt} "
                        f"past {frm:g} lands on a grid {grid:g} apart — a sinusoidal embedding's phases t * freq "
-                       f"are off by {grid / 2:g} rad or more, and its sin/cos with them.")
+                       f"are off by {grid / 2:g} rad or more, and its sin/cos with them, if the module computes them "
+                       f"in {dt} (not after `.float()`, and not if it only casts the values to an integer type).")
             fix = ("Keep positions and timesteps in fp32 (or int64) until the embedding has used them, and cast "
                    "the embedding's output, not its input, to the model's dtype:\n"
                    "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))")
-            out.append(Finding("precision_loss", "warning", "forward", module, None, r.step, msg, fix,
+            # (exact integers are lost only where the module multiplies them by a fraction in that dtype, which the
+            # watch cannot see: ids it only casts to long lose nothing; a risk, not a finding of harm)
+            out.append(Finding("precision_loss", "warning" if mx > lim else "info", "forward", module, None, r.step,
+                               msg, fix,
                                {"dtype": dt, "max_integer": mx, "exact_up_to": lim, "spacing_at_max": spacing,
                                 "rank_hint": 45}))
     return out
