@@ -48,10 +48,16 @@ def choose_replay(rep: Report, steps: list[StepRecord], replayed) -> tuple[str |
 
 
 def candidates(rep: Report, steps: list[StepRecord]) -> list[str]:
-    """The captures a report may replay, in order: `pick_capture`'s for a report with something wrong; else every
-    unexplained skip's, then the first unexplained non-finite step's."""
+    """The captures a report may replay, in order. One with something wrong: the capture of its top error's step,
+    else the first. One with nothing wrong: every capture of a skipped step its loss scale does not explain
+    (`unexplained_skips`), then that of a step whose loss or output went non-finite (`unexplained_nonfinite`), whose
+    replay then adds only an error it proves (`fold_replay`); none otherwise (e.g. GradScaler's normal backoff: a
+    replay could only add advisory constants to a healthy run)."""
     if alarming(rep):
-        cap = pick_capture(rep, steps)
+        caps = rep.summary.get("captures") or []
+        top = next((f for f in rep.findings if f.severity == "error"), None)
+        by_step = {r.step: r.capture for r in steps if r.capture}
+        cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
         return [cap] if cap is not None else []
     out = unexplained_skips(steps)
     nf = unexplained_nonfinite(steps)
@@ -64,17 +70,9 @@ def alarming(rep: Report) -> bool:
 
 
 def pick_capture(rep: Report, steps: list[StepRecord]) -> str | None:
-    """The capture a report's replay re-runs: the one of its top error's step, else the first; when the report has
-    nothing wrong, the capture of a skipped step that its loss scale does not explain (`unexplained_skip`) or of a
-    step whose loss or output went non-finite (`unexplained_nonfinite`), whose replay then adds only an error it
-    proves (`fold_replay`); None otherwise (e.g. GradScaler's normal backoff: a replay could only add advisory
-    constants to a healthy run)."""
-    if not alarming(rep):
-        return unexplained_skip(steps) or unexplained_nonfinite(steps)
-    caps = rep.summary.get("captures") or []
-    top = next((f for f in rep.findings if f.severity == "error"), None)
-    by_step = {r.step: r.capture for r in steps if r.capture}
-    return by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
+    """The first capture a report's replay would re-run (`candidates`), or None."""
+    caps = candidates(rep, steps)
+    return caps[0] if caps else None
 
 
 def unexplained_skip(steps: list[StepRecord]) -> str | None:

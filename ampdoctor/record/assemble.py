@@ -13,7 +13,7 @@ from .params import MIN_SAMPLED, ROUNDED_SHARE
 from .producers import backward_producer, forward_producer
 from .series import from_calls
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
-from .stats import combine, integer_valued, vector_to_stats
+from .stats import combine, integer_input, vector_to_stats
 from .storage import store
 from .transfer import presync, resolve
 
@@ -28,15 +28,6 @@ def _weights(module: str, w_bad: dict, m):
     bad = w_bad.get(module)
     return TensorStats(dtype="weights", ref="weights", numel=m.param_modules[module],
                        nan=int(bad == "nan"), posinf=int(bad == "inf"))
-
-
-def _integer_input(c, probes: list) -> dict | None:
-    """The first of the call's small fp16/bf16 inputs that held only integers past the dtype's exact range."""
-    for idx, dt in c.probes:
-        found = integer_valued(probes[idx * 4:idx * 4 + 4] if idx * 4 + 4 <= len(probes) else None, dt)
-        if found is not None:
-            return found
-    return None
 
 
 def _stats_for(c, slot, rows):
@@ -90,7 +81,7 @@ def finalize(m) -> None:
     calls = [ModuleCall(module=c.module, type=c.type, call=c.call, seq=c.seq, depth=c.depth, autocast=c.autocast,
                         inp=_stats_for(c, "inp", rows), par=_weights(c.module, w_bad, m), out=_stats_for(c, "out", rows),
                         gout=_stats_for(c, "gout", rows), gin=_stats_for(c, "gin", rows), bseq=c.bseq,
-                        grad_enabled=c.grad_enabled, int_input=_integer_input(c, probes)) for c in st.calls]
+                        grad_enabled=c.grad_enabled, int_input=integer_input(c.probes, probes)) for c in st.calls]
     parents = {c.seq: c.parent for c in st.calls}
     if st.sampled:
         m.int_watch.learn(st.calls, probes)  # integer ramps among the inputs: probed on routine steps from now on

@@ -17,7 +17,7 @@ import torch
 
 from .gradexits import in_backward
 from .hooks import ModuleHook
-from .stats import integer_valued
+from .stats import integer_input, probe_row
 
 __all__ = ["IntWatch", "MAX_WATCHED"]
 
@@ -46,7 +46,7 @@ class IntWatch:
         if m.compiled or m.disabled:
             return
         names = {c.module: c.type for c in calls
-                 if any(_ramp(probes[i * 4:i * 4 + 4]) for i, _ in c.probes)}
+                 if any(_ramp(probe_row(probes, i)) for i, _ in c.probes)}
         # a parent passing the values down is not watched when a module below it received them too
         inner = [n for n in names if not any(o != n and (n == "" or o.startswith(n + ".")) for o in names)]
         for name in inner:
@@ -79,13 +79,8 @@ class IntWatch:
     @staticmethod
     def found(st, probes: list) -> list | None:
         """A routine step's watched inputs that held only integers past the dtype's exact range (read back)."""
-        out = []
-        for c in st.int_calls:
-            for idx, dt in c.probes:
-                info = integer_valued(probes[idx * 4:idx * 4 + 4] if idx * 4 + 4 <= len(probes) else None, dt)
-                if info is not None:
-                    out.append({"module": c.module, "type": c.type, **info})
-                    break
+        out = [{"module": c.module, "type": c.type, **info} for c in st.int_calls
+               if (info := integer_input(c.probes, probes)) is not None]
         return out or None
 
     def remove(self) -> None:

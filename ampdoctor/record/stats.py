@@ -14,7 +14,7 @@ import torch
 from ..records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
 
 __all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT",
-           "integer_probe", "EXACT_INTEGERS", "PROBE_MAX_NUMEL", "integer_valued"]
+           "integer_probe", "EXACT_INTEGERS", "PROBE_MAX_NUMEL", "integer_valued", "probe_row", "integer_input"]
 
 NSTAT = len(STAT_FIELDS)
 _F64 = torch.float64
@@ -247,3 +247,18 @@ def integer_valued(row, dtype: str) -> dict | None:
     if nonfinite or nonint or not (products < amax <= 2.0 ** 24) or not (amin < amax and amin <= products):
         return None
     return {"dtype": dtype, "max": amax, "exact_up_to": limit, "rounds_products_from": products}
+
+
+def probe_row(probes: list, idx: int) -> list | None:
+    """Row `idx` of a step's `integer_probe` values read back (four numbers each), None when it did not arrive."""
+    return probes[idx * 4:idx * 4 + 4] if idx * 4 + 4 <= len(probes) else None
+
+
+def integer_input(call_probes: list, probes: list) -> dict | None:
+    """The first of a call's probed inputs (`[(row index, dtype name)]`) that held only integers past the point where
+    its dtype rounds (`integer_valued`)."""
+    for idx, dt in call_probes:
+        found = integer_valued(probe_row(probes, idx), dt)
+        if found is not None:
+            return found
+    return None

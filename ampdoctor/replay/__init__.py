@@ -154,6 +154,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     step_bad = bool(forward_error or not out_ok or loss_finite is False or grads_bad or outside_bad or loss_bad_aside)
 
     scaler_search = None
+    tracer.events = _low_precision_first(tracer.events)
     # (an fp32 op whose inf/NaN never left its module, e.g. the log(0) of T5's and WavLM's relative-position
     # buckets, which the model casts and masks away: no failure of the step's, nor a reason to skip the scale search)
     failing = [e for e in tracer.events if not _fp32_absorbed(e)]
@@ -185,7 +186,6 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         say("replay: dtype what-if (fp16, bf16" + (", tf32)" if devtype == "cuda" else ")"))
         table = shadow_mod.whatif(m32, args, kwargs, device=devtype, rng=cap.rng, loss_fn=loss_fn, ref=ref,
                                   scale=scale)
-    tracer.events = _low_precision_first(tracer.events)
     first = next((e.module for e in tracer.events), None)
     if first is None:
         first = next((c["module"] for c in tracer.constants), None)
@@ -194,8 +194,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         fix = _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref)
 
     bad_input = nonfinite_input(cap.args, cap.kwargs)
-    findings = explain.build_findings(events=[e for e in tracer.events if not _fp32_absorbed(e)],
-                                      consts=tracer.constants, step_bad=step_bad,
+    findings = explain.build_findings(events=failing, consts=tracer.constants, step_bad=step_bad,
                                       step=cap.step, device=devtype, forward_error=forward_error, fix=fix,
                                       suspects=suspects, dtype=dtype_name, error_module=tracer.exception_module,
                                       softmax_inputs=tracer.softmax_inputs, sdpa_used=tracer.sdpa_used,

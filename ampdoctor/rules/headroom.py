@@ -35,8 +35,7 @@ from ..records import DTYPE_LIMITS
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .origins import autocast_device
-from .backoff import benign_backoff
-from .steps import absorbed_modules, real_bad
+from .steps import real_bad_steps
 
 __all__ = ["headroom_trend", "trend", "series"]
 
@@ -270,10 +269,7 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
 
     def bad_steps() -> list:
         if not known:
-            steps = list(run.steps)
-            benign = benign_backoff(steps, run.has_scaler, growth_factor=run.growth_factor)
-            mods = absorbed_modules(steps)
-            known.append([r for r in steps if real_bad(r, benign, mods)])
+            known.append(list(real_bad_steps(list(run.steps), run.has_scaler, run.growth_factor)))
         return known[0]
 
     def bad() -> int | None:
@@ -311,10 +307,11 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             named.update(chain)
             named.update(j for j in warn if any(_inside(mods[j][0], mods[c][0]) or j == c for c in chain))
             first = min(chain, key=lambda j: _bits_at(pts[j], w["step"]))
-            if _failed_by(bad_steps(), [mods[j][0] for j in chain] + [mods[first][0]], w["step"], phase):
+            names = [mods[j][0] for j in chain] + [mods[first][0]]
+            if _failed_by(bad_steps(), names, w["step"], phase):
                 continue  # reached only after these layers had already overflowed: no early warning (that finding says it)
             out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"],
-                                _came_true(run, w, [mods[j][0] for j in chain] + [mods[first][0]], bad())))
+                                _came_true(run, w, names, bad())))
     # a module warned at the same step and phase as one inside it says the same thing (its output is that one's,
     # passed on): the inner one stands for both
     return [f for f in out if not any(g is not f and g.phase == f.phase and g.step == f.step and g.severity ==

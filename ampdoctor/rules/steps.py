@@ -10,7 +10,7 @@ from ..fixes import modules_related
 from ..records import ModuleCall, StepRecord
 from .backoff import benign_backoff
 
-__all__ = ["absorbed", "absorbed_modules", "real_bad", "first_bad_step", "onset_step", "first_unlocated_skip",
+__all__ = ["absorbed", "absorbed_modules", "real_bad", "real_bad_steps", "first_bad_step", "onset_step", "first_unlocated_skip",
            "crash", "unfinished", "parents", "descendants"]
 
 
@@ -56,10 +56,15 @@ def real_bad(r: StepRecord, benign: set[int], absorbed_mods: set[str]) -> bool:
     return bool(backward) and r.step not in benign
 
 
-def first_bad_step(steps: list[StepRecord], has_scaler: bool, growth_factor: float | None = None) -> int | None:
+def real_bad_steps(steps: list[StepRecord], has_scaler: bool, growth_factor: float | None = None):
+    """The steps that went bad for a real reason (`real_bad`), in order, as a generator."""
     benign = benign_backoff(steps, has_scaler, growth_factor=growth_factor)
     mods = absorbed_modules(steps)
-    return next((r.step for r in steps if real_bad(r, benign, mods)), None)
+    return (r for r in steps if real_bad(r, benign, mods))
+
+
+def first_bad_step(steps: list[StepRecord], has_scaler: bool, growth_factor: float | None = None) -> int | None:
+    return next((r.step for r in real_bad_steps(steps, has_scaler, growth_factor)), None)
 
 
 def onset_step(steps: list[StepRecord], observed: int, phase: str) -> int:
