@@ -170,7 +170,7 @@ class Watch:
                 ((self.meta.world_size or 1) <= 1 or _runs_alone(self.model)):
             try:
                 from .analysis import build_report
-                from .analysis.replayfold import alarming, choose_replay
+                from .analysis.replaychoice import alarming, choose_replay
                 steps = list(self.machine.records)
                 rep = build_report(self.meta, steps, run_dir=self.run_dir)
                 # (of a healthy-looking report, only a replay that finds an error is kept)

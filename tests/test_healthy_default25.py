@@ -11,7 +11,7 @@ skips now and then for a harmless reason, 10-40 steps apart, at a settled scale;
 exactly the designed steps, each one's forward and loss finite, its scaled gradients not finite at the step's own
 scale and finite at half of it (the batch re-run from the step's weights), at a scale a clean update had used;
 probe_harness.Producer sees no module make inf/NaN in the forward; every loss finite and falling (spikes left out);
-the watch holds >= 2 such skips' captures (replayfold.unexplained_skips), so the new replay-in-turn path runs:
+the watch holds >= 2 such skips' captures (replaychoice.unexplained_skips), so the new replay-in-turn path runs:
  1. mlp_label_glitches: MLP regressor, 250 steps, 6 targets off by 23-1448 (a glitch each; the amplitude doubles as
     the scale halves, so each overflows at its own scale only);
  2. conv_misannotated: a small conv net scoring 8x8 patches, 200 steps, 5 mis-annotated scores;
@@ -65,7 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from ampdoctor.analysis.replayfold import unexplained_skips
+from ampdoctor.analysis.replaychoice import unexplained_skips
 
 sys.path.insert(0, str(Path(__file__).parent))
 from probe_harness import Producer, error_at, finite, xf  # noqa: E402

@@ -1,5 +1,5 @@
 """Healthy fp16 runs whose GradScaler skips a step at a loss scale that an earlier step already stepped with (a
-gradient spike), the case `replayfold.unexplained_skip` now replays in w.report()/w.close(); and failure twins where
+gradient spike), the case `replaychoice.unexplained_skip` now replays in w.report()/w.close(); and failure twins where
 the one-off skip is a bug that no loss scale fixes. Real CPU loops: fp16 autocast, torch.amp.GradScaler("cpu",
 init_scale, growth_interval), `ampdoctor.watch(model, optimizer=opt, scaler=scaler, run_dir=DIR)` at its defaults
 (every=1 where said), one intra-op thread, fixed seeds, 40 steps (twins 24).
@@ -71,7 +71,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from ampdoctor.analysis.replayfold import unexplained_skip
+from ampdoctor.analysis.replaychoice import unexplained_skip
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scenarios import alarms, gen, in_top3, lines, one_thread  # noqa: E402

@@ -50,10 +50,10 @@ Scenarios:
 15. bad input, Python API: the same captures raise `BadInput` with a one-line message, and the user's model passed
     to a mismatching replay is left unchanged.
 
-What ampdoctor got wrong (fixed since: `replayfold.unexplained_skip`):
+What ampdoctor got wrong (fixed since: `replaychoice.unexplained_skip`):
  - 3: the sqrt-at-0 backward NaN. The watch took the capture of step 4 but its report has no error: its only
    finding is `[info] skipped_steps ... a normal rate for dynamic loss scaling`, and it never replays the capture
-   it took (analysis/replayfold.pick_capture replays only when the report already has an error or a warning).
+   it took (analysis/replaychoice.pick_capture replays only when the report already has an error or a warning).
    `ampdoctor.replay` of that very capture says `[error] overflow` at `norm` (aten::div, SqrtBackward0), finite at
    no loss scale.
 """

@@ -52,7 +52,7 @@ settled prefix of lowest-so-far skips, settling measured against the longest gap
 allowed), the slow lr blow-up (rules/scaler.py: a skip at a scale below 1 is loss_scale_collapse), and 9's probe
 rate (single probes above the scale that earned the growth are benign up to 1 in 8 steps, steps.PROBE_SHARE), and
 i (the twenty-fifth session: a `backward` skip that comes again after 5 clean steps at a working scale is captured
-too, and a report with nothing wrong replays those captures in turn, analysis/replayfold.choose_replay; the replay
+too, and a report with nothing wrong replays those captures in turn, analysis/replaychoice.choose_replay; the replay
 of step 24's names `dist`: `[error] nan_origin at dist step 24` first, in the live report and from the run dir,
 and skipped_steps is a warning that says the replay found NaN at every scale, no longer "a normal rate"). It was:
  - i: only [info] skipped_steps "a normal rate", summary "Healthy", while 16 batches NaN'd the backward at any scale
@@ -60,7 +60,7 @@ and skipped_steps is a warning that says the replay found NaN at every scale, no
    benign (each at a scale below every one before, never settling); (2) `dist` is never located: record/
    autocapture.py CapturePolicy.observe captures one bad step per kind, the 'backward' capture went to the harmless
    spike at step 10, bad_step_followup samples the 3 clean steps after each unsampled skip, and analysis/
-   replayfold.py pick_capture -> unexplained_skip replays step 10's capture (finite at half the scale), so nothing
+   replaychoice.py pick_capture -> unexplained_skip replays step 10's capture (finite at half the scale), so nothing
    is folded in. Without the spike (h) the capture is step 24's and the replay names `dist`.
 Everything else is right: the healthy runs 1, 2[100, 160], 5-8 are quiet, and a-d, f-h are flagged (a-c, h with the
 producer module among the first three)."""

@@ -61,7 +61,7 @@ take a replay's op only when the capture is of one of its steps):
   batch is `[error] overflow at upds.1 aten::div step 22` and `[error] eps_underflow at upds.0/upds.1`. A lone
   skip that ends in an applied update is GradScaler's search for ampdoctor/rules/backoff.py benign_backoff (its
   `nan_made` test only applies to streaks still running), at step 22 as at step 25; what saves step 22 is the replay
-  of its capture, which analysis/replayfold.py pick_capture/unexplained_skip choose because the skip came at a scale
+  of its capture, which analysis/replaychoice.py pick_capture/unexplained_skip choose because the skip came at a scale
   that had already stepped, and whose proven errors fold_replay adds. At step 25 neither happens: record/autocapture.py
   CapturePolicy.kind writes no capture for `skip_streak == 1 and scale > prev` ("the scaler probing"), and
   unexplained_skip wants `r.scale <= worked` (2048 > 1024). At every=1 the backward producer is located and
@@ -1039,7 +1039,7 @@ def _molecules(i, ion_at, cutoff=5.0):
     pytest.param(25, marks=pytest.mark.xfail(strict=True, reason=(
         "only `[info] skipped_steps ... a normal rate` (exit 0): a lone skip at a freshly grown scale is taken for "
         "GradScaler probing upwards: record/autocapture.py CapturePolicy.kind writes no capture (`skip_streak == 1 "
-        "and scale > prev`), analysis/replayfold.py unexplained_skip replays only a skip at a scale <= one that "
+        "and scale > prev`), analysis/replaychoice.py unexplained_skip replays only a skip at a scale <= one that "
         "stepped (2048 > 1024), and rules/backoff.py benign_backoff counts any streak that ended in an applied update "
         "as the scaler's search (rules/origins.py makes the located producer info at every=1), though sqrt'(0) is "
         "inf at every scale"))),

@@ -151,7 +151,7 @@ XVEC_EVERY = [
     pytest.param(None, id="default", marks=_xf(
         "default: only `[info] skipped_steps at (run) step 4 ... a normal rate` (exit code 0): the NaN is made in "
         "the 6th of 8 micro-batches; no module is located and the replay of the step's capture proves no error "
-        "(analysis/replayfold.py unexplained_skip / fold_replay: the capture keeps one call of the model, presumably "
+        "(analysis/replaychoice.py unexplained_skip / fold_replay: the capture keeps one call of the model, presumably "
         "the step's last micro-batch, which is healthy), so the lone skip passes as GradScaler's search "
         "(rules/backoff.py benign_backoff)")),
     pytest.param(1, id="every1", marks=_xf(

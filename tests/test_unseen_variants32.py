@@ -53,7 +53,7 @@ Wrong when written (strict xfails; 2 and 8 fixed since):
     rules/origins.py groups the sampled steps 14-15 (benign -inf of the ragged rows) as `absorbed` (info) and dates
     it 13; a report with nothing wrong replayed only an unexplained skip's capture, and the fold dropped a replay
     overflow beside an (info) one at that module. Now a report with nothing wrong also replays the capture of a
-    step whose loss or output went non-finite (replayfold.unexplained_nonfinite), and the replay's error replaces an
+    step whose loss or output went non-finite (replaychoice.unexplained_nonfinite), and the replay's error replaces an
     `absorbed` info finding at that module when the captured step's loss or output was non-finite:
     `[error] overflow at linker aten::div step 13`.
 

@@ -107,7 +107,7 @@ RuntimeWarning. The same at every forced headroom stride (tests/stride_sweep.py,
   at a scale already stepped with, README) has no capture of 64 to run. 4, the same bug as the first skip after
   the search, is named right. Now a `backward` skip that comes again after 5 clean steps at a scale an update
   already used is captured too, and a report with nothing wrong replays such captures in turn until one finds an
-  error (analysis/replayfold.choose_replay): `[error] overflow at n2 aten::pow step 64` (backward), the same from
+  error (analysis/replaychoice.choose_replay): `[error] overflow at n2 aten::pow step 64` (backward), the same from
   `diagnose(run_dir)`.
 Noticed (timing-dependent, not asserted): in 10, at headroom="auto" about one run in two also lists `[warning]
 headroom_trend at teacher.2 step 71-73` ("forecast to overflow around step 102-123; `teacher.4`, which takes its

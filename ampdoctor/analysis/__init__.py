@@ -3,6 +3,7 @@
     ranking.py     run the rules, rank the findings (root cause first), build the Report
     panels.py      the data panels the reporters draw
     merging.py     a run directory: its ranks read, FSDP2 shards combined, the ranks' reports merged
+    replaychoice.py which capture a report replays
     replayfold.py  an in-process replay folded into a report
 """
 from __future__ import annotations

@@ -49,7 +49,8 @@ def _with_saved_replay(rep: Report, steps: list[StepRecord], path: str) -> Repor
     """Fold in the replay saved with this run (rundir.read_replay) when it is of the capture this report would
     replay; any other (a stale one, of another capture) is left out."""
     from ..rundir import capture_name, read_replay
-    from .replayfold import candidates, fold_replay
+    from .replaychoice import candidates
+    from .replayfold import fold_replay
     saved = read_replay(path)
     if saved is None:
         return rep

@@ -32,7 +32,7 @@ class CapturePolicy:
     `WatchConfig.max_captures`, and one more of a `backward` skip that comes again after RECUR_CLEAN clean steps at
     a scale an update already used (no scale explains it: a NaN at any loss scale, an empty tile, a zero-length
     sequence, after an earlier harmless skip took the kind; a report with nothing wrong replays these in turn,
-    analysis/replayfold.choose_replay), while it leaves a capture of the budget for a later failure; a bad step
+    analysis/replaychoice.choose_replay), while it leaves a capture of the budget for a later failure; a bad step
     that was not sampled has the next `bad_step_followup` steps sampled."""
 
     def __init__(self, cfg):
