@@ -3,10 +3,10 @@ framework overhead (a 3-layer MLP, batch 32): plain and watched loops interleave
 times. What a small real step (a ~1 ms CPU step, a launch-bound GPU step whose loop calls `loss.item()`) pays on
 top of its own work, with the noise of bigger models out of the way.
 
-    python benchmarks/fixed_cost.py [--device cpu|cuda] [--steps 3000] [--variants default,hroff,every1]
-                                    [--threads 1] [--profile OUT]
+    python benchmarks/fixed_cost.py [--device cpu|cuda] [--steps 3000] [--variants default,hroff,every1,rundir]
+                                    [--threads 1] [--amp] [--profile OUT]
 
-The loop is the seed article's: zero_grad -> (CUDA: fp16 autocast) forward -> scaler.scale(loss).backward() ->
+The loop is the seed article's: zero_grad -> (CUDA or --amp: fp16 autocast) forward -> scaler.scale(loss).backward() ->
 unscale_ -> clip_grad_norm_ -> scaler.step -> scaler.update -> loss.item(). `--profile OUT` also writes a cProfile
 of the first variant's steps to OUT (`python -m pstats OUT`). The table (median per step, +us over plain, ratio)
 is printed last.
@@ -55,10 +55,11 @@ def main():
     p.add_argument("--variants", default="default,hroff")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", default=None)
+    p.add_argument("--amp", action="store_true", help="fp16 autocast on the CPU too (as a CPU test of an fp16 loop runs)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
-    amp = dev.type == "cuda"
+    amp = dev.type == "cuda" or a.amp
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 32, generator=g).to(dev)
     y = torch.randn(32, 1, generator=g).to(dev)

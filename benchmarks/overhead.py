@@ -94,6 +94,17 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+class MLPLoss(nn.Module):
+    """fixed_cost.py's 3-layer MLP with its MSE loss inside (the Variant loop takes a model returning the loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+
 class TinyGPT(nn.Module):
     """GPT-style LM in plain torch: token + position embedding, pre-LN blocks, LM head. Returns the loss."""
 
@@ -150,17 +161,26 @@ def build(model_name: str, device: torch.device, seed: int = 0):
             idx = torch.randint(0, cfg["vocab"], (B, T + 1), generator=g)
             batches.append(((idx[:, :-1].to(device), idx[:, 1:].to(device)), {}))
         loss_of = _identity
+    elif model_name == "mlp":  # a step that is almost all framework overhead (fixed_cost.py's)
+        model = MLPLoss()
+        batches = [((torch.randn(32, 32, generator=g).to(device), torch.randn(32, 1, generator=g).to(device)), {})
+                   for _ in range(4)]
+        loss_of = _identity
     elif model_name == "convnet":
         model = ConvNet()
         B = 32
         batches = [((torch.randn(B, 3, 32, 32, generator=g).to(device),
                      torch.randint(0, 10, (B,), generator=g).to(device)), {}) for _ in range(4)]
         loss_of = _identity
-    elif model_name == "nanogpt":  # issue 15's small real step: 6 layers, 384 wide, block 256, batch 64
+    elif model_name in ("nanogpt", "nanogpt-host"):
+        # nanogpt: issue 15's small real step: 6 layers, 384 wide, block 256, batch 64. nanogpt-host: the same modules
+        # and calls at a width and batch where the step is all host work (the watch's fixed cost on a CPU)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from benchmarks.realworld.nanogpt import GPT, GPTConfig
-        model = GPT(GPTConfig(block_size=256, vocab_size=65, n_layer=6, n_head=6, n_embd=384, dropout=0.2))
-        B, T = 64, 256
+        small = model_name == "nanogpt-host"
+        model = GPT(GPTConfig(block_size=16 if small else 256, vocab_size=65, n_layer=6, n_head=6,
+                              n_embd=48 if small else 384, dropout=0.2))
+        B, T = (2, 16) if small else (64, 256)
         batches = []
         for _ in range(4):
             idx = torch.randint(0, 65, (B, T + 1), generator=g)
@@ -176,7 +196,7 @@ def build(model_name: str, device: torch.device, seed: int = 0):
             batches.append(((), {"input_ids": ids, "labels": ids}))
         loss_of = _hf_loss
     else:
-        raise SystemExit(f"unknown --model {model_name!r} (cpu-gpt, convnet, gpt2, nanogpt, tiny)")
+        raise SystemExit(f"unknown --model {model_name!r} (cpu-gpt, convnet, gpt2, mlp, nanogpt, nanogpt-host, tiny)")
     return model.to(device).train(), batches, loss_of
 
 
