@@ -347,7 +347,7 @@ def _adam_fp16(every, onset=3):
 @EVERY
 def test_adam_eps_on_fp16_parameters_is_named(every):
     rep = _adam_fp16(every)
-    top3(rep, "eps_underflow", "")
+    top3(rep, "eps_underflow", "aux")  # (where the vanished eps divided by 0; was the root, all 6 params fp16)
 
 
 def test_adam_eps_every_step_names_the_aux_update():

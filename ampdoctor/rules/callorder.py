@@ -3,6 +3,8 @@ missing_scaler_update (`call_order`), from each call's kind, optimizer, the erro
 the recorder noted on it (a backward after unscale_, a closure, ...)."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..findings import Finding
 from ..records import CallEvent
 from .registry import RuleConfig, RunData, register
@@ -228,7 +230,8 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not any(f.rule == "missing_scaler_update" for f in out):
         last = run.steps[-1].step if run.steps else None
         for i, e in enumerate(events):
-            if e.kind == "step" and not e.error and e.step != last and not _updated_later(events, i):
+            if e.kind == "step" and not e.error and e.step != last and not _updated_later(events, i) \
+                    and not _updated_in_repeat(steps, e):
                 add("missing_scaler_update", e, f"Step {e.step} called `scaler.step()` at {_loc(e)} but never "
                     "`scaler.update()`: the loss scale cannot adapt.", "Call `scaler.update()` every iteration:\n"
                     + ORDER)
@@ -321,6 +324,22 @@ def _stepped_later(events: list[CallEvent], i: int) -> bool:
         if p.kind in ("scale", "zero_grad"):
             return False
     return False
+
+
+def _updated_in_repeat(steps: dict, e: CallEvent) -> bool:
+    """The record after scaler.step `e`'s has no events because its calls repeated those of `e`'s record (a routine
+    step, record/storage.py keeps no repeated sequence): the iteration went on as that record's calls do, so an
+    `update()` is looked for there (`_updated_later` over e's record followed by a copy of it one step on). A GAN
+    watched at its discriminator ends each record at the discriminator's step, and the generator's step and the one
+    update of the iteration begin the next record."""
+    rec, nxt = steps.get(e.step), steps.get(e.step + 1)
+    if rec is None or nxt is None or nxt.events or nxt.sampled:
+        return False
+    evs = [x for x in rec.events if not x.internal]
+    i = next((k for k, x in enumerate(evs) if x is e), None)
+    if i is None:
+        return False
+    return _updated_later(evs + [dataclasses.replace(x, step=x.step + 1) for x in evs], i)
 
 
 def _updated_later(events: list[CallEvent], i: int) -> bool:

@@ -95,7 +95,7 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     rounds = any(held.intersection(v[2]) for v in _rounded(run, cfg).values())  # (as update_underflow counts them)
     # an Adam-style eps that vanishes on them (optimizer_eps) breaks the run through the same missing master copy:
     # the two are one cause, and the master copy is the fix for both
-    eps_vanishes = any(held.intersection(f.evidence.get("params") or ()) for f in optimizer_eps(run, cfg))
+    eps_vanishes = any(held.intersection(low) for _, _, low, _ in _vanished_eps(run))
     # the run died of a dtype clash once they were made fp16 mid-run (AdamW's fp32 moments beside parameters an
     # eval callback `.half()`d): the crash is theirs
     first_low = min((became[n] for n in names if n in became), default=None)
@@ -107,7 +107,9 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
         ev.update({"crash": died.get("message"), "crash_file": died.get("file"), "crash_line": died.get("line")})
     sev = "error" if run.has_scaler or rounds or eps_vanishes or died is not None else "warning"
     if eps_vanishes:
-        ev["rank_hint"] = 7  # right after the eps (how the updates broke), before their consequences
+        # right after the eps (how the updates broke), before their consequences; after it also when the eps broke
+        # the run at a later step (the step would otherwise rank this step-0 finding first)
+        ev["rank_hint"] = 11 if held & _eps_broke(run) else 7
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
         at = min(became[n] for n in names)
@@ -140,6 +142,10 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             out.extend(_rounding_finding(mod, worst[mod], []) for mod in mods)
         else:
             out.append(_rounding_finding(mods[0], worst[mods[0]], mods[1:]))
+    broke = _eps_broke(run)
+    for f in out:
+        if broke.intersection(f.evidence.get("params") or ()):
+            f.evidence["rank_hint"] = 17  # (a stall, beside the vanished eps that ended the run: after it)
     return out
 
 
@@ -265,6 +271,21 @@ def _broken_at(run: RunData, names: set) -> int | None:
 def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Adam-style eps that vanishes in fp16 optimizer state: sqrt(v) + eps == sqrt(v), so v == 0 divides by 0."""
     out = []
+    for gi, eps, low, broke in _vanished_eps(run):
+        out.append(Finding(
+            "eps_underflow", "error", "optimizer", _common_module(_went_bad(run, low) or low), "optimizer.step", broke,
+            f"{run.meta.optimizer.get('class')} uses eps={eps:g} on fp16 parameters: it rounds to 0 in fp16, so "
+            "the update divides by sqrt(v) + 0 and any parameter with v == 0 gets inf/NaN.",
+            "Keep fp32 master weights (parameters in fp32 + autocast), or use an eps that exists in fp16 "
+            "(>= 1e-4 for fp16 optimizer state, e.g. `torch.optim.Adam(params, eps=1e-4)`).",
+            {"eps": eps, "group": gi, "params": low[:20], "rank_hint": 6}))
+    return out
+
+
+def _vanished_eps(run: RunData) -> list[tuple]:
+    """(group index, eps, its trained fp16 parameters, the step whose update the eps broke or None) per optimizer
+    group whose eps rounds to 0 in fp16."""
+    out = []
     trained = _trained(run)
     for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
         eps = g.get("eps")
@@ -274,11 +295,24 @@ def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
                and p[1] == "float16" and (p[0] in trained or p[0] == "?")]
         if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
             continue
-        out.append(Finding(
-            "eps_underflow", "error", "optimizer", _common_module(low), "optimizer.step", _broken_at(run, set(low)),
-            f"{run.meta.optimizer.get('class')} uses eps={eps:g} on fp16 parameters: it rounds to 0 in fp16, so "
-            "the update divides by sqrt(v) + 0 and any parameter with v == 0 gets inf/NaN.",
-            "Keep fp32 master weights (parameters in fp32 + autocast), or use an eps that exists in fp16 "
-            "(>= 1e-4 for fp16 optimizer state, e.g. `torch.optim.Adam(params, eps=1e-4)`).",
-            {"eps": eps, "group": gi, "params": low[:20], "rank_hint": 6}))
+        out.append((gi, eps, low, _broken_at(run, set(low))))
     return out
+
+
+def _eps_broke(run: RunData) -> set:
+    """The fp16 parameters of the groups whose vanished eps broke the run (a step's update went non-finite): their
+    other findings (no master copy, updates rounding away) rank after the eps that ended the run."""
+    return {n for _, _, low, broke in _vanished_eps(run) if broke is not None for n in low}
+
+
+def _went_bad(run: RunData, names: list[str]) -> list[str]:
+    """Those of `names` whose module held non-finite weights on the first step that found any (a sampled step's
+    module calls, `ModuleCall.par`; a routine step that went bad, `StepRecord.bad_weights`, as
+    rules/outside.bad_weights reads them): where the vanished eps divided by 0. Empty when none was found."""
+    for r in run.steps:
+        mods = {c.module for c in r.modules if c.par is not None and not c.par.finite}
+        if not mods and r.bad_weights and not r.modules:
+            mods = set(r.bad_weights)
+        if mods:
+            return [n for n in names if n.rpartition(".")[0] in mods]
+    return []
