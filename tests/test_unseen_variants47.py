@@ -77,8 +77,10 @@ What ampdoctor says (torch 2.13 CPU): 11 of 11 right (1 was wrong when written, 
   `_went_bad`), and when the eps broke the run the group's fp16_master_weights / update_underflow findings rank
   after it: top three now `eps_underflow at emb step 5`, `fp16_master_weights at (root) step 0`, `update_underflow
   at emb step 0`.
-Noticed, not asserted: in 4 the `[info] overflow at head step 2` says "the scaler skips this step and lowers the scale
-as designed", but this loop never calls scaler.step/update: the step was applied (the weights went NaN there).
+In 4 the backward overflow at head step 2 was `[info]` "the scaler skips this step and lowers the scale as designed"
+when written, but this loop never calls scaler.step/update: the step was applied (the weights went NaN there). Fixed
+since (analysis/replayfold._applied: a step the optimizer applied itself with non-finite gradients is no scaler
+search): `[error] overflow at head step 2`, asserted.
 
 Run: .venv/bin/python -m pytest -n 0 tests/test_unseen_variants47.py -q -p no:cacheprovider (a few seconds)
 """
@@ -483,6 +485,10 @@ def test_adagrad_stepped_on_scaled_gradients_applies_the_overflowed_step(tmp_pat
     ok = run(MLP, adagrad, amp_step(clean_reg, mse, clip=False), steps, None, watch=False)
     assert ok["skipped"][0] == SEARCH_AT and all(map(math.isfinite, ok["losses"])) and all_finite(ok["weights"]), ok
     named(r, "scaler_misorder", None, 0)
+    # the overflowed gradients were applied (no scaler.step skipped the step): no "GradScaler's normal search" for it
+    assert not any("as designed" in f.message for f in r["rep"].findings), [f.one_line() for f in r["rep"].findings]
+    assert any((f.rule, f.module, f.step, f.severity) == ("overflow", "head", SEARCH_AT, "error")
+               for f in r["rep"].findings), [f.one_line() for f in r["rep"].findings]
 
 
 # ======================================================================================================================

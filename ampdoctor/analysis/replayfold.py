@@ -90,6 +90,14 @@ def _benign_backward(findings: list[Finding], cap_step: int, search: dict) -> No
                               dict(g.evidence, scaler_search=search))
 
 
+def _applied(rec: StepRecord | None) -> bool:
+    """The step's non-finite gradients were applied: the loop stepped the optimizer itself (`optimizer.step()`, not
+    `scaler.step()`) and nothing skipped the step. Its backward overflow is then no GradScaler search, whatever
+    loss scale would have made it finite (rules/callorder.py names the call)."""
+    return rec is not None and not rec.skipped and rec.grad_finite is False and any(
+        e.kind == "optimizer.step" and not e.via_scaler and not e.error for e in rec.events)
+
+
 def _replay_stayed_finite(findings: list[Finding], cap_step: int | None) -> None:
     """The step's unlocated finding, when the replay of its capture made no inf/NaN at all: asking for that replay
     would send the user in a circle. The step depended on something the capture does not hold."""
@@ -209,9 +217,10 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
     # (not when the loss scale collapsed from that step on: finite at a smaller scale, but the run's scaler never
     # settled there, as the records' loss_scale_collapse says; its skips are no search)
     collapsed = any(f.rule == "loss_scale_collapse" and f.severity == "error" and f.step == cap_step for f in findings)
-    if search.get("finite_at") is not None and not fwd_bad and cap_step is not None and not collapsed:
-        _benign_backward(findings, cap_step, search)
     cap_rec = next((r for r in steps if cap_step is not None and r.step == cap_step), None)
+    if search.get("finite_at") is not None and not fwd_bad and cap_step is not None and not collapsed \
+            and not _applied(cap_rec):
+        _benign_backward(findings, cap_step, search)
     cap_bad_fwd = cap_rec is not None and (cap_rec.loss_finite is False or cap_rec.output_finite is False)
     any_scale = bool(search.get("tried")) and search.get("finite_at") is None and any(
         t.get("scale") == 1.0 and t.get("finite") is False for t in search["tried"])
