@@ -217,10 +217,18 @@ class MonitorCallbacks:
             presync(self, None)
             st.advance(StepPhase.ENDED)
             self.hr_hooks.ended()
+        if ev.kind == "update":
+            st.loss_mark = len(st.losses)
         if ev.kind == "step":
             st.in_scaler_step -= 1
             if opt is not None and id(opt) not in self.known_optimizers and not self.owns(opt):
-                return  # another model's optimizer on the shared scaler (a GAN's discriminator): not this step's end
+                # another model's optimizer on the shared scaler (a GAN's discriminator): not this step's end, and the
+                # losses scaled since the last step or update were its network's (a critic's loss at the scaler's
+                # opening search, NaN and skipped as designed), not this model's
+                if st.in_scaler_step == 0 and st.phase is StepPhase.OPEN and len(st.losses) > st.loss_mark:
+                    del st.losses[st.loss_mark:]
+                    st.loss_node = None
+                return
             if st.clip_pending and opt is not None:
                 self._clip_was_scaled(opt)
             fi = self._found_inf_of(opt)
@@ -229,6 +237,7 @@ class MonitorCallbacks:
             if opt is not None and st.in_scaler_step == 0:
                 self.stepped_grads[id(opt)] = _first_grad(opt)
             presync(self, opt)
+            st.loss_mark = len(st.losses)
             st.advance(StepPhase.ENDED)
             self.hr_hooks.ended()
 

@@ -78,6 +78,7 @@ class _Step:
     counts: dict = field(default_factory=dict)
     stack: list = field(default_factory=list)
     losses: list = field(default_factory=list)
+    loss_mark: int = 0  # losses[loss_mark:] were scaled since the last scaler.step or update (monitorsink.after)
     events: list = field(default_factory=list)
     norms: list = field(default_factory=list)  # (CallEvent, 0-d device tensor): a gradient norm a call returned,
     #                                            kept out of the event until the transfer fills its total_norm
