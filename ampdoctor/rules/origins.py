@@ -96,6 +96,12 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     benign = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
     dev = autocast_device(run)
     for (phase, module, kind), recs in groups.items():
+        if phase == "backward":
+            # the same module's overflow during GradScaler's search (the opening backoffs) and again later where no
+            # search explains it: the failure is dated, described and judged from its own steps
+            own = [r for r in recs if r.step not in benign]
+            if own and len(own) < len(recs):
+                recs = own
         r0 = recs[0]
         p = r0.forward_producer if phase == "forward" else r0.backward_producer
         c = _call(r0, module, p.call)
