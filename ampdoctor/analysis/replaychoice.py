@@ -8,7 +8,7 @@ from ..records import StepRecord
 from ..rules.backoff import benign_backoff
 
 __all__ = ["choose_replay", "candidates", "pick_capture", "alarming", "unexplained_skip", "unexplained_skips",
-           "unexplained_nonfinite"]
+           "unexplained_nonfinite", "crashed"]
 
 
 def choose_replay(rep: Report, steps: list[StepRecord], replayed) -> tuple[str | None, Report | None]:
@@ -32,7 +32,8 @@ def choose_replay(rep: Report, steps: list[StepRecord], replayed) -> tuple[str |
 def candidates(rep: Report, steps: list[StepRecord]) -> list[str]:
     """The captures a report may replay, in order. One with something wrong: the capture of its top error's step,
     else the first. One with nothing wrong: every capture of a skipped step its loss scale does not explain
-    (`unexplained_skips`), then that of a step whose loss or output went non-finite (`unexplained_nonfinite`), whose
+    (`unexplained_skips`), then that of a step whose loss or output went non-finite (`unexplained_nonfinite`), then
+    that of the step the run crashed in (`crashed`: e.g. a model's own check refusing an inf it had just made), whose
     replay then adds only an error it proves (`fold_replay`); none otherwise (e.g. GradScaler's normal backoff: a
     replay could only add advisory constants to a healthy run)."""
     if alarming(rep):
@@ -42,8 +43,10 @@ def candidates(rep: Report, steps: list[StepRecord]) -> list[str]:
         cap = by_step.get(top.step) if top is not None and top.step in by_step else (caps[0] if caps else None)
         return [cap] if cap is not None else []
     out = unexplained_skips(steps)
-    nf = unexplained_nonfinite(steps)
-    return out + [nf] if nf is not None and nf not in out else out
+    for cap in (unexplained_nonfinite(steps), crashed(steps)):
+        if cap is not None and cap not in out:
+            out.append(cap)
+    return out
 
 
 def alarming(rep: Report) -> bool:
@@ -86,3 +89,10 @@ def unexplained_nonfinite(steps: list[StepRecord]) -> str | None:
     benign = benign_backoff(steps, any(r.scale is not None for r in steps))
     return next((r.capture for r in steps if r.capture and (r.output_finite is False or r.loss_finite is False
                                                              and r.step not in benign)), None)
+
+
+def crashed(steps: list[StepRecord]) -> str | None:
+    """The capture of the step the run died in (its record holds the exception), in a report with nothing wrong:
+    a forward that raised before its outputs came back (a distribution's argument check on the NaN an overflow
+    made) leaves the records no producer; the replay of the step names the op, or adds nothing."""
+    return next((r.capture for r in steps if r.capture and r.exception is not None), None)

@@ -22,7 +22,7 @@ from ..capture import Capture, Opaque, load_capture
 from ..errors import BadInput
 from ..findings import Finding, Report
 from ..rules.outside import bad_data_finding
-from ..tensors import nonfinite_input
+from ..tensors import nonfinite_input, tb_module
 from . import explain, fixsearch, modelio, shadow as shadow_mod
 from .optrace import OpTracer
 
@@ -137,7 +137,14 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         except RuntimeError as e:
             forward_error = _first_line(e)
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
-            raise BadInput(f"replaying the capture failed in the model: {type(e).__name__}: {_first_line(e)}")
+            if not any(ev.phase == "forward" for ev in tracer.events) or tb_module(
+                    e, {id(mod): n for n, mod in m.named_modules()}, None) is None:
+                raise BadInput(f"replaying the capture failed in the model: {type(e).__name__}: {_first_line(e)}")
+            # raised inside the model's forward after an op of it had made inf/NaN: the model's own check refusing
+            # it (a distribution's argument validation: "Expected parameter df ... to satisfy the constraint"), the
+            # step's failure replayed as it happened, not a model that does not fit the capture (nor a loss
+            # function that does not fit the outputs: that raises outside every module's forward)
+            forward_error = f"{type(e).__name__}: {_first_line(e)}"
     if forward_error and tracer.exception_module is not None:
         for c in tracer.constants:
             c.setdefault("raised_here", c["module"] == tracer.exception_module)
@@ -173,7 +180,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             ref, ref_finite, _ = shadow_mod.run_dtype(m32, args, kwargs, device=devtype, dtype=None, rng=cap.rng,
                                                       loss_fn=loss_fn, cast_inputs=torch.float32, dropout=False,
                                                       selections=do_shadow)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             note = (note + "; " if note else "") + f"fp32 shadow failed: {_first_line(e)}"
             ref = None
     if ref is not None and do_shadow and not forward_error:

@@ -307,7 +307,7 @@ def whatif(model32, args, kwargs, *, device, rng, loss_fn, ref: Recorder, scale=
         try:
             rec, finite, _ = run_dtype(model32, args, kwargs, device=device, dtype=dt, rng=rng, loss_fn=loss_fn,
                                        scale=scale if dt == torch.float16 else None, tf32=tf32, dropout=False)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # (ValueError: a model's own check refusing an inf/NaN it got)
             table[label] = {"finite": False, "error": str(e).splitlines()[0][:200], "overflow_modules": [],
                             "max_rel_err_module": None, "max_rel_err": None}
             continue

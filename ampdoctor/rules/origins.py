@@ -75,6 +75,17 @@ def _kind(r: StepRecord, p) -> str:
     return p.kind
 
 
+SETTLED = 5
+"""Clean applied steps between GradScaler's search and a module's next backward overflow that make that overflow a
+failure of its own, not the one the search began in (as record/autocapture.py captures a skip that comes back)."""
+
+
+def _clean_between(steps, recs: list[StepRecord], step: int) -> int:
+    """The applied steps without inf/NaN after the group's last record before `step` and before `step`."""
+    last = max((r.step for r in recs if r.step < step), default=-1)
+    return sum(1 for r in steps if last < r.step < step and not r.skipped and not r.bad)
+
+
 @register("producers", emits=("overflow", "nan_origin"))
 def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """The first inf/NaN producer of each bad step, grouped by (phase, module, kind)."""
@@ -97,10 +108,12 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     dev = autocast_device(run)
     for (phase, module, kind), recs in groups.items():
         if phase == "backward":
-            # the same module's overflow during GradScaler's search (the opening backoffs) and again later where no
-            # search explains it: the failure is dated, described and judged from its own steps
+            # the same module's overflow during GradScaler's search (the opening backoffs) and again later, after
+            # the run had trained cleanly for a while, where no search explains it: the failure is dated, described
+            # and judged from its own steps (a fault present from the first step, which the search happened to
+            # cover, keeps its first step)
             own = [r for r in recs if r.step not in benign]
-            if own and len(own) < len(recs):
+            if own and len(own) < len(recs) and _clean_between(run.steps, recs, own[0].step) >= SETTLED:
                 recs = own
         r0 = recs[0]
         p = r0.forward_producer if phase == "forward" else r0.backward_producer
