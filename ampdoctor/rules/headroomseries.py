@@ -1,0 +1,218 @@
+"""The headroom series of one module and its maths (rules/headroom.py's headroom_trend reads them): the series from
+the records (`series`: log2(dtype max / abs-max) per step, backward values unscaled), its robust trend (`trend`: a
+Theil-Sen slope over the last `WINDOW` points and how steady it is), the first point worth a warning
+(`first_warning`: close, falling steadily and significantly, not settling, below anything the layer showed before,
+forecast to reach zero within the horizon and not refuted by what the run did next) and the predicate that tells
+the model's own output fitting its targets (`fitting_predicate`). Pure functions of records and lists of points."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ..records import DTYPE_LIMITS
+from .registry import RuleConfig, RunData
+
+__all__ = ["WINDOW", "MIN_RATE", "MAX_BITS", "HORIZON", "STEADY", "series", "trend", "first_warning", "rate_at",
+           "bits_at", "fitting_predicate", "median", "dtype_name"]
+
+WINDOW = 12          # points in the trend window
+MIN_RATE = 0.03      # bits/step: slower declines are drift, not a trend
+MAX_BITS = 8.0       # warn only this close to the max (fp16: abs-max >= 256)
+HORIZON = 100        # ... and when the forecast overflow is this many steps away at most (a forecast further out
+#                      is rarely actionable, and slow drifts that a user renormalises or a fit settles read like one)
+STEADY = 0.75        # share of the window's slopes that must be negative
+_MAX = {"h": DTYPE_LIMITS["float16"][0], "b": DTYPE_LIMITS["bfloat16"][0]}
+_NAME = {"h": "float16", "b": "bfloat16"}
+
+
+def dtype_name(code: str) -> str:
+    """The dtype a series' code stands for ("h": float16, "b": bfloat16)."""
+    return _NAME.get(code, "float16")
+
+
+def series(run: RunData, slot: int, phase: str) -> list[tuple[int, float, str]]:
+    """(step, headroom bits, dtype code) of one module's low-precision values, up to the first non-finite one
+    (the overflow itself ends the series). Backward values are unscaled by the step's loss scale."""
+    out = []
+    key = "fwd" if phase == "forward" else "bwd"
+    for r in run.steps:
+        h = r.headroom
+        if not h or slot >= len(h.get(key) or ()):
+            continue
+        dt = (h.get("dtype") or "")[slot:slot + 1]
+        v = h[key][slot]
+        if dt not in _MAX or v is None:
+            continue
+        if not math.isfinite(v):
+            break
+        if phase == "backward" and run.has_scaler and r.scale:
+            v = v / r.scale
+        if v > 0:
+            out.append((r.step, math.log2(_MAX[dt] / v), dt))
+    return out
+
+
+def trend(pts: list[tuple[int, float, str]], k: int, window: int = WINDOW) -> tuple[float, float] | None:
+    """(slope in bits/step, share of negative pair slopes) over the `window` points ending at index k."""
+    if k + 1 < window:
+        return None
+    w = pts[k + 1 - window:k + 1]
+    half = window // 2
+    slopes = sorted((w[j + half][1] - w[j][1]) / max(w[j + half][0] - w[j][0], 1) for j in range(half))
+    mid = len(slopes) // 2
+    slope = slopes[mid] if len(slopes) % 2 else 0.5 * (slopes[mid - 1] + slopes[mid])
+    # steadiness over every pair at least half a window apart (21 pairs for 12 points), not only the 6 that set
+    # the slope: a noisy series with no trend (heavy-tailed batches) has 5 of 6 pairs falling by chance about one
+    # window in nine; 16 of 21 far less often, while a real decline falls across all of them
+    far = [w[b][1] - w[a][1] for a in range(len(w)) for b in range(a + half, len(w))]
+    return slope, sum(1 for d in far if d < 0) / len(far)
+
+
+def first_warning(pts, cfg: RuleConfig, fitting=None):
+    """The first point where the series is close, falling steadily and forecast to reach zero in time
+    (`fitting(window)`: the window's values are the model's output growing towards what the loss asks for)."""
+    low = math.inf  # the lowest headroom before the current window (its history)
+    floor = math.inf  # after a refuted forecast: warn again only a bit below where it was refuted
+    for k in range(len(pts)):
+        if k >= WINDOW:
+            low = min(low, pts[k - WINDOW][1])
+        bits = pts[k][1]
+        if bits >= floor:
+            continue
+        if bits > cfg.headroom_max_bits:
+            continue
+        t = trend(pts, k)
+        if t is None or fitting is not None and fitting(pts[k + 1 - WINDOW:k + 1]):
+            continue
+        slope, steady = t
+        if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope) \
+                or _settling(pts, k, slope):
+            continue
+        # the level the window's trend line gives at this step (the median of its points carried along the
+        # slope): one batch of outliers — heavy-tailed inputs — dips a single point, not the line
+        step = pts[k][0]
+        level = median([b + slope * (step - s) for s, b, _ in pts[k + 1 - WINDOW:k + 1]])
+        if level > cfg.headroom_max_bits or low < math.inf and level >= low - _noise(pts, k + 1 - WINDOW):
+            # ... and below anything the layer showed before the window, by more than its step-to-step noise: a
+            # layer that has sat near the max for a long time (a stable hot unit, a level it reached early)
+            # shows chance runs of rising values, and now and then a new low by a hair; a layer running out of
+            # range goes where it has never been
+            continue
+        bits = max(bits, level)
+        left = max(bits, 0.0) / -slope
+        if left > cfg.headroom_horizon:
+            continue
+        if _refuted(pts, k, pts[k][0] + math.ceil(left), min(bits, pts[k][1]), slope):
+            floor = min(bits, pts[k][1]) - 1.0  # the same fall seen from the next points is refuted too
+            continue
+        return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
+                "dtype": pts[k][2]}
+    return None
+
+
+REFUTED_BITS = 2.0
+"""A forecast of overflow is refuted when the layer still had this much headroom (4x) at the forecast step."""
+
+
+REFUTED_SPAN = 20
+"""Steps of series after a warning over which a fall that stopped refutes it (with WINDOW // 2 points at least)."""
+
+
+def _refuted(pts, k: int, forecast: int, bits: float, rate: float) -> bool:
+    """What the run did after the warning shows the fall it extrapolated stopped or slowed (a fit reaching its
+    targets, a one-time jump in the inputs' scale, sampled sparsely): the run went past the forecast step with
+    `REFUTED_BITS` left or never came a bit closer to the max; or, over at least `REFUTED_SPAN` steps and half a
+    window of points, it fell at under a quarter of the warned rate and never came a bit closer. A layer that did
+    run out keeps falling to its overflow, where its series ends; a warning at the end of a run stays."""
+    later = pts[k + 1:]
+    if not later:
+        return False
+    closest = min(p[1] for p in later)
+    if later[-1][0] >= forecast:
+        at = next(p[1] for p in later if p[0] >= forecast)
+        return closest >= bits - 1.0 or at >= REFUTED_BITS
+    if len(later) < WINDOW // 2 or later[-1][0] - later[0][0] < REFUTED_SPAN or closest < bits - 1.0:
+        return False
+    slopes = [(b[1] - a[1]) / max(b[0] - a[0], 1) for i, a in enumerate(later) for b in later[i + 1:]]
+    return median(slopes) > rate / 4
+
+
+SIGNIFICANT = 3.0
+"""A window's slope must be this many standard errors from zero (see _significant)."""
+
+
+def _significant(pts, k: int, slope: float) -> bool:
+    """Whether the window's slope stands out of its own noise: a drift of 0.02 bits/step under batch-to-batch noise
+    of ~0.3 bits reads 0.04 bits/step over some 12-point windows. The noise is estimated from consecutive changes
+    within the window (median |change| / 0.954 for normal noise; a steady trend adds only its rate to each change),
+    the slope's standard error as for a least-squares line through the window's steps."""
+    w = pts[k + 1 - WINDOW:k + 1]
+    sigma = median([abs(b[1] - a[1]) for a, b in zip(w, w[1:])]) / 0.954
+    mean = sum(p[0] for p in w) / len(w)
+    spread = sum((p[0] - mean) ** 2 for p in w)
+    return spread > 0 and -slope >= SIGNIFICANT * sigma / math.sqrt(spread)
+
+
+def _settling(pts, k: int, slope: float) -> bool:
+    """Whether the window's latest half has stopped falling at its rate: the median slope over the pairs of that
+    half is under a third of the window's. A layer fitting its targets falls fast, then flattens (a regression
+    head reaching the targets' magnitude); over sparse points (the series on every few steps) a window can hold
+    both, and its slope is the early fall's. A runaway keeps its rate or speeds up."""
+    w = pts[k + 1 - WINDOW // 2:k + 1]
+    rec = [(b[1] - a[1]) / max(b[0] - a[0], 1) for i, a in enumerate(w) for b in w[i + 1:]]
+    return bool(rec) and median(rec) > slope / 3
+
+
+def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:
+    """The step-to-step noise of the series before index `end`: the median absolute change between consecutive
+    points over the last `n` of them (for independent noise of deviation s, ~0.95 s; for a steady trend, its
+    rate)."""
+    h = [p[1] for p in pts[max(0, end - n):end]]
+    return median([abs(b - a) for a, b in zip(h, h[1:])]) if len(h) > 2 else 0.0
+
+
+def rate_at(pts, step: int) -> float | None:
+    """The series' steady slope at `step` (None when it is not falling steadily there)."""
+    idx = [i for i, p in enumerate(pts) if p[0] <= step]
+    if not idx:
+        return None
+    t = trend(pts, idx[-1])
+    if t is None or t[1] < STEADY or t[0] > -MIN_RATE:
+        return None
+    return t[0]
+
+
+def bits_at(pts, step: int) -> float:
+    cur = [p[1] for p in pts if p[0] <= step]
+    return cur[-1] if cur else math.inf
+
+
+def fitting_predicate(run: RunData, root: list) -> Callable[[list], bool]:
+    """A predicate on a window of a forward series: its values are the root's output (the same abs-max on at least
+    two thirds of the steps and never more headroom than the root's: the model's prediction, or one of its heads)
+    and the loss fell: its median over the window's last half is below its median
+    around the window's start (half a window either side; an overshoot at the end of the fit, the loss bouncing
+    while the output still grows a few steps, is still a fit)."""
+    rootv = {p[0]: p[1] for p in root}
+    losses: dict = {}
+
+    def fitting(window) -> bool:
+        # the root's abs-max is the largest of its outputs': one of several heads matches it on most steps (the
+        # other head may start larger) and never exceeds it
+        if not rootv or any(rootv.get(p[0]) is None or rootv[p[0]] > p[1] + 1e-9 for p in window) \
+                or 3 * sum(1 for p in window if rootv[p[0]] == p[1]) < 2 * len(window):
+            return False
+        if not losses:
+            losses.update((r.step, r.loss) for r in run.steps if r.loss is not None and math.isfinite(r.loss))
+        s0, s1 = window[0][0], window[-1][0]
+        half = max((s1 - s0 + 1) // 2, 1)
+        before = [v for s in range(s0 - half, s0 + half) if (v := losses.get(s)) is not None]
+        recent = [v for s in range(s1 - half + 1, s1 + 1) if (v := losses.get(s)) is not None]
+        return len(before) >= half and len(recent) >= half and median(recent) < median(before)
+    return fitting
+
+
+def median(v: list[float]) -> float:
+    v = sorted(v)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else 0.5 * (v[mid - 1] + v[mid])
