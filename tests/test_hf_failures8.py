@@ -460,7 +460,18 @@ def _series(raw_at=TS_AT):
     return batch
 
 
-def test_time_series_transformer_raw_static_feature_overflows_the_value_projection(tmp_path):
+@pytest.fixture
+def validated_distributions():
+    """torch.distributions' argument checks on, as in a fresh process: torch._dynamo switches them off process-wide
+    the first time anything is compiled (an earlier test in the same worker), and this case's crash is that check."""
+    from torch.distributions import Distribution
+    was = Distribution._validate_args
+    Distribution.set_default_validate_args(True)
+    yield
+    Distribution.set_default_validate_args(was)
+
+
+def test_time_series_transformer_raw_static_feature_overflows_the_value_projection(tmp_path, validated_distributions):
     batch = _series()
     assert float(batch(TS_AT)["static_real_features"].min()) > FP16_MAX
     assert float(batch(TS_AT - 1)["static_real_features"].abs().max()) < 3

@@ -128,6 +128,32 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                                              and (s["module"], s["step"]) not in spiked)]
 
 
+_SMALL_INIT = 4.0  # a weight this many times below the model's typical rms started small on purpose (see _catching_up)
+
+
+def _typical_rms(run: RunData) -> float | None:
+    """The median root-mean-square of the model's weight matrices (not biases, not a few-element gain) on the first
+    step that recorded them: the scale the model's layers have."""
+    rec = next((r for r in run.steps if r.params), None)
+    if rec is None:
+        return None
+    v = sorted(p.weight_norm / math.sqrt(p.numel) for p in rec.params
+               if p.weight_norm is not None and p.numel >= _FEW and not _is_bias(p.name))
+    return v[len(v) // 2] if v else None
+
+
+def _catching_up(s: dict, typical: float | None) -> bool:
+    """A weight initialised far below the model's typical scale on purpose (a policy head at orthogonal gain 0.01,
+    a classifier head scaled down) that the run's first update multiplies by a large factor (Adam's first step is
+    ±lr per element) while it stays no larger than the model's typical weight: it is reaching the scale the rest of
+    the model already has, as designed (the first update only, on a run that never went non-finite; the caller
+    asks: a learning-rate jump later in the run is a spike whatever the weight's scale)."""
+    if typical is None or not s["before"] or not s["rms_before"]:
+        return False
+    rms_after = s["after"] * s["rms_before"] / s["before"]
+    return s["rms_before"] * _SMALL_INIT <= typical and rms_after <= typical
+
+
 def _is_bias(name: str) -> bool:
     return name.rpartition(".")[2] == "bias"
 
@@ -137,14 +163,20 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
     spikes = _spikes(run, cfg.spike_factor, cfg.spike_window_factor)
     if not spikes:
         return []
+    benign = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
+    mods = absorbed_modules(run.steps)
+    if next((r.step for r in run.steps if real_bad(r, benign, mods)), None) is None:
+        typical = _typical_rms(run)
+        start = next((r.step for r in run.steps), 0)
+        spikes = [s for s in spikes if not (s["step"] == start and _catching_up(s, typical))]
+        if not spikes:
+            return []
     step = min(s["step"] for s in spikes)
     first = [s for s in spikes if s["step"] == step]
     worst = max(first, key=lambda s: s["factor"])
     layers: dict[str, float] = {}
     for s in sorted(first, key=lambda s: -s["factor"]):
         layers.setdefault(s["module"], s["factor"])
-    benign = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
-    mods = absorbed_modules(run.steps)
     went_bad = next((r.step for r in run.steps if r.step >= step and real_bad(r, benign, mods)), None)
     lr = worst.get("lr") or _lr(run)  # (the update's own where a check recorded it: a scheduler's jump)
     rec = next((r for r in run.steps if r.step == worst["between"][0]), None)
