@@ -83,6 +83,8 @@ def probe(model: torch.nn.Module, params: bool = True) -> dict:
     out = {}
     pkeys, ps = [], []
     for name, mod in model.named_modules():
+        if isinstance(mod, torch.jit.ScriptModule):
+            continue  # (TorchScript: left unwatched; its attribute dicts are wrappers without .get)
         pre = f"{name}." if name else ""
         for k, v in vars(mod).items():
             if k in MODULE_KEYS or k.startswith("__"):
