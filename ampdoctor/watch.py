@@ -297,8 +297,9 @@ class Watch:
             m.known_optimizers.add(id(self.optimizer))
         if self.scaler is not None:
             self._patches.append(ScalerPatch(self.scaler, m))
-        else:  # the loop's GradScaler, wherever it is made, is found at its first unscale_/step
-            ScalerFinder.add(self)
+        # the loop's GradScaler, wherever it is made, is found at its first unscale_/step; one given that the loop
+        # replaces (a new GradScaler for a second phase, a resume) is followed to the new one the same way
+        ScalerFinder.add(self)
         ClipPatch.add(m)
 
     def adopt_optimizer(self, optimizer) -> None:
@@ -312,10 +313,15 @@ class Watch:
 
     def adopt_scaler(self, scaler, optimizer) -> bool:
         """Start monitoring a GradScaler seen unscaling or stepping an optimizer on the model's parameters
-        (`scaler=` not given; record/monitor.ScalerFinder). A later, different scaler doing so replaces an adopted
-        one (a scaler made anew each epoch). True when adopted."""
-        if self._closed or self.machine.disabled or scaler is self.scaler or not self._scaler_found and \
-                self.scaler is not None or not self.machine.owns(optimizer):
+        (`scaler=` not given, or given and then replaced by the loop; record/monitor.ScalerFinder). A later,
+        different scaler doing so replaces the one watched (a scaler made anew each epoch or phase). True when
+        adopted."""
+        if self._closed or self.machine.disabled or scaler is self.scaler or not self.machine.owns(optimizer):
+            return False
+        if self.scaler is not None and not self._scaler_found and any(
+                e.kind in _SCALER_CALLS for e in self.machine.st.events):
+            # the given scaler is in use in this very iteration: a second one beside it (one per network of the
+            # model), not its replacement
             return False
         self.scaler, self._scaler_found = scaler, True
         self.meta.scaler = scaler_meta(scaler)
@@ -329,6 +335,9 @@ class Watch:
         if getattr(scaler, "_scale", None) is not None:  # its scale() of this iteration ran before it was found
             st.scale_t, st.scaled_since_update = scaler._scale, True
         return True
+
+
+_SCALER_CALLS = ("scale", "unscale_", "step", "update")
 
 
 def _runs_alone(model) -> bool:

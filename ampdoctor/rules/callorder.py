@@ -295,8 +295,8 @@ def _other_step_after(events: list[CallEvent], i: int, since_update: list[CallEv
     if not stepped:
         return None
     for p in events[i + 1:]:
-        if p.kind in ("scale", "zero_grad", "update"):
-            return None
+        if p.kind in ("scale", "zero_grad", "update") or p.extra.get("adopted"):
+            return None  # (adopted: a GradScaler found at this call, whose scale() of the iteration ran unseen)
         if p.kind == "step" and p.opt is not None and p.opt not in stepped:
             return p
     return None
