@@ -3,6 +3,9 @@ wrong, the captures of skips that no loss scale explains and of steps whose loss
 in turn until one proves an error (`choose_replay`). The replay itself and its folding are replayfold.py's."""
 from __future__ import annotations
 
+import math
+import re
+
 from ..findings import Report
 from ..records import StepRecord
 from ..rules.backoff import benign_backoff
@@ -92,7 +95,19 @@ def unexplained_nonfinite(steps: list[StepRecord]) -> str | None:
 
 
 def crashed(steps: list[StepRecord]) -> str | None:
-    """The capture of the step the run died in (its record holds the exception), in a report with nothing wrong:
-    a forward that raised before its outputs came back (a distribution's argument check on the NaN an overflow
-    made) leaves the records no producer; the replay of the step names the op, or adds nothing."""
-    return next((r.capture for r in steps if r.capture and r.exception is not None), None)
+    """The capture of the step the run died in (its record holds the exception), in a report with nothing wrong,
+    when the step shows an inf/NaN: a forward that raised before its outputs came back (a distribution's argument
+    check on the NaN an overflow made) leaves the records no producer; the replay of the step names the op. A crash
+    with no sign of one (a label out of range) is not replayed: the replay would only raise it again."""
+    return next((r.capture for r in steps if r.capture and r.exception is not None and _nonfinite_sign(r)), None)
+
+
+_NONFINITE_WORD = re.compile(r"\b(nan|inf|infinity|non-finite|nonfinite)\b", re.IGNORECASE)
+
+
+def _nonfinite_sign(r: StepRecord) -> bool:
+    """The step's headroom series holds a non-finite abs-max, or its exception speaks of one."""
+    h = r.headroom or {}
+    if any(v is not None and not math.isfinite(v) for key in ("fwd", "bwd") for v in (h.get(key) or ())):
+        return True
+    return bool(_NONFINITE_WORD.search(str((r.exception or {}).get("message") or "")))
