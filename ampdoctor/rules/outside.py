@@ -11,8 +11,8 @@ from .registry import RunData
 from .backoff import benign_backoff
 from .steps import onset_step
 
-__all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "output_grad_nonfinite", "outside_model",
-           "unlocated"]
+__all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "weights_found_bad", "output_grad_nonfinite",
+           "outside_model", "unlocated"]
 
 
 def bad_buffers(run: RunData) -> list[Finding]:
@@ -37,16 +37,23 @@ def bad_buffers(run: RunData) -> list[Finding]:
         {"buffer": b.get("buffer"), "kind": b.get("kind"), "silent": silent, "type": typ, "rank_hint": 11})]
 
 
+def weights_found_bad(r: StepRecord, order: dict) -> list[tuple]:
+    """(module, NaN?, forward order, type) of the modules whose own weights step `r` found non-finite: a sampled
+    step's module calls (`ModuleCall.par`), a routine step that went bad its `bad_weights` (`order`: module ->
+    (forward order, type), from RunMeta.modules)."""
+    bad = [(c.module, bool(c.par.nan), c.seq, c.type) for c in r.modules if c.par is not None and not c.par.finite]
+    if not bad and r.bad_weights and not r.modules:
+        bad = [(mod, k == "nan", *order.get(mod, (len(order), "?"))) for mod, k in r.bad_weights.items()]
+    return bad
+
+
 def bad_weights(run: RunData) -> list[Finding]:
     """Weights that were already non-finite when a step began: no module of the step produced the inf/NaN (a
     module holding bad weights is not blamed for its output); the optimizer step before wrote them."""
     prev = None
     order = {m[0]: (i, m[1]) for i, m in enumerate(run.meta.modules)}
     for r in run.steps:
-        # (module, NaN?, forward order, type): a sampled step's calls; a routine step that went bad, its weights
-        bad = [(c.module, bool(c.par.nan), c.seq, c.type) for c in r.modules if c.par is not None and not c.par.finite]
-        if not bad and r.bad_weights and not r.modules:
-            bad = [(mod, k == "nan", *order.get(mod, (len(order), "?"))) for mod, k in r.bad_weights.items()]
+        bad = weights_found_bad(r, order)
         if bad:
             # inf weights before NaN ones (an inf update makes NaN downstream on the next step, not the reverse),
             # then the first in forward order

@@ -9,6 +9,7 @@ import os
 from ..findings import Finding
 from ..records import ROUNDING_MIN_SAMPLED
 from .registry import RuleConfig, RunData, register
+from .outside import weights_found_bad
 from .steps import crash
 
 _FP16_GRADS = "Attempting to unscale FP16 gradients"
@@ -95,7 +96,8 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     rounds = any(held.intersection(v[2]) for v in _rounded(run, cfg).values())  # (as update_underflow counts them)
     # an Adam-style eps that vanishes on them (optimizer_eps) breaks the run through the same missing master copy:
     # the two are one cause, and the master copy is the fix for both
-    eps_vanishes = any(held.intersection(low) for _, _, low, _ in _vanished_eps(run))
+    vanished = _vanished_eps(run)
+    eps_vanishes = any(held.intersection(low) for _, _, low, _ in vanished)
     # the run died of a dtype clash once they were made fp16 mid-run (AdamW's fp32 moments beside parameters an
     # eval callback `.half()`d): the crash is theirs
     first_low = min((became[n] for n in names if n in became), default=None)
@@ -109,7 +111,7 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if eps_vanishes:
         # right after the eps (how the updates broke), before their consequences; after it also when the eps broke
         # the run at a later step (the step would otherwise rank this step-0 finding first)
-        ev["rank_hint"] = 11 if held & _eps_broke(run) else 7
+        ev["rank_hint"] = 11 if held & _eps_broke(vanished) else 7
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
         at = min(became[n] for n in names)
@@ -142,7 +144,7 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             out.extend(_rounding_finding(mod, worst[mod], []) for mod in mods)
         else:
             out.append(_rounding_finding(mods[0], worst[mods[0]], mods[1:]))
-    broke = _eps_broke(run)
+    broke = _eps_broke(_vanished_eps(run))
     for f in out:
         if broke.intersection(f.evidence.get("params") or ()):
             f.evidence["rank_hint"] = 17  # (a stall, beside the vanished eps that ended the run: after it)
@@ -299,20 +301,19 @@ def _vanished_eps(run: RunData) -> list[tuple]:
     return out
 
 
-def _eps_broke(run: RunData) -> set:
-    """The fp16 parameters of the groups whose vanished eps broke the run (a step's update went non-finite): their
-    other findings (no master copy, updates rounding away) rank after the eps that ended the run."""
-    return {n for _, _, low, broke in _vanished_eps(run) if broke is not None for n in low}
+def _eps_broke(vanished: list[tuple]) -> set:
+    """The fp16 parameters of the groups (`_vanished_eps`) whose vanished eps broke the run (a step's update went
+    non-finite): their other findings (no master copy, updates rounding away) rank after the eps that ended the
+    run."""
+    return {n for _, _, low, broke in vanished if broke is not None for n in low}
 
 
 def _went_bad(run: RunData, names: list[str]) -> list[str]:
-    """Those of `names` whose module held non-finite weights on the first step that found any (a sampled step's
-    module calls, `ModuleCall.par`; a routine step that went bad, `StepRecord.bad_weights`, as
-    rules/outside.bad_weights reads them): where the vanished eps divided by 0. Empty when none was found."""
+    """Those of `names` whose module held non-finite weights on the first step that found any (as
+    rules/outside.bad_weights reads them: `weights_found_bad`): where the vanished eps divided by 0. Empty when
+    none was found."""
     for r in run.steps:
-        mods = {c.module for c in r.modules if c.par is not None and not c.par.finite}
-        if not mods and r.bad_weights and not r.modules:
-            mods = set(r.bad_weights)
+        mods = {b[0] for b in weights_found_bad(r, {})}
         if mods:
             return [n for n in names if n.rpartition(".")[0] in mods]
     return []
