@@ -41,8 +41,8 @@ class ModuleHookCallbacks:
 
     def _forward_pre(self, module, args, kwargs):
         st = self.st
-        if module is self.root and not st.stack:
-            if not self.compiled and in_compiled_frame():
+        if not st.stack and (module is self.root or id(module) in self.entries):  # (entries: record/entries.py)
+            if module is self.root and not self.compiled and in_compiled_frame():
                 # torch.compile'd after the watch began: the other modules' hooks would be traced into the
                 # graph (and recompile it whenever they change); they come off for good
                 self.compiled = True
@@ -68,6 +68,8 @@ class ModuleHookCallbacks:
                     st.batches.append((shallow(args), shallow(kwargs), rng))
                     if st.step < 3 or st.sampled:  # does the forward write into its inputs? (input_writes)
                         st.in_versions = input_versions((args, kwargs))
+                if module is not self.root:
+                    st.entry_of[id(st.batches[-1])] = self.entries[id(module)]
                 if st.sampled and st.micro == 1:
                     self.rng_probe = _rng_probe()  # (does the forward draw from Python's or NumPy's RNG?)
                 if st.micro == 1 and self.outside_snap is not None and st.step > self.outside_snap[0]:
@@ -81,6 +83,8 @@ class ModuleHookCallbacks:
                     st.w_start = weight_amax(self, st) if st.pw_index else None
                 del st.batches[:-8]  # the last few micro-batches (accumulation, or a loop that skips bad ones)
                 st.autocast = autocast_str()
+        elif st.sampled and not st.stack and torch.is_grad_enabled():
+            st.tops.append(module)  # called at top level, not the root: an entry if the root is never called
         if not st.sampled or len(st.calls) >= self.cfg.max_module_calls:
             st.stack.append(None)
             return
@@ -132,12 +136,13 @@ class ModuleHookCallbacks:
         exc = sys.exc_info()[1]
         if exc is not None and st.exception is None:
             st.exception = self.exception_info(exc, self.w._names.get(id(module), "?"))
-        if module is self.root and not st.stack and st.in_versions is not None:
+        top = not st.stack and (module is self.root or id(module) in self.entries)
+        if top and st.in_versions is not None:
             vers, st.in_versions = st.in_versions, None
             if input_writes(vers):
                 # e.g. x.div_(255) on the caller's batch: a capture must hold the batch as the forward received it
                 self.copy_inputs = True
-        if module is self.root and not st.stack and exc is None and torch.is_grad_enabled():
+        if top and exc is None and torch.is_grad_enabled():
             loss = loss_of(output)
             if loss is not None and self.w.scaler is None:
                 st.losses.append(loss)
@@ -153,10 +158,10 @@ class ModuleHookCallbacks:
                         node = t.grad_fn  # (a leaf output, a module returning its own parameter: nothing to keep)
                         if node is not None and t.numel() * t.element_size() <= GRAD_OUT_BYTES:
                             node.register_prehook(EntryHook(t.output_nr, functools.partial(keep_grad, slot, j)))
-        if module is self.root and not st.stack and self.rng_probe is not None:
+        if top and self.rng_probe is not None:
             self._rng_drawn(self.rng_probe)
             self.rng_probe = None
-        if module is self.root and not st.stack and self.state_probe is not None:
+        if top and self.state_probe is not None:
             probe, self.state_probe = self.state_probe, None
             if exc is None:
                 known = {k[0] for k in self.state_keys}
@@ -165,12 +170,14 @@ class ModuleHookCallbacks:
                 self.state_keys += new
                 if st.batches and any(c[0] in was for c in new):  # this batch's own, from before its forward
                     st.batches[-1][2].update(modstate.snapshot([c for c in new if c[0] in was], was))
-        if module is self.root and not st.stack:
+        if top:
             for buf in st.fbuf.values():  # the forward's pending statistics: measured before the backward begins
                 buf.forward_done()
         if module is self.root and self.hr.on and exc is None:
             self.hr.forward(0, output, self._root_tap)  # the root's headroom (the only one on a compiled model)
             self.hr.forward_done()
+        elif top and self.hr.on:
+            self.hr.forward_done()  # an entry's (its own value comes from its headroom hook)
         if c is None:
             return
         ins, c.grad_inputs = c.grad_inputs, None

@@ -91,6 +91,8 @@ class _Step:
     param_names: list = field(default_factory=list)
     upd: list = field(default_factory=list)  # params.UpdateCheck per optimizer stepped (update_check_pre / _post)
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
+    entry_of: dict = field(default_factory=dict)     # id(batch) -> the entry module it went into (not the root)
+    tops: list = field(default_factory=list)        # sampled: modules other than the root called at top level
     in_versions: list | None = None                   # (tensor, _version) of the root's inputs (input_writes)
     bad_batch: int = -1                                # index into batches of the first non-finite output
     pw_index: list = field(default_factory=list)       # params whose weights were checked at presync

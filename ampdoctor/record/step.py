@@ -31,6 +31,7 @@ from .intwatch import IntWatch
 from .hostcopy import HostSlots
 from .fused import DeferPlan
 from .assemble import finalize
+from .entries import adopt_entries
 from .params import model_grads, norms
 from ..tensors import flatten_tensors, is_sharded  # noqa: F401  (flatten_tensors: re-exported)
 
@@ -104,6 +105,9 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         self.suspended = False
         self.compiled = False  # the model runs under torch.compile: only the root's hooks (see modulehooks.py)
         self.root = watch.model
+        # a model whose own forward the loop never calls (a Lightning module's training_step calling self.model, a
+        # container of networks): the modules it calls instead, at top level, take the root's part (entries.py)
+        self.entries: dict[int, str] = {}
         self._model_params = None
         # optimizer -> (its parameter count, holds parameters the model gained later): see owns
         self._owns_later: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -137,7 +141,10 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         if self.st.phase is StepPhase.ENDED:
             t = time.perf_counter()
             self.finalize()
+            ended = self.st
             self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
+            if ended.tops:
+                adopt_entries(self, ended)
             self.sync_module_hooks()
 
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
@@ -150,7 +157,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
                 names.setdefault(id(mod), n)
             pre, post = ModuleHook(self.forward_pre, "pre"), ModuleHook(self.forward_post, "post")
             for mod in self.w.model.modules():
-                if mod is self.root or not hookable(mod):
+                if mod is self.root or not hookable(mod) or id(mod) in self.entries:
                     continue
                 self._mod_handles.append(pre.register(mod))
                 self._mod_handles.append(post.register(mod))
@@ -178,6 +185,8 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
             self.finalize()
             self.st = self._new_step(st.step + 1)
             if not self.w.closed:
+                if st.tops:
+                    adopt_entries(self, st)
                 self.sync_module_hooks()
 
     def _clean_open(self) -> bool:

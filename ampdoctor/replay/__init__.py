@@ -25,6 +25,7 @@ from ..rules.outside import bad_data_finding
 from ..tensors import nonfinite_input, tb_module
 from . import explain, fixsearch, modelio, shadow as shadow_mod
 from .optrace import OpTracer
+from .skeleton import entry_view
 
 __all__ = ["replay"]
 
@@ -89,6 +90,8 @@ def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Cal
     dev = torch.device(device) if device else (_device_of(m) or torch.device("cpu"))
     if model is not None and not isinstance(model, str) and _device_of(m) not in (None, dev):
         m = copy.deepcopy(m)   # never move the caller's model
+    # the batch went into one module of the model, not its own forward (record/entries.py)
+    m = entry_view(m, ((cap.manifest or {}).get("extra") or {}).get("entry"))
     with modelio.preserved(m):
         modelio.module_to(m, dev)
         return _replay(cap, m, loss_fn, dev, shadow, whatif, fix_search, say)

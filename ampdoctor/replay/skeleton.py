@@ -93,6 +93,41 @@ class _Alone(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
+class _Entry(torch.nn.Module):
+    """The watched model run through one of its modules (a capture's `extra.entry`, record/entries.py: the loop
+    called that module, never the model's own forward). It holds the model's own parameter, buffer and module
+    dictionaries, so its qualified names, state_dict keys and the findings' modules are the model's."""
+
+    def __init__(self, model: torch.nn.Module, entry: str):
+        super().__init__()
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        self._modules = model._modules
+        self.training = model.training
+        self._entry = entry
+
+    def forward(self, *args, **kwargs):
+        return self.get_submodule(self._entry)(*args, **kwargs)
+
+
+def entry_view(model: torch.nn.Module, entry) -> torch.nn.Module:
+    """`model` as the capture's batch goes into it: itself, or run through its module `entry` (see `_Entry`).
+    An entry the model does not have is a model that does not match the capture (BadInput)."""
+    if entry is None:
+        return model
+    from ..errors import BadInput
+    if not isinstance(entry, str) or not entry or len(entry) > 1000:
+        raise BadInput("the capture's entry module is not a module name")
+    try:
+        sub = model.get_submodule(entry)
+    except AttributeError:
+        sub = None
+    if sub is None or sub is model:
+        raise BadInput(f"the capture's batch went into module {entry!r}, which this model does not have")
+    return _Entry(model, entry)
+
+
 def alone(model: torch.nn.Module) -> torch.nn.Module | None:
     """The model as one rank can run it by itself (a distributed run's in-process replay: only the ranks with a
     capture replay, so the forward must need no collective): a DDP model's module under DDP's own naming, a plain

@@ -1,0 +1,44 @@
+"""Entry modules: the modules that take the root's part when the loop never calls the watched model's own forward.
+
+A Lightning module whose `training_step` calls `self.model(x)`, a container holding a generator and a discriminator,
+a wrapper that holds the network and its loss: the watched model's forward never runs, so the root's hooks (which
+keep each batch for a capture, check the model's output every step, keep the gradient reaching it) would see
+nothing on routine steps, and a failure between sampled steps could only be reported at (run). On a sampled step
+(every module hooked) the modules called at top level, with gradients on, while the root was not called at all are
+noted (`_Step.tops`); at the step's end those that hold a trainable parameter (not a loss module) become entries:
+they get the root's two hooks from then on (`ModuleHookCallbacks` treats a top-level call of an entry as a root
+call) and each batch they receive is kept with its entry's name (`_Step.entry_of`). A capture of such a batch names
+its entry (manifest `extra.entry`), and the replay runs that module of the model (replay/skeleton.entry_view), so
+the findings keep the watched model's module names.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .hooks import ModuleHook
+
+if TYPE_CHECKING:
+    from .openstep import _Step
+    from .step import StepMachine
+
+__all__ = ["adopt_entries"]
+
+
+def adopt_entries(m: "StepMachine", st: "_Step") -> None:
+    """After sampled step `st`: the modules it called at top level become entries when the root was not called."""
+    if st.micro or m.compiled or m.disabled or m.w.closed:
+        return
+    new = []
+    for mod in st.tops:
+        if id(mod) in m.entries or any(mod is n for n in new):
+            continue
+        if not any(p.requires_grad for p in mod.parameters()):
+            continue  # a loss module, a frozen network run with gradients on: what the loop trains is elsewhere
+        new.append(mod)
+    if not new:
+        return
+    m.remove_module_hooks()  # (put back by sync_module_hooks without the entries: they keep the root's hooks)
+    for mod in new:
+        m.entries[id(mod)] = m.w._names.get(id(mod), "?")
+        m.w._handles.append(ModuleHook(m.forward_pre, "pre", eager=True).register(mod))
+        m.w._handles.append(ModuleHook(m.forward_post, "post", eager=True).register(mod))
