@@ -188,7 +188,8 @@ class OptimizerPatch(_InstancePatch):
                 return orig(*args, **kwargs)
             zero_grad.__wrapped__ = orig
             return zero_grad
-        self.wrap("zero_grad", make_zero_grad)
+        if callable(getattr(optimizer, "zero_grad", None)):  # (an object that only poses as an optimizer for
+            self.wrap("zero_grad", make_zero_grad)           # GradScaler, fastai's MixedPrecision, has none)
 
 
 

@@ -68,6 +68,15 @@ def _unscaled_through_another(opt, unscaled: list) -> bool:
     return any(id(p) in mine for o in unscaled for g in o.param_groups for p in g["params"])
 
 
+def _shares_params(a, b) -> bool:
+    """Optimizer-like objects `a` and `b` hold a parameter in common."""
+    try:
+        mine = {id(p) for g in b.param_groups for p in g["params"]}
+        return any(id(p) in mine for g in a.param_groups for p in g["params"])
+    except (AttributeError, KeyError, TypeError):
+        return False
+
+
 def _reaches(node, target, limit: int = 16) -> bool:
     """Whether autograd node `target` is `node` or among the first `limit` nodes of the graph behind it (breadth
     first): the loss a scale() gets was made from an already-scaled one. Only the nodes next to the loss are walked
@@ -285,6 +294,13 @@ class MonitorCallbacks:
         if self.disabled:
             return None
         try:
+            nest = self.st.opt_nest
+            if id(opt) in nest:
+                # a step() inside this optimizer's own step(): a subclass calling super().step() (torch hooks each
+                # class's step once an instance of it exists: detectron2's clipping SGD subclass): one step
+                nest[id(opt)] += 1
+                return None
+            nest[id(opt)] = 1
             if id(opt) not in self.known_optimizers:
                 if id(opt) in self._rejected_optimizers or not self.owns(opt):
                     self._rejected_optimizers.add(id(opt))
@@ -322,6 +338,12 @@ class MonitorCallbacks:
                 st.fused_amp = True
             scaled = bool(sc is not None and (not via or fused) and st.scaled_since_update
                           and stage in (None, "READY"))
+            if scaled and not via and st.unscaled_opts and _unscaled_through_another(
+                    opt, st.unscaled_opts):
+                # the scaler never saw this optimizer, but unscaled its parameters' gradients through another object
+                # holding them (fastai's MixedPrecision hands itself to scaler.step as a stand-in optimizer whose
+                # step() only notes "not skipped"; the real optimizer steps after it)
+                scaled = False
             ev = self.event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
             presync(self, opt, grads_scaled=scaled)
@@ -333,7 +355,14 @@ class MonitorCallbacks:
             self.fail(e)
 
     def global_opt_post(self, opt, args, kwargs):
-        if self.disabled or id(opt) not in self.known_optimizers:
+        if self.disabled:
+            return
+        nest = self.st.opt_nest
+        n = nest.pop(id(opt), 0)
+        if n > 1:  # the inner step() of a subclass's (see global_opt_pre)
+            nest[id(opt)] = n - 1
+            return
+        if id(opt) not in self.known_optimizers:
             return
         try:
             update_check_post(self, opt)
@@ -344,6 +373,9 @@ class MonitorCallbacks:
         mine = self._model_param_ids()
         if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
             return True
+        if self.w.meta.optimizer.get("masters") and opt is not self.w.optimizer and _shares_params(
+                opt, self.w.optimizer):
+            return True  # it steps the given optimizer's master copies (a wrapper's inner optimizer: fairseq's)
         # parameters the model gained after the watch began (LoRA adapters put in, a grown head) with an optimizer
         # built for them alone; the answer is kept per optimizer and parameter count (a GAN's other optimizer is
         # asked at every update())

@@ -61,7 +61,11 @@ def masters_of(model, opt_params: list) -> bool:
         return False
     if any(p.dtype != torch.float32 for p in opt_params) and any(p.dtype == torch.float32 for p in mine):
         return False  # a second copy of a mixed-dtype model, not its masters
-    return sorted(tuple(p.shape) for p in mine) == sorted(tuple(p.shape) for p in opt_params)
+    if sorted(tuple(p.shape) for p in mine) == sorted(tuple(p.shape) for p in opt_params):
+        return True
+    # one flat fp32 master of all of them (fairseq's FP16Optimizer, flatten_params=True; one per device)
+    return all(p.dim() == 1 and p.dtype == torch.float32 for p in opt_params) and \
+        sum(p.numel() for p in opt_params) == sum(p.numel() for p in mine)
 
 
 def scaler_meta(s) -> dict:

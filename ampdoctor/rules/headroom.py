@@ -12,6 +12,9 @@ Silent by construction on:
 - activations that grow and settle early in training: far from the max, and a settled series has no steady
   negative slope;
 - gradients scaled by a GradScaler: judged unscaled (the scaler's own growth and backoff are its job);
+- gradients of an fp16 model trained through fp32 master copies without a GradScaler (fairseq's FP16Optimizer,
+  apex O2, Megatron: a hand-made dynamic loss scaler doubles the scale every N clean steps): the scale is not
+  recorded, so the gradients cannot be unscaled and their growth is the scale's; the backward is not judged;
 - one batch far from the others (heavy-tailed inputs: a Student-t feature's outlier row): the closeness is read
   from the window's trend line, not from its last point alone, so a single dip is not a layer running out;
 - a fall that stopped: when the run went on past the forecast step with 2 bits left, or for 20 steps at under a
@@ -79,6 +82,8 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out: list[Finding] = []
     root = next((i for i, m in enumerate(mods) if m[0] == ""), None)
     for phase in ("forward", "backward"):
+        if phase == "backward" and not run.has_scaler and (run.meta.optimizer or {}).get("masters"):
+            continue  # scaled by a loss scaler of the loop's own, which the records do not hold (see above)
         pts = {i: series(run, i, phase) for i in range(len(mods))}
         fitting = fitting_predicate(run, pts[root]) if phase == "forward" and root is not None and pts[root] else None
         # a root whose output is not read (fp32: `.float()` logits, a returned loss): the model's prediction is
