@@ -5,8 +5,10 @@ a wrapper that holds the network and its loss: the watched model's forward never
 keep each batch for a capture, check the model's output every step, keep the gradient reaching it) would see
 nothing on routine steps, and a failure between sampled steps could only be reported at (run). On a sampled step
 (every module hooked) the modules called at top level, with gradients on, while the root was not called at all are
-noted (`_Step.tops`); at the step's end those that hold a trainable parameter (not a loss module) become entries:
-they get the root's two hooks from then on (`ModuleHookCallbacks` treats a top-level call of an entry as a root
+noted (`_Step.tops`); those that hold a trainable parameter (not a loss module) become entries two steps later,
+when by then a single optimizer steps the model's parameters (with two, a GAN's generator and discriminator stepped
+in turn with a forward between them, each optimizer's step ends a step and the batches of one iteration would be
+split across two records: such a container stays without entries, as before). Entries get the root's two hooks (`ModuleHookCallbacks` treats a top-level call of an entry as a root
 call) and each batch they receive is kept with its entry's name (`_Step.entry_of`). A capture of such a batch names
 its entry (manifest `extra.entry`), and the replay runs that module of the model (replay/skeleton.entry_view), so
 the findings keep the watched model's module names.
@@ -21,15 +23,29 @@ if TYPE_CHECKING:
     from .openstep import _Step
     from .step import StepMachine
 
-__all__ = ["adopt_entries"]
+__all__ = ["adopt_entries", "note_candidates"]
 
 
-def adopt_entries(m: "StepMachine", st: "_Step") -> None:
-    """After sampled step `st`: the modules it called at top level become entries when the root was not called."""
-    if st.micro or m.compiled or m.disabled or m.w.closed:
+WAIT = 2
+"""Steps after the sampled step that found the candidates before they become entries (the optimizers seen by then)."""
+
+
+def note_candidates(m: "StepMachine", st: "_Step") -> None:
+    """After sampled step `st`: the modules it called at top level are candidates when the root was not called."""
+    if not st.micro and st.tops and m.entry_wait is None:
+        m.entry_wait = (list(st.tops), st.step + WAIT)
+
+
+def adopt_entries(m: "StepMachine", step: int) -> None:
+    """At the start of step `step`: the candidates become entries when one optimizer steps the model."""
+    tops, due = m.entry_wait
+    if step < due:
+        return
+    m.entry_wait = None
+    if m.compiled or m.disabled or m.w.closed or len(m.known_optimizers) > 1:
         return
     new = []
-    for mod in st.tops:
+    for mod in tops:
         if id(mod) in m.entries or any(mod is n for n in new):
             continue
         if not any(p.requires_grad for p in mod.parameters()):

@@ -31,7 +31,7 @@ from .intwatch import IntWatch
 from .hostcopy import HostSlots
 from .fused import DeferPlan
 from .assemble import finalize
-from .entries import adopt_entries
+from .entries import adopt_entries, note_candidates
 from .params import model_grads, norms
 from ..tensors import flatten_tensors, is_sharded  # noqa: F401  (flatten_tensors: re-exported)
 
@@ -108,6 +108,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         # a model whose own forward the loop never calls (a Lightning module's training_step calling self.model, a
         # container of networks): the modules it calls instead, at top level, take the root's part (entries.py)
         self.entries: dict[int, str] = {}
+        self.entry_wait: tuple | None = None  # (candidate modules, the step at which they become entries)
         self._model_params = None
         # optimizer -> (its parameter count, holds parameters the model gained later): see owns
         self._owns_later: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -144,7 +145,9 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
             ended = self.st
             self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
             if ended.tops:
-                adopt_entries(self, ended)
+                note_candidates(self, ended)
+            if self.entry_wait is not None:
+                adopt_entries(self, self.st.step)
             self.sync_module_hooks()
 
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
@@ -186,7 +189,9 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
             self.st = self._new_step(st.step + 1)
             if not self.w.closed:
                 if st.tops:
-                    adopt_entries(self, st)
+                    note_candidates(self, st)
+                if self.entry_wait is not None:
+                    adopt_entries(self, self.st.step)
                 self.sync_module_hooks()
 
     def _clean_open(self) -> bool:
