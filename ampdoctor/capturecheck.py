@@ -60,6 +60,9 @@ def _check_manifest(m: Any, cap: str) -> None:
         _need(m.get(k) is None or isinstance(m.get(k), t), f"manifest field {k!r} must be {t.__name__} or null", cap)
     step = m.get("step")
     _need(step is None or (isinstance(step, int) and not isinstance(step, bool)), "manifest step is not an int", cap)
+    entry = (m.get("extra") or {}).get("entry")  # the module the batch went into (record/entries.py)
+    _need(entry is None or isinstance(entry, str) and 0 < len(entry) <= 1000 and all(
+        p.isidentifier() or p.isdigit() for p in entry.split(".")), "manifest extra.entry is not a module name", cap)
     ac = m["autocast"]
     _need(isinstance(ac.get("device"), str) and isinstance(ac.get("dtype"), str)
           and isinstance(ac.get("enabled"), bool), "manifest autocast must be {device: str, dtype: str, enabled: "

@@ -189,3 +189,18 @@ def test_cli_replays_the_entry_capture_and_refuses_a_model_without_it(tmp_path, 
     assert len(lines) == 1 and "'net'" in lines[0] and "Traceback" not in p.stderr, p.stderr
     assert sorted(p.name for p in cap.iterdir()) == before
     assert r["rep"] is not None
+
+
+@pytest.mark.parametrize("entry", [5, ["net"], "", "net/../x", "net." * 300 + "x"])
+def test_a_capture_naming_no_module_name_is_refused_in_one_line(tmp_path, helpers, entry):
+    from probe_harness import edit_manifest
+    _train(helpers["mod"].lit(), "child", 12, run_dir=tmp_path / "run")
+    cap = next((tmp_path / "run").glob("captures/*/manifest.json")).parent
+    extra = json.loads((cap / "manifest.json").read_text())["extra"]
+    edit_manifest(cap, extra=dict(extra, entry=entry))
+    before = {p.name: p.read_bytes() for p in cap.iterdir()}
+    p = run_cli(helpers, "replay", cap, "--model", "entry_models:lit", "--no-html")
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = stderr_lines(p)
+    assert len(lines) == 1 and "entry" in lines[0] and "Traceback" not in p.stderr, p.stderr
+    assert {p.name: p.read_bytes() for p in cap.iterdir()} == before
