@@ -129,9 +129,18 @@ def update_check_pre(m, opt) -> None:
     copy of their first `update_sample` elements to see whether the update rounds away (w + Δw == w)."""
     st = m.st
     st.upd = [c for c in st.upd if c.opt != id(opt)]  # (this optimizer stepped again: its newest check counts)
-    if not st.sampled and not lr_moved(m, opt) and not (st.step % LOW_CHECK_EVERY == 0 and not m.rounding_seen
-                                                         and _low(m, opt)):
-        return
+    # more parameters have a gradient than on any step before: a layer unfrozen (its first updates, from a fresh
+    # optimizer state, are where a fine-tune's unfreezing blows it up: rules/updates.py update_spike)
+    n = sum(1 for _, p in m.params if p.grad is not None)
+    grew = n > m.max_grads and m.max_grads > 0
+    m.max_grads = max(m.max_grads, n)
+    if not st.sampled and st.step > m.check_until:
+        if grew or lr_moved(m, opt):
+            # an unfrozen layer, a learning rate moved: the next updates are checked too, as the optimizer's state
+            # adapts to it (Adam's moments, Prodigy's or D-Adaptation's step-size estimate)
+            m.check_until = st.step + AFTER_CHANGE
+        elif not (st.step % LOW_CHECK_EVERY == 0 and not m.rounding_seen and _low(m, opt)):
+            return
     k = m.cfg.update_sample
     names, params, samples, ws, lrs = [], [], [], [], []
     for g, group in zip(opt.param_groups, _opt_params(m, opt)):
@@ -157,6 +166,8 @@ def update_check_pre(m, opt) -> None:
 _NO_SAMPLE = (None, None, None)
 
 
+AFTER_CHANGE = 4
+"""Updates checked after one that an unfrozen layer or a moved learning rate made checked (update_check_pre)."""
 LOW_CHECK_EVERY = 4
 """An optimizer holding fp16/bf16 parameters has its updates' rounding checked on every this many steps too, until a
 check finds them rounding away (`StepMachine.rounding_seen`, set by assemble.finalize): they start to when the

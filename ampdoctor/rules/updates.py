@@ -25,6 +25,8 @@ from .steps import absorbed_modules, real_bad
 _MIN_RMS = 1e-3        # weights whose root-mean-square is below this have no scale to spike from
 _WINDOW_UPDATES = 50   # between two sampled steps, look only this many updates apart (or at a huge factor)
 _HUGE = 1e3
+_BROKE = 100.0         # a spike this large followed by skipped steps within _AFTER steps broke the run
+_AFTER = 3
 _ADAM_MAX_STEP = 4.0   # Adam's per-element step is at most ~lr * (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr
 _ZERO_GRACE = 10       # updates a weight first seen at zero takes to have a scale of its own
 _FEW = 16              # a parameter of fewer elements (a SkipInit gain, a temperature) crosses zero under ordinary
@@ -178,6 +180,10 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
     for s in sorted(first, key=lambda s: -s["factor"]):
         layers.setdefault(s["module"], s["factor"])
     went_bad = next((r.step for r in run.steps if r.step >= step and real_bad(r, benign, mods)), None)
+    if went_bad is None and worst["factor"] >= _BROKE:
+        # the weights grew a hundredfold in one window and the scaler skipped right after: those skips are the
+        # spike's overflows (a short run's few skips read like its normal search), not a search
+        went_bad = next((r.step for r in run.steps if r.skipped and step < r.step <= step + _AFTER), None)
     lr = worst.get("lr") or _lr(run)  # (the update's own where a check recorded it: a scheduler's jump)
     rec = next((r for r in run.steps if r.step == worst["between"][0]), None)
     clip = _clipped(rec) if rec is not None else "off"
