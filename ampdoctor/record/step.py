@@ -111,6 +111,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         # container of networks): the modules it calls instead, at top level, take the root's part (entries.py)
         self.entries: dict[int, str] = {}
         self.entry_wait: tuple | None = None  # (candidate modules, the step at which they become entries)
+        self._entries_probed = False  # a routine step without the root's forward asked for a sampled one
         self._model_params = None
         # optimizer -> (its parameter count, holds parameters the model gained later): see owns
         self._owns_later: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -145,6 +146,12 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
             t = time.perf_counter()
             self.finalize()
             ended = self.st
+            if not ended.micro and not ended.sampled and self.entry_wait is None and not self.entries \
+                    and not self._entries_probed and self.records:
+                # a step that trained without the root's forward, and no entries known (the loop called the model
+                # itself before): the next step is sampled once, to find the modules it calls (entries.py)
+                self._entries_probed = True
+                self.policy.followup = max(self.policy.followup, 1)
             self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
             if ended.tops:
                 note_candidates(self, ended)

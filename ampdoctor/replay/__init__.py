@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import types
 from typing import Any, Callable
 
@@ -66,6 +67,11 @@ def _pick_dtype(cap: Capture, model: torch.nn.Module) -> tuple[torch.dtype | Non
 def _scale(cap: Capture) -> float | None:
     s = (cap.scaler_state or {}).get("scale")
     return float(s) if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 else None
+
+
+_SHAPES = re.compile(r"shapes? cannot be multiplied|size mismatch|must match the size of tensor|Expected input "
+                     r"batch_size|expected input with shape|but got input of size|Given groups=|Given normalized_shape")
+"""RuntimeError messages of a shape that does not fit (torch's matmul, elementwise, conv, norm and loss checks)."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -138,6 +144,9 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             out, loss, grads = modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
                                                 loss_fn=loss_fn, scale=scale, on_backward=on_backward)
         except RuntimeError as e:
+            if _SHAPES.search(str(e)):  # shapes do not depend on values: a model that does not fit the capture
+                raise BadInput(f"replaying the capture failed in the model (it does not fit the capture's batch): "
+                               f"{_first_line(e)}") from None
             forward_error = _first_line(e)
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
             if not any(ev.phase == "forward" for ev in tracer.events) or tb_module(
