@@ -48,7 +48,7 @@ Cases:
 16. cli_modulelist: `ampdoctor replay` of the "body.0" capture with --model: exit 1, overflow at "body.0".
 17. two_optimizers: two optimizers step the model (one scaler): no entries; bitwise, quiet, hooks.
 
-Result when written: 19/23 right (21/23 now: the first and the last below fixed since); wrong:
+Result when written: 19/23 right (22/23 now: all but the deepcopy case fixed since); wrong:
  - root_at_step0_only bad step: no capture written at all (step 0 called the root, so no top-level module was
    noted; "net" became an entry only after the bad step's follow-up sampling); the report's first line is
    `[error] nan_origin at (run) step 7: ... replay its capture (`ampdoctor replay`) ...` though no capture exists.
@@ -705,9 +705,10 @@ def test_deepcopy_midrun_carries_no_hook_after_close(tmp_path, helpers):
 # -- 14. a weight spike inside the entry --------------------------------------------------------------------------
 @pytest.mark.parametrize("how", [
     "row",
-    pytest.param("element", marks=pytest.mark.xfail(strict=True, reason=(
-        "the replay's only finding is `mask_value_overflow at net.0 aten::_to_copy` (a fill/mask constant): the "
-        "value is one weight of the Linear spiked to 1e6, not a mask constant; no overflow finding (the same when the loop calls the root: not entry-specific)")))])
+    # (a strict xfail when written: the replay's only finding was `mask_value_overflow at net.0 aten::_to_copy`, a
+    # fill/mask constant, for one weight spiked to exactly 1e6; fixed since: a trainable weight is no mask constant,
+    # replay/explain.py)
+    "element"])
 def test_weight_spike_inside_the_entry(tmp_path, helpers, how):
     mod = helpers["mod"]
     saved = {}

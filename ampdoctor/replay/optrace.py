@@ -111,6 +111,8 @@ class OpEvent:
     """shape of the first non-finite output"""
     in_sdpa: bool = False
     """the op ran inside F.scaled_dot_product_attention (its math kernel)"""
+    in_param: bool = False
+    """an input is one of the model's trainable weights (a leaf that requires grad): no mask constant"""
     mask_operand: bool = False
     """mul: every tensor operand holds only 0s and 1s (a 0/1 mask times a constant, not an activation)"""
     grad_off: bool = False
@@ -386,6 +388,7 @@ class OpTracer:
             in_has_inf=in_inf, in_zeros=in_zeros,
             out_shape=list(bad[0].shape),
             in_sdpa=self.sdpa_depth > 0,
+            in_param=any(t.is_leaf and t.requires_grad for t in ins),
             mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None
             and constants.mask_operand(args, kwargs or {}),
             grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
