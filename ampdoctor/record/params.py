@@ -129,11 +129,15 @@ def update_check_pre(m, opt) -> None:
     copy of their first `update_sample` elements to see whether the update rounds away (w + Δw == w)."""
     st = m.st
     st.upd = [c for c in st.upd if c.opt != id(opt)]  # (this optimizer stepped again: its newest check counts)
-    # more parameters have a gradient than on any step before: a layer unfrozen (its first updates, from a fresh
-    # optimizer state, are where a fine-tune's unfreezing blows it up: rules/updates.py update_spike)
-    n = sum(1 for _, p in m.params if p.grad is not None)
-    grew = n > m.max_grads and m.max_grads > 0
-    m.max_grads = max(m.max_grads, n)
+    # a parameter that never had a gradient at an update has one now: a layer unfrozen (its first updates, from a
+    # fresh optimizer state, are where a fine-tune's unfreezing blows it up: rules/updates.py update_spike). Only
+    # those are looked at each step (usually none)
+    gl, grew = m.gradless, False
+    if gl is None:
+        m.gradless = [p for _, p in m.params if p.grad is None]
+    elif gl and any(p.grad is not None for p in gl):
+        m.gradless = [p for p in gl if p.grad is None]
+        grew = True
     if not st.sampled and st.step > m.check_until:
         if grew or lr_moved(m, opt):
             # an unfrozen layer, a learning rate moved: the next updates are checked too, as the optimizer's state

@@ -95,7 +95,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
         self.low_opts: dict[int, bool] = {}    # id(optimizer) -> holds fp16/bf16 parameters (params.lr_moved)
         self.opt_params: dict[int, tuple] = {}  # id(optimizer) -> its named parameters per group (params._opt_params)
         self.rounding_seen = False             # a check found updates rounding away (params.LOW_CHECK_EVERY)
-        self.max_grads = 0                     # the most parameters that had a gradient at an update (params.py)
+        self.gradless: list | None = None     # the parameters that never had a gradient at an update (params.py)
         self.check_until = -1                  # routine steps up to this one check their updates (params.py)
         self.lr_checked: dict[int, list] = {}  # id(optimizer) -> its learning rates at the last update check
         self.buffers = BufferWatch(watch.model)  # the buffers the training writes: finite? (buffers.py)
