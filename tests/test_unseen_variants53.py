@@ -59,14 +59,13 @@ Result when written (torch 2.13 CPU, default watch): 4/6 right (2 of 4 failures,
   losses and final weights bitwise identical with and without the watch.
 - wrong when written (strict xfails raising WrongAnswer): 2 top three `[info] overflow@head step 9`, `[info]
   skipped_steps@(run) step 9` (two findings only): the x700 update of `mid` at step 8 is not named, and the overflow
-  it causes is read as benign; expected update_spike at `mid` step 8 [error]. Fixed since: an update at which more
-  parameters have a gradient than before (a layer unfrozen) is checked, with the next four; a sampled step the
-  scaler skips still reads the weights' norms; a x100 spike followed by skips within 3 steps broke the run (error).
+  it causes is read as benign; expected update_spike at `mid` step 8 [error]. Fixed since: the update at which a
+  parameter first has a gradient (a layer unfrozen) is checked, with the next four (their records keep a x100
+  blow-up only); a x100 spike followed by skips within 3 steps broke the run (error).
   3 (still a strict xfail) top three `[info] overflow@head step 12`, `[info] skipped_steps@(run) step 12` (two
   findings only): the step-11 update that moved three layers by more than their norm (after the x50 multiplier) is
-  not named; expected update_spike at blocks.0.1 / blocks.1.1 / head step 11 [error]. Since the fix above, steps
-  9-13 (the x50 and the four after it) are checked, and step 11's update grows the norms x1.8 (5.1 -> 9.3), under
-  update_spike's x2.
+  not named; expected update_spike at blocks.0.1 / blocks.1.1 / head step 11 [error]. Step 9 (the x50) is
+  checked; step 11's update, which grows the norms x1.8 (5.1 -> 9.3, under update_spike's x2), is not.
 Not built: Muon's Newton-Schulz in fp16 (X is normalised by its Frobenius norm first, so the iteration stays bounded;
 only a gradient element past 65504 makes it non-finite, which GradScaler's unscaled gradients do not give); LAMB's
 fp16 weight norm (pytorch-lamb clamps the norm to [0, 10]: an inf norm becomes 10).

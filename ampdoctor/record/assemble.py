@@ -9,7 +9,7 @@ import math
 import torch
 
 from .openstep import StepPhase
-from .params import MIN_SAMPLED, ROUNDED_SHARE
+from .params import HUGE_GROWTH, MIN_SAMPLED, ROUNDED_SHARE
 from .producers import backward_producer, forward_producer
 from .series import from_calls
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
@@ -91,7 +91,11 @@ def finalize(m) -> None:
     skipped = (s["found_inf"] or 0) > 0
     checks, st.upd = st.upd, []
     for chk in checks:  # (one per optimizer stepped)
-        if skipped:
+        if chk.only_huge:  # (an unfrozen layer's follow-up check: a blow-up only, params.HUGE_GROWTH)
+            if not skipped and chk.res is not None:
+                upd.update((n, (*r, lr)) for n, r, lr in zip(chk.names, chk.res.tolist(), chk.lrs)
+                           if r[2] > 0 and r[3] >= HUGE_GROWTH * r[2])
+        elif skipped:
             upd.update({n: (0, 0, v, None, lr) for n, v, lr in zip(chk.names, chk.pre.tolist(), chk.lrs)})
         elif chk.res is not None:
             upd.update((n, (*r, lr)) for n, r, lr in zip(chk.names, chk.res.tolist(), chk.lrs))

@@ -176,10 +176,6 @@ class MonitorCallbacks:
                     ev.extra["grads_after_unscale"] = True  # rules/scaler.py call_order: scaler_misorder
                 if opt is not None and st.unscaled_opts and _unscaled_through_another(opt, st.unscaled_opts):
                     ev.extra["unscaled_twice"] = True  # rules/callorder.py: scaler_misorder
-                if st.sampled and opt is not None and id(opt) in self.known_optimizers:
-                    # the weights' norms as the step found them, also when the scaler skips the optimizer's step
-                    # (its pre-hook then never runs): a sampled step after a blow-up shows it (rules/updates.py)
-                    update_check_pre(self, opt)
             st.in_scaler_step += 1
             if opt is not None and id(opt) not in self.known_optimizers and self.owns(opt):
                 self.known_optimizers.add(id(opt))

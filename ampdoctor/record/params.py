@@ -99,12 +99,13 @@ class UpdateCheck:
     vector, update_check_pre) and the results after it (a matrix, rows [rounded away, sampled, norm before, norm
     after], update_check_post): read at finalize in one transfer each, no per-parameter tensors."""
 
-    __slots__ = ("opt", "names", "params", "samples", "pre", "res", "lrs")
+    __slots__ = ("opt", "names", "params", "samples", "pre", "res", "lrs", "only_huge")
 
     def __init__(self, opt: int, names: list, params: list, samples: list, pre: torch.Tensor, lrs: list):
         self.opt = opt  # id of the optimizer: a step of several optimizers keeps one check each
         self.names, self.params, self.samples, self.pre, self.res = names, params, samples, pre, None
         self.lrs = lrs  # each parameter's group learning rate for this update (a number, or None)
+        self.only_huge = False  # keep only the parameters this update grew HUGE_GROWTH-fold (an unfrozen layer's)
 
 
 def _opt_params(m, opt) -> list:
@@ -138,13 +139,16 @@ def update_check_pre(m, opt) -> None:
     elif gl and any(p.grad is not None for p in gl):
         m.gradless = [p for p in gl if p.grad is None]
         grew = True
-    if not st.sampled and st.step > m.check_until:
-        if grew or lr_moved(m, opt):
-            # an unfrozen layer, a learning rate moved: the next updates are checked too, as the optimizer's state
-            # adapts to it (Adam's moments, Prodigy's or D-Adaptation's step-size estimate)
+    follow = False
+    if not st.sampled:
+        if grew:  # the unfrozen layer's next updates too, as the optimizer's fresh state for it settles
             m.check_until = st.step + AFTER_CHANGE
-        elif not (st.step % LOW_CHECK_EVERY == 0 and not m.rounding_seen and _low(m, opt)):
-            return
+        if not lr_moved(m, opt) and not (st.step % LOW_CHECK_EVERY == 0 and not m.rounding_seen and _low(m, opt)):
+            if st.step > m.check_until:
+                return
+            # checked for the unfrozen layer only: its record keeps a blow-up alone (UpdateCheck.only_huge), not the
+            # ordinary growth of a small new layer's first updates
+            follow = True
     k = m.cfg.update_sample
     names, params, samples, ws, lrs = [], [], [], [], []
     for g, group in zip(opt.param_groups, _opt_params(m, opt)):
@@ -164,14 +168,18 @@ def update_check_pre(m, opt) -> None:
             ws.append(w)
             lrs.append(lr)
     if names:
-        st.upd.append(UpdateCheck(id(opt), names, params, samples, norms(ws, 2), lrs))
+        chk = UpdateCheck(id(opt), names, params, samples, norms(ws, 2), lrs)
+        chk.only_huge = follow
+        st.upd.append(chk)
 
 
 _NO_SAMPLE = (None, None, None)
 
 
 AFTER_CHANGE = 4
-"""Updates checked after one that an unfrozen layer or a moved learning rate made checked (update_check_pre)."""
+"""Updates checked after the one at which a layer first had a gradient (update_check_pre)."""
+HUGE_GROWTH = 100.0
+"""Those checks keep a parameter only when the update grew its norm this much (rules/updates.py's _BROKE)."""
 LOW_CHECK_EVERY = 4
 """An optimizer holding fp16/bf16 parameters has its updates' rounding checked on every this many steps too, until a
 check finds them rounding away (`StepMachine.rounding_seen`, set by assemble.finalize): they start to when the
