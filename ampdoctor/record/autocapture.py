@@ -144,7 +144,7 @@ def maybe_capture(m, st) -> None:
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, state_dict=state_dict,
                                        autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
-                                       step=st.step, grad_out=grad_out, extra=_loss_state(st, k), opaque=True)
+                                       step=st.step, grad_out=grad_out, extra=_capture_extra(st, k), opaque=True)
             # the model's structure now, for an in-process replay after the script changed it (replay/skeleton.py),
             # and the objects the model received, for what the capture cannot give back exactly (capture.relive)
             from ..replay.skeleton import skeleton
@@ -176,7 +176,7 @@ def _weights_as_found(model, rng: dict) -> tuple[dict, dict | None]:
     return {k: v for k, v in rng.items() if not k.startswith("param:")}, sd
 
 
-def _loss_state(st, k: int) -> dict:
+def _capture_extra(st, k: int) -> dict:
     """What the step's one transfer read of its losses: `loss_finite` (None when it saw none). A replay without
     the loss function tells from it whether a non-finite output gradient came from the loss computation or only
     from the loss scale. `entry`: the module of the model that batch `k` went into when it was not the model's own

@@ -8,8 +8,9 @@ nothing on routine steps, and a failure between sampled steps could only be repo
 noted (`_Step.tops`); those that hold a trainable parameter (not a loss module) become entries two steps later,
 when by then a single optimizer steps the model's parameters (with two, a GAN's generator and discriminator stepped
 in turn with a forward between them, each optimizer's step ends a step and the batches of one iteration would be
-split across two records: such a container stays without entries, as before). Entries get the root's two hooks (`ModuleHookCallbacks` treats a top-level call of an entry as a root
-call) and each batch they receive is kept with its entry's name (`_Step.entry_of`). A capture of such a batch names
+split across two records: such a container stays without entries, as before). Entries get the root's two hooks
+(`ModuleHookCallbacks` treats a top-level call of an entry as a root call) and each batch they receive is kept with
+its entry's name (`_Step.entry_of`). A capture of such a batch names
 its entry (manifest `extra.entry`), and the replay runs that module of the model (replay/skeleton.entry_view), so
 the findings keep the watched model's module names.
 """
@@ -23,11 +24,19 @@ if TYPE_CHECKING:
     from .openstep import _Step
     from .step import StepMachine
 
-__all__ = ["adopt_entries", "note_candidates"]
+__all__ = ["step_ended"]
 
 
 WAIT = 2
 """Steps after the sampled step that found the candidates before they become entries (the optimizers seen by then)."""
+
+
+def step_ended(m: "StepMachine", ended: "_Step") -> None:
+    """Step `ended` was finalised and the next one has begun: note its candidates, adopt those that are due."""
+    if ended.tops:
+        note_candidates(m, ended)
+    if m.entry_wait is not None:
+        adopt_entries(m, m.st.step)
 
 
 def note_candidates(m: "StepMachine", st: "_Step") -> None:

@@ -64,8 +64,7 @@ def _unscaled_through_another(opt, unscaled: list) -> bool:
     optimizer): those gradients get divided by the scale twice."""
     if any(o is opt for o in unscaled):
         return False
-    mine = {id(p) for g in opt.param_groups for p in g["params"]}
-    return any(id(p) in mine for o in unscaled for g in o.param_groups for p in g["params"])
+    return any(_shares_params(o, opt) for o in unscaled)
 
 
 def _shares_params(a, b) -> bool:

@@ -31,7 +31,7 @@ from .intwatch import IntWatch
 from .hostcopy import HostSlots
 from .fused import DeferPlan
 from .assemble import finalize
-from .entries import adopt_entries, note_candidates
+from .entries import step_ended
 from .params import model_grads, norms
 from ..tensors import flatten_tensors, is_sharded  # noqa: F401  (flatten_tensors: re-exported)
 
@@ -153,10 +153,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
                 self._entries_probed = True
                 self.policy.followup = max(self.policy.followup, 1)
             self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
-            if ended.tops:
-                note_candidates(self, ended)
-            if self.entry_wait is not None:
-                adopt_entries(self, self.st.step)
+            step_ended(self, ended)
             self.sync_module_hooks()
 
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
@@ -197,10 +194,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
             self.finalize()
             self.st = self._new_step(st.step + 1)
             if not self.w.closed:
-                if st.tops:
-                    note_candidates(self, st)
-                if self.entry_wait is not None:
-                    adopt_entries(self, self.st.step)
+                step_ended(self, st)
                 self.sync_module_hooks()
 
     def _clean_open(self) -> bool:
