@@ -9,17 +9,16 @@ import math
 
 import torch
 
-from .monitor import scaler_stage
-from .monitorsink import _guarded
+from .monitor import guarded, scaler_stage
 from ..tensors import local
 
 __all__ = ["ClipCallbacks"]
 
 
 class ClipCallbacks:
-    """Mixin of StepMachine (with MonitorCallbacks, whose `_model_param_ids` it uses): the clipping calls."""
+    """Mixin of StepMachine (with OptimizerCallbacks, whose `_model_param_ids` it uses): the clipping calls."""
 
-    @_guarded
+    @guarded
     def clip_before(self, kind, parameters, limit=None):
         ev = self._clip_event(kind, parameters)
         if ev is None:
@@ -90,7 +89,7 @@ class ClipCallbacks:
             if pending & ids:
                 ev.scaled = True
 
-    @_guarded
+    @guarded
     def clip_after(self, ev, out) -> None:
         if ev is None:
             return

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "ScalerFinder", "caller_location", "scaler_stage"]
+__all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "ScalerFinder", "caller_location", "scaler_stage",
+           "guarded"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ampdoctor package (this file is in record/)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -51,6 +52,19 @@ def caller_location(skip: int = 2) -> tuple[str | None, int | None]:
             return hit[1]
         f = f.f_back
     return None, None
+
+
+def guarded(fn):
+    """A patch's callback (the step machine's methods the patches here call): ampdoctor's own errors go to
+    StepMachine.fail, never into the user's call."""
+    @functools.wraps(fn)
+    def call(self, *args):
+        try:
+            return fn(self, *args)
+        except Exception as e:
+            self.fail(e)
+            return None
+    return call
 
 
 _STAGE_NAMES: dict = {}  # id(OptState member) -> (member, its name): an enum's hash and .name are Python code

@@ -1,8 +1,8 @@
-"""The monitor's side of the step machine: what happens when the user's code calls the GradScaler or the
-optimizer (ampdoctor/record/monitor.py installs the patches that call these methods; a clipping function's calls
-are record/clipsink.py's).
-An optimizer step moves the open step to StepPhase.ENDED; an error of ampdoctor's own in any of these switches
-the watch off (StepMachine.fail) and never reaches the training loop."""
+"""The scaler's side of the step machine: what happens when the user's code calls the GradScaler's scale, unscale_,
+step and update (ampdoctor/record/monitor.py installs the patches that call these methods; the optimizer's own
+step() and zero_grad are record/optsink.py's, a clipping function's calls record/clipsink.py's).
+A scaler.step() that stepped or skipped moves the open step to StepPhase.ENDED; an error of ampdoctor's own in any
+of these switches the watch off (StepMachine.fail) and never reaches the training loop."""
 from __future__ import annotations
 
 import functools
@@ -10,23 +10,12 @@ import functools
 import torch
 
 from .openstep import StepPhase
-from .params import grads_after_unscale, update_check_post, update_check_pre
-from .monitor import scaler_stage
+from .params import grads_after_unscale
+from .monitor import guarded, scaler_stage
+from .optsink import _unscaled_through_another
 from .transfer import found_inf_all, presync, stage_rows
 
 __all__ = ["MonitorCallbacks"]
-
-
-def _guarded(fn):
-    """A patch's callback: ampdoctor's own errors go to StepMachine.fail, never into the user's call."""
-    @functools.wraps(fn)
-    def call(self, *args):
-        try:
-            return fn(self, *args)
-        except Exception as e:
-            self.fail(e)
-            return None
-    return call
 
 
 def _ran(flag: list, grads):
@@ -58,24 +47,6 @@ def _stale(mark, backwards: int) -> bool:
     return g is not None and id(g) == gid and backwards > 0 and g._version - ver == backwards
 
 
-def _unscaled_through_another(opt, unscaled: list) -> bool:
-    """`scaler.step(opt)` is about to unscale `opt` itself (no unscale_ of this object this iteration), while another
-    optimizer object holding the same parameters was unscaled already (a wrapper such as Lookahead and its inner
-    optimizer): those gradients get divided by the scale twice."""
-    if any(o is opt for o in unscaled):
-        return False
-    return any(_shares_params(o, opt) for o in unscaled)
-
-
-def _shares_params(a, b) -> bool:
-    """Optimizer-like objects `a` and `b` hold a parameter in common."""
-    try:
-        mine = {id(p) for g in b.param_groups for p in g["params"]}
-        return any(id(p) in mine for g in a.param_groups for p in g["params"])
-    except (AttributeError, KeyError, TypeError):
-        return False
-
-
 def _reaches(node, target, limit: int = 16) -> bool:
     """Whether autograd node `target` is `node` or among the first `limit` nodes of the graph behind it (breadth
     first): the loss a scale() gets was made from an already-scaled one. Only the nodes next to the loss are walked
@@ -100,9 +71,10 @@ def _found_inf(scaler, opts: list):
 
 
 class MonitorCallbacks:
-    """Mixin of StepMachine: records each call as a CallEvent and marks step boundaries."""
+    """Mixin of StepMachine: records each scaler call as a CallEvent and marks step boundaries (with
+    OptimizerCallbacks, whose `owns` it asks)."""
 
-    @_guarded
+    @guarded
     def before(self, kind, args, kwargs):
         if self.disabled:
             return None
@@ -192,7 +164,7 @@ class MonitorCallbacks:
         vs = [v.detach().reshape(-1) for v in fi.values()]  # fresh tensors per unscale_: no copy
         return vs[0] if len(vs) == 1 else torch.cat([v.double() for v in vs]).sum()
 
-    @_guarded
+    @guarded
     def after(self, tok, args, kwargs, out):
         if tok is None or self.disabled:
             return
@@ -249,7 +221,7 @@ class MonitorCallbacks:
             st.advance(StepPhase.ENDED)
             self.hr_hooks.ended()
 
-    @_guarded
+    @guarded
     def failed(self, tok, e: BaseException) -> None:
         if tok is None:
             return
@@ -266,133 +238,3 @@ class MonitorCallbacks:
             for o in self.st.events:  # the optimizer.step it began raised with it: it stepped nothing
                 if o.kind == "optimizer.step" and o.index > ev.index and o.via_scaler and o.error is None:
                     o.error = ev.error
-
-    @_guarded
-    def zero_grad(self, optimizer) -> None:
-        if self.disabled:
-            return
-        if not self._awaits_update():
-            self.begin()
-        ev = self.event("zero_grad", 5)
-        ev.opt = self.opt_numbers.setdefault(id(optimizer), len(self.opt_numbers))
-        self.stepped_grads.pop(id(optimizer), None)
-
-    def _awaits_update(self) -> bool:
-        """The step ended with `scaler.step()` and its `update()` is still to come (`step; zero_grad; update`, or an
-        update deferred to the top of the next iteration): a zero_grad now leaves the step open for it."""
-        if self.st.phase is not StepPhase.ENDED or self.w.scaler is None:
-            return False
-        for e in reversed(self.st.events):
-            if e.kind == "update":
-                return False
-            if e.kind == "step":
-                return True
-        return False
-
-    def global_opt_pre(self, opt, args, kwargs):
-        if self.disabled:
-            return None
-        try:
-            nest = self.st.opt_nest
-            if id(opt) in nest:
-                # a step() inside this optimizer's own step(): a subclass calling super().step() (torch hooks each
-                # class's step once an instance of it exists: detectron2's clipping SGD subclass): one step
-                nest[id(opt)] += 1
-                return None
-            nest[id(opt)] = 1
-            if id(opt) not in self.known_optimizers:
-                if id(opt) in self._rejected_optimizers or not self.owns(opt):
-                    self._rejected_optimizers.add(id(opt))
-                    return None
-                self.known_optimizers.add(id(opt))
-                self.w.adopt_optimizer(opt)
-            closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
-            if callable(closure) and not isinstance(opt, torch.optim.LBFGS):
-                # forward/backward run inside step(closure): do the step's work after the closure returns
-                def wrapped(_c=closure, _opt=opt):
-                    out = _c()
-                    self._opt_pre(_opt)
-                    return out
-                if len(args) > 1:
-                    return (args[0], wrapped, *args[2:]), kwargs
-                return args, dict(kwargs, closure=wrapped)
-            self._opt_pre(opt)
-        except Exception as e:
-            self.fail(e)
-        return None
-
-    def _opt_pre(self, opt) -> None:
-        if self.disabled:
-            return
-        try:
-            st = self.st
-            sc = self.w.scaler
-            stage = scaler_stage(sc, opt) if sc is not None else None
-            via = st.in_scaler_step > 0
-            fused = via and getattr(opt, "_step_supports_amp_scaling", False)
-            if fused:  # GradScaler calls a fused optimizer's step even when it skips: read its found_inf
-                fi = getattr(opt, "found_inf", None)
-                if isinstance(fi, torch.Tensor):
-                    st.found_inf_t = fi.detach().double().reshape(-1).sum()
-                st.fused_amp = True
-            scaled = bool(sc is not None and (not via or fused) and st.scaled_since_update
-                          and stage in (None, "READY"))
-            if scaled and not via and st.unscaled_opts and _unscaled_through_another(
-                    opt, st.unscaled_opts):
-                # the scaler never saw this optimizer, but unscaled its parameters' gradients through another object
-                # holding them (fastai's MixedPrecision hands itself to scaler.step as a stand-in optimizer whose
-                # step() only notes "not skipped"; the real optimizer steps after it)
-                scaled = False
-            ev = self.event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
-            ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
-            presync(self, opt, grads_scaled=scaled)
-            update_check_pre(self, opt)
-            if not via:
-                st.advance(StepPhase.ENDED)
-                self.hr_hooks.ended()
-        except Exception as e:
-            self.fail(e)
-
-    def global_opt_post(self, opt, args, kwargs):
-        if self.disabled:
-            return
-        nest = self.st.opt_nest
-        n = nest.pop(id(opt), 0)
-        if n > 1:  # the inner step() of a subclass's (see global_opt_pre)
-            nest[id(opt)] = n - 1
-            return
-        if id(opt) not in self.known_optimizers:
-            return
-        try:
-            update_check_post(self, opt)
-        except Exception as e:
-            self.fail(e)
-
-    def owns(self, opt) -> bool:
-        mine = self._model_param_ids()
-        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
-            return True
-        if self.w.meta.optimizer.get("masters") and opt is not self.w.optimizer and _shares_params(
-                opt, self.w.optimizer):
-            return True  # it steps the given optimizer's master copies (a wrapper's inner optimizer: fairseq's)
-        # parameters the model gained after the watch began (LoRA adapters put in, a grown head) with an optimizer
-        # built for them alone; the answer is kept per optimizer and parameter count (a GAN's other optimizer is
-        # asked at every update())
-        n = sum(len(g["params"]) for g in opt.param_groups)
-        try:
-            known = self._owns_later.get(opt)
-        except TypeError:  # an optimizer object that takes no weak reference: asked afresh each time
-            known = None
-        if known is None or known[0] != n:
-            now = {id(p) for p in self.w.model.parameters()}
-            known = (n, any(id(p) in now for g in opt.param_groups for p in g["params"]))
-            try:
-                self._owns_later[opt] = known
-            except TypeError:
-                pass
-        return known[1]
-
-    def _model_param_ids(self) -> set:
-        if self._model_params is None:
-            self._model_params = {id(p) for _, p in self.params}  # the parameter list cached at watch start
-        return self._model_params

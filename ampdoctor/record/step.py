@@ -1,10 +1,10 @@
 """The open step: what the hooks append during one optimizer step, and how it becomes a StepRecord.
 
 `StepMachine` receives every hook and monitor callback of one Watch (the module hooks' in modulehooks.py, the
-scaler/optimizer patches' in monitorsink.py, the clipping functions' in clipsink.py). During a step it only
-appends device tensors (statistic vectors, the loss, the scale) and host-side call events to the open step
-(openstep._Step, whose phase says where it is: OPEN, STAGED, ENDED, FINAL). Just before the optimizer step (`presync`)
-everything crosses to the host in one transfer; the record is finished when the next iteration begins
+scaler patches' in monitorsink.py, the optimizer's in optsink.py, the clipping functions' in clipsink.py). During a
+step it only appends device tensors (statistic vectors, the loss, the scale) and host-side call events to the open
+step (openstep._Step, whose phase says where it is: OPEN, STAGED, ENDED, FINAL). Just before the optimizer step
+(`presync`) everything crosses to the host in one transfer; the record is finished when the next iteration begins
 (`finalize`), so that `scaler.update()` and late calls land in the step they belong to.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .hooks import GradTap, ModuleHook, hookable, passes_on
 from .modulehooks import ModuleHookCallbacks
 from .monitor import caller_location
 from .monitorsink import MonitorCallbacks
+from .optsink import OptimizerCallbacks
 from .clipsink import ClipCallbacks
 from ..records import CallEvent, StepRecord
 from .openstep import StepPhase, _Step
@@ -38,7 +39,7 @@ from ..tensors import flatten_tensors, is_sharded  # noqa: F401  (flatten_tensor
 __all__ = ["StepMachine", "flatten_tensors"]
 
 
-class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
+class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, ClipCallbacks):
     """Hook and monitor callbacks of one Watch; see the module docstring."""
 
     def __init__(self, watch, sinks):
@@ -242,7 +243,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, ClipCallbacks):
 
     def event(self, kind: str, skip: int = 3, **kw) -> CallEvent:
         """Record a call of `kind` at the caller's line; `skip`: the frames between caller_location and the first
-        that may be the user's (5 from a patch's guarded callback: event, the callback, _guarded, the patch)."""
+        that may be the user's (5 from a patch's guarded callback: event, the callback, guarded, the patch)."""
         evs = self.st.events
         if kw.get("via_scaler") and evs and evs[-1].kind == "step":
             f, ln = evs[-1].file, evs[-1].line  # the optimizer step scaler.step() made: where that was called
