@@ -5,11 +5,14 @@ scaler.step()'s (record/monitorsink.py). An error of ampdoctor's own in any of t
 (StepMachine.fail) and never reaches the training loop."""
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .gradexits import in_backward
 from .monitor import guarded, scaler_stage
 from .openstep import StepPhase
-from .params import update_check_post, update_check_pre
+from .params import norms, update_check_post, update_check_pre
 from .transfer import presync
 
 __all__ = ["OptimizerCallbacks"]
@@ -33,6 +36,23 @@ def _shares_params(a, b) -> bool:
         return False
 
 
+def _forward_went_bad(st) -> bool:
+    """The open step's losses, or its outputs, hold NaN or +inf so far (-inf alone in an output is a mask). One
+    read on the host: the one that a step without a GradScaler makes at its first optimizer step anyway."""
+    try:
+        losses = [t.reshape(-1).float() for t in st.losses]
+        outs = [t.reshape(-1).float() for sums, _ in st.out_ok for t in sums]
+        bad = torch.zeros((), dtype=torch.bool)
+        if losses:
+            bad = bad | ~torch.isfinite(torch.cat(losses)).all().cpu()
+        if outs:
+            v = torch.cat(outs)
+            bad = bad | (torch.isnan(v) | (v == math.inf)).any().cpu()
+        return bool(bad)
+    except RuntimeError:  # (values on several devices)
+        return False
+
+
 class OptimizerCallbacks:
     """Mixin of StepMachine: the optimizer's step() and zero_grad calls, and whether an optimizer is this model's."""
 
@@ -40,8 +60,8 @@ class OptimizerCallbacks:
     def zero_grad(self, optimizer) -> None:
         if self.disabled:
             return
-        if not self._awaits_update():
-            self.begin()
+        if not self._awaits_update() and not in_backward():  # (inside a backward: an optimizer step fused into
+            self.begin()                                      # it zeroes its parameter's gradient, step_in_backward)
         ev = self.event("zero_grad", 5)
         ev.opt = self.opt_numbers.setdefault(id(optimizer), len(self.opt_numbers))
         self.stepped_grads.pop(id(optimizer), None)
@@ -114,6 +134,9 @@ class OptimizerCallbacks:
                 scaled = False
             ev = self.event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
+            if not via and in_backward() and self.step_in_backward(st, opt):
+                update_check_pre(self, opt)
+                return
             presync(self, opt, grads_scaled=scaled)
             update_check_pre(self, opt)
             if not via:
@@ -121,6 +144,53 @@ class OptimizerCallbacks:
                 self.hr_hooks.ended()
         except Exception as e:
             self.fail(e)
+
+    def step_in_backward(self, st, opt) -> bool:
+        """An optimizer step fused into the backward (PyTorch's "optimizer step in backward" recipe, torchtune's
+        optimizer_in_bwd: one optimizer per parameter, stepped and zeroed in a post-accumulate-grad hook): the
+        backward's steps are one step, which ends when the backward does (autograd's final callback). Each
+        optimizer's gradients are read now, before its step and its zero_grad (presync takes them). False when
+        no final callback can be queued (the step then ends here, as any optimizer step does)."""
+        if not st.bwd_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            except RuntimeError:
+                return False
+            st.bwd_queued = True
+            if st.batches and _forward_went_bad(st):
+                # the updates to come change the weights this forward ran with: a capture (and the check of which
+                # weights were already non-finite, transfer.resolve) takes them as they are now, as it takes those
+                # of a forward that writes its own weights (record/modstate.py)
+                found = st.batches[-1][2]
+                for n, p in self.params:
+                    found[f"param:{n}"] = p.detach().clone()
+        name_of = self._param_names()
+        pairs = [(name_of[id(p)], g) for grp in opt.param_groups for p in grp["params"]
+                 if id(p) in name_of and (g := p.grad) is not None and g.layout == torch.strided
+                 and g.is_floating_point() and g.numel()]
+        if pairs:
+            gs = [g for _, g in pairs]
+            st.bwd_grads.append(([n for n, _ in pairs], norms(gs, math.inf), norms(gs, 2) if st.sampled else None))
+        return True
+
+    def _backward_ended(self) -> None:
+        """The backward whose optimizer steps step_in_backward saw has ended: the step ends."""
+        st = self.st
+        st.bwd_queued = False
+        if self.disabled or st.phase is not StepPhase.OPEN:
+            return
+        try:
+            presync(self, None)
+            st.advance(StepPhase.ENDED)
+            self.hr_hooks.ended()
+        except Exception as e:
+            self.fail(e)
+
+    def _param_names(self) -> dict:
+        """id(parameter) -> its name, for the parameters the watch began with."""
+        if self._name_of_param is None:
+            self._name_of_param = {id(p): n for n, p in self.params}
+        return self._name_of_param
 
     def global_opt_post(self, opt, args, kwargs):
         if self.disabled:

@@ -114,6 +114,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.entry_wait: tuple | None = None  # (candidate modules, the step at which they become entries)
         self._entries_probed = False  # a routine step without the root's forward asked for a sampled one
         self._model_params = None
+        self._name_of_param = None  # id(parameter) -> name (optsink._param_names)
         # optimizer -> (its parameter count, holds parameters the model gained later): see owns
         self._owns_later: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._uncovered = None  # (optimizers' parameter lists, model parameters none of them holds): _still_scaled

@@ -59,6 +59,12 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     if st.grad_parts is not None:  # measured right after unscale_ (already unscaled)
         st.param_names, amax, l2 = st.grad_parts
         parts += [("g_amax", amax), ("g_l2", l2)]
+    elif st.bwd_grads:  # optimizer steps fused into the backward: each one's gradients as its step began (optsink)
+        st.param_names = [n for names, _, _ in st.bwd_grads for n in names]
+        parts.append(("g_amax", torch.cat([a.to(st.bwd_grads[0][1].device) for _, a, _ in st.bwd_grads])))
+        if st.sampled and all(l2 is not None for _, _, l2 in st.bwd_grads):
+            parts.append(("g_l2", torch.cat([l2.to(st.bwd_grads[0][1].device) for _, _, l2 in st.bwd_grads])))
+        st.bwd_grads = []
     elif need_grad_check and not st.sampled and st.full_norms and m.w.scaler is None:
         # a clip over every parameter returned the total norm: it is read first, and the per-parameter abs-max only
         # when it is not finite (resolve runs right after this, before the optimizer step: no scaler, no async)
