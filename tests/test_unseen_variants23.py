@@ -54,12 +54,12 @@ module whose gradient is non-finite while the gradient reaching it was finite (5
 none before; the same batch in fp32 is finite (1, 2, 3, 8) where the failure is fp16's. Then ampdoctor's report must hold
 an `error` finding of the right rule at that module among the first three, at that step.
 
-What ampdoctor got wrong (strict xfails, 1 of 13 runs left; fixed since: 5 stopped after 6 steps was `[info] overflow
-at norm ... as designed` though the capture's replay found the step non-finite at every scale down to 1:
-analysis/replayfold.py now lets that replay's error replace the info finding):
-- 7 (use_reentrant=True): only `[info] skipped_steps at (run) step 3 ... a normal rate`, nothing at blk.norm or any
-  module (the backward inside CheckpointFunction.backward is not recorded per module: README's known limitation;
-  the non-reentrant variant 6 is right).
+What ampdoctor got wrong (strict xfails when written, all fixed since): 5 stopped after 6 steps was `[info] overflow
+at norm ... as designed` though the capture's replay found the step non-finite at every scale down to 1
+(analysis/replayfold.py now lets that replay's error replace the info finding); 7 (use_reentrant=True) was only
+`[info] skipped_steps at (run) step 3 ... a normal rate`, nothing at blk.norm or any module: the replay ran the
+forward only, as autograd.grad refuses reentrant checkpointing (replay/modelio.py now runs .backward() there, the
+model's .grad set aside and put back).
 Right: 1 (the crash is `mask_value_overflow at blocks.0.attn step 3`), 2 (also, rightly, mask_value_overflow at
 blocks.1.attn, which holds the same constant), 3, 4, 5, 6, 8, and the three twins are quiet. Same results
 with ONEDNN_MAX_CPU_ISA=AVX2.
@@ -73,8 +73,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
-from scenarios import alarms, lines, no_error_at, one_thread
-from probe_harness import Producer, error_at, healthy, xf as _xf
+from scenarios import lines, no_error_at, one_thread
+from probe_harness import Producer, error_at, healthy
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -522,13 +522,7 @@ class CkptTabular(nn.Module):
         return self.head(h)[:, 0]
 
 
-@pytest.mark.parametrize("reentrant", [
-    pytest.param(True, id="reentrant", marks=_xf(
-        "use_reentrant=True: only `[info] skipped_steps at (run) step 3: GradScaler skipped 3 of 6 steps; a normal "
-        "rate` (exit code 0), no finding at blk.norm or any module: the recomputed forward and the backward run "
-        "inside CheckpointFunction.backward, where ampdoctor records no per-module backward (README's known "
-        "limitation), and the forward is finite, so nothing locates the NaN; the replay adds nothing")),
-    pytest.param(False, id="non_reentrant")])
+@pytest.mark.parametrize("reentrant", [pytest.param(True, id="reentrant"), pytest.param(False, id="non_reentrant")])
 def test_checkpointed_block_recomputes_a_custom_function_whose_backward_overflows(reentrant):
     torch.manual_seed(0)
     m = CkptTabular(reentrant)

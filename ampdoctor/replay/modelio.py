@@ -177,6 +177,39 @@ def floating_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
 
 
+def _reentrant_checkpoint(root: torch.Tensor) -> bool:
+    """The graph behind `root` holds a reentrant activation checkpoint (`checkpoint(..., use_reentrant=True)`), which
+    refuses torch.autograd.grad."""
+    todo, seen = [root.grad_fn], set()
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if type(n).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(f for f, _ in n.next_functions)
+    return False
+
+
+def _backward_keeping_grads(root: torch.Tensor, params: list) -> list | None:
+    """The parameters' gradients by `root.backward()`, for a graph that refuses autograd.grad (reentrant activation
+    checkpointing): their own .grad set aside before and put back after, so the model's gradients are as they were.
+    None (the replay has the forward only, as without a loss) when a parameter has a post-accumulate-grad hook: an
+    optimizer step fused into the backward would run."""
+    if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+        return None
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        root.backward()
+        return [p.grad for p in params]
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
 def run_step(model, args, kwargs, *, device: str, dtype, rng: dict, loss_fn=None, scale: float | None = None,
              backward: bool = True, on_backward: Callable | None = None):
     """One forward (+ backward through autograd.grad, so no .grad is touched). Returns (output, loss, grads)."""
@@ -190,13 +223,11 @@ def run_step(model, args, kwargs, *, device: str, dtype, rng: dict, loss_fn=None
         root = loss.float() * scale if scale else loss
         if on_backward is not None:
             on_backward(root)
-        try:
+        if _reentrant_checkpoint(root):  # (autograd.grad would refuse it after freeing part of the graph)
+            gs = _backward_keeping_grads(root, [p for _, p in params])
+            if gs is None:
+                return out, loss, {}
+        else:
             gs = torch.autograd.grad(root, [p for _, p in params], allow_unused=True)
-        except RuntimeError as e:
-            if "use_reentrant" not in str(e):
-                raise
-            # reentrant activation checkpointing refuses autograd.grad, and .backward() would write the model's
-            # .grad: the replay then has the forward only, as without a loss
-            return out, loss, {}
         grads = {n: g for (n, _), g in zip(params, gs) if g is not None}
     return out, loss, grads
