@@ -184,6 +184,21 @@ def scale_restarts(steps: list[StepRecord], jump: float = 8.0) -> list[int]:
             and (a.skipped or b.scale > a.scale * jump)]
 
 
+def loop_opening_search(steps: list[StepRecord], has_scaler: bool) -> set[int]:
+    """Without a GradScaler: the first step, when it holds several forward and backward passes and one optimizer
+    step whose gradients were finite, with a finite forward throughout. A loss scale the loop keeps itself
+    (Megatron's, apex's FP16_Optimizer, a hand-written dynamic scale) searching down from a high start: the
+    backward passes that overflowed were thrown away without an optimizer step (so they join the step that came),
+    as GradScaler skips its opening steps. (Gradients accumulated over those passes would still hold the inf.)"""
+    if has_scaler or not steps:
+        return set()
+    r = steps[0]
+    if r.micro_batches > 1 and r.grad_finite is True and not r.forward_bad and r.exception is None \
+            and any(e.kind == "optimizer.step" for e in r.events):
+        return {r.step}
+    return set()
+
+
 def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int = BACKOFF_MAX_STREAK,
                    min_scale: float = BACKOFF_MIN_SCALE, later_min: int = 5, later_share: float = 0.05,
                    growth_factor: float | None = None) -> set[int]:

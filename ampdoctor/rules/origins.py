@@ -7,7 +7,7 @@ from ..findings import Finding
 from ..records import ACCUMULATING, ModuleCall, StepRecord
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
-from .backoff import benign_backoff
+from .backoff import benign_backoff, loop_opening_search
 from .steps import absorbed, first_unlocated_skip, onset_step
 from .outside import bad_buffers, bad_data, bad_weights, output_grad_nonfinite, outside_model, unlocated
 
@@ -105,6 +105,8 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out = []
     outside = outside_model(run)
     benign = benign_backoff(run.steps, run.has_scaler, growth_factor=run.growth_factor)
+    by_loop = loop_opening_search(run.steps, run.has_scaler)
+    benign |= by_loop
     dev = autocast_device(run)
     for (phase, module, kind), recs in groups.items():
         if phase == "backward":
@@ -153,7 +155,10 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
             ev["rank_hint"] = 40
             ev["benign_backoff"] = True
             msg = (f"The loss-scaled backward overflowed in {at} on {len(steps)} step(s) while the loss scale was "
-                   "high; GradScaler skipped them and lowered the scale, as designed.")
+                   "high; GradScaler skipped them and lowered the scale, as designed." if not by_loop else
+                   f"The backward overflowed in {at} at step {step} on iterations the loop then threw away without "
+                   "an optimizer step (its own loss scale searching down from a high start): the update that came "
+                   "had finite gradients.")
             fix = "Nothing to do: a few skipped steps while the loss scale settles are normal."
         elif phase == "forward":
             what = (f"turned finite inputs into {vals}" if kind == "inf" else
