@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
-from probe_harness import Producer, WrongAnswer, wrong
+from probe_harness import Producer, WrongAnswer
 from scenarios import alarms, gen, lines, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -340,11 +340,11 @@ def test_healthy_closed_inside_the_hook(tmp_path):
         raise WrongAnswer(f"{rep.summary['steps']} steps, {alarms(rep.findings)}, warns {r['warns']}")
 
 
-@wrong("ampdoctor said 4 steps for 12 iterations: the hook's exception aborted the backward before autograd ran "
-       "the final callback (optsink._backward_ended), st.bwd_queued stayed True and step_in_backward never queued one "
-       "again, so no later fused step ever ended")
 def test_healthy_exception_inside_hook(tmp_path):
-    """The hook raises at iteration 4 (the loop catches it, zeroes the gradients, goes on)."""
+    """The hook raises at iteration 4 (the loop catches it, zeroes the gradients, goes on). Wrong when written (4
+    steps for 12 iterations: the aborted backward never ran autograd's final callback, and no later fused step
+    ended); fixed since: the awaited backward is known by its graph task id, and the next iteration's begin ends
+    a step whose backward never finished (record/optsink.py, record/step.py)."""
     healthy_case(tmp_path, raise_at=4)
 
 
@@ -359,17 +359,10 @@ FAILING = {
     "hook_raised_before": dict(raise_at=4),
     "opened_mid_run": dict(open_at=3, mid_report=5),
 }
-FAILING_WRONG = {
-    "accumulation": wrong(
-        "ampdoctor said `nan_origin at inp step 6: the weights of inp were already NaN when step 7 began` (the oracle: "
-        "inp's weights and output finite, blocks.1.fc overflows at 7): the bad forward is micro-batch 0 of 3, but "
-        "optsink.step_in_backward keeps the weights as the forward found them in st.batches[-1] (micro-batch 2) while "
-        "transfer.resolve looks them up in st.batches[st.bad_batch], so the fused updates' NaN counts as the cause"),
-    "hook_raised_before": wrong(
-        "ampdoctor said `nan_origin at inp step 3` (want overflow at blocks.1.fc, step 7): after the hook raised at "
-        "iteration 4 no fused step ends (st.bwd_queued never reset), the steps merge and the fused updates' NaN "
-        "weights are taken for the cause"),
-}
+# (wrong when written, fixed since: "accumulation" said `nan_origin at inp step 6` because the weights the forward
+# found were kept with the last micro-batch only, not the bad one; "hook_raised_before" said `nan_origin at inp step 3`
+# as the steps after the hook's exception merged; record/optsink.py step_in_backward)
+FAILING_WRONG: dict = {}
 
 
 @pytest.mark.parametrize("setup", [pytest.param(k, marks=FAILING_WRONG[k]) if k in FAILING_WRONG else k
@@ -382,10 +375,10 @@ def test_overflow_located(tmp_path, setup):
 
 @pytest.mark.parametrize("ckpt,acc_node", [
     (None, False), ("reentrant", False),
-    pytest.param("reentrant", True, marks=wrong(
-        "the in-process replay ran the user's optimizer-step hooks: 130 hook calls against the twin's 120; "
-        "modelio._backward_keeping_grads runs root.backward() on a reentrant-checkpointed graph and refuses only "
-        "parameters with _post_accumulate_grad_hooks, not hooks on the AccumulateGrad node (or p.register_hook)"))],
+    # (wrong when written: the replay ran root.backward() on the reentrant graph and the user's AccumulateGrad-node
+    # hooks with it, 130 hook calls against the twin's 120; fixed since: the replay runs torch's reentrant checkpoints
+    # inline, replay/modelio.py inline_reentrant_checkpoints, and its gradients come from autograd.grad)
+    ("reentrant", True)],
     ids=["plain", "reentrant", "reentrant_accnode_hooks"])
 def test_in_process_replay_runs_no_user_step(tmp_path, ckpt, acc_node):
     """A transient bad batch at iteration 5 (x 1e5: `inp` overflows; its backward runs, the careful hook drops the non-finite gradients), the

@@ -1,8 +1,8 @@
 """The replay of a model under reentrant activation checkpointing (`checkpoint(..., use_reentrant=True)`), whose graph
-refuses `torch.autograd.grad`: the replay runs `.backward()` instead (replay/modelio.py), and the model it replays
-keeps its own gradients: each parameter's `.grad` is the same tensor with the same values afterwards. A parameter
-with a post-accumulate-grad hook (an optimizer step fused into the backward) makes the replay forward-only, so the
-hook never runs: the replay must not step the user's optimizer.
+refuses `torch.autograd.grad`: the replay runs torch's reentrant checkpoints inline (replay/modelio.py
+inline_reentrant_checkpoints), so its backward is autograd.grad's like any model's. The model it replays keeps its
+own gradients (each parameter's `.grad` is the same tensor with the same values afterwards), and a post-accumulate-
+grad hook (an optimizer step fused into the backward) never runs: the replay must not step the user's optimizer.
 
 Written failing first for the backward: the replay ran the forward only, so a NaN that only the backward makes
 (test_unseen_variants55 5b) was judged a finite step and its producer `info`."""

@@ -58,8 +58,8 @@ What ampdoctor got wrong (strict xfails when written, all fixed since): 5 stoppe
 at norm ... as designed` though the capture's replay found the step non-finite at every scale down to 1
 (analysis/replayfold.py now lets that replay's error replace the info finding); 7 (use_reentrant=True) was only
 `[info] skipped_steps at (run) step 3 ... a normal rate`, nothing at blk.norm or any module: the replay ran the
-forward only, as autograd.grad refuses reentrant checkpointing (replay/modelio.py now runs .backward() there, the
-model's .grad set aside and put back).
+forward only, as autograd.grad refuses reentrant checkpointing (the replay now runs torch's reentrant checkpoints
+inline, replay/modelio.py inline_reentrant_checkpoints).
 Right: 1 (the crash is `mask_value_overflow at blocks.0.attn step 3`), 2 (also, rightly, mask_value_overflow at
 blocks.1.attn, which holds the same constant), 3, 4, 5, 6, 8, and the three twins are quiet. Same results
 with ONEDNN_MAX_CPU_ISA=AVX2.

@@ -67,8 +67,8 @@ Result when written (torch 2.13 CPU, default watch): 7/8 right, one strict xfail
 5a `[error] nan_origin at pool aten::div step 7`;
 5b wrong when written (a strict xfail then): only `[info] skipped_steps at (run) step 7` ("a normal rate"): the
   replay of a reentrant-checkpointed model ran its forward only (autograd.grad refuses reentrant checkpointing), so
-  it judged the step finite and the producer `info`. Fixed since: replay/modelio.py runs .backward() there, the
-  model's own .grad set aside and put back; now 5a's answer, `[error] nan_origin at pool aten::div step 7`.
+  it judged the step finite and the producer `info`. Fixed since: the replay runs torch's reentrant
+  checkpoints inline (replay/modelio.py inline_reentrant_checkpoints); now 5a's answer, `[error] nan_origin at pool aten::div step 7`.
 6, 7 quiet; losses and final weights bitwise identical with and without the watch.
 Not built: a failing cdist or vector_norm at zero (torch 2.13 guards both backwards at 0: twin 7), atan2 at (0, 0)
 (set 32), an fp16 matmul weight-gradient overflow with a finite forward (set 20's DANN, and it is a scale search

@@ -92,7 +92,7 @@ class _Step:
     opt_nest: dict = field(default_factory=dict)  # id(optimizer) -> depth of its step() calls now running
     bwd_grads: list = field(default_factory=list)  # (names, abs-max, L2 or None) read as each optimizer step
     #                                                fused into the backward began (optsink.step_in_backward)
-    bwd_queued: bool = False  # the end of that backward is awaited (autograd's final callback)
+    bwd_task: int | None = None  # the backward (graph task id) whose end is awaited (autograd's final callback)
     upd: list = field(default_factory=list)  # params.UpdateCheck per optimizer stepped (update_check_pre / _post)
     batches: list = field(default_factory=list)     # (args, kwargs, rng) of the last micro-batches
     entry_of: dict = field(default_factory=dict)     # id(batch) -> the entry module it went into (not the root)

@@ -151,19 +151,21 @@ class OptimizerCallbacks:
         backward's steps are one step, which ends when the backward does (autograd's final callback). Each
         optimizer's gradients are read now, before its step and its zero_grad (presync takes them). False when
         no final callback can be queued (the step then ends here, as any optimizer step does)."""
-        if not st.bwd_queued:
+        task = torch._C._current_graph_task_id()
+        if task != st.bwd_task:  # (the first fused step of this backward)
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             except RuntimeError:
                 return False
-            st.bwd_queued = True
-            if st.batches and _forward_went_bad(st):
-                # the updates to come change the weights this forward ran with: a capture (and the check of which
-                # weights were already non-finite, transfer.resolve) takes them as they are now, as it takes those
-                # of a forward that writes its own weights (record/modstate.py)
-                found = st.batches[-1][2]
-                for n, p in self.params:
-                    found[f"param:{n}"] = p.detach().clone()
+            first = st.bwd_task is None
+            st.bwd_task = task
+            if first and st.batches and _forward_went_bad(st):
+                # the updates to come change the weights this step's forwards ran with: a capture (and the check of
+                # which weights were already non-finite, transfer.resolve) takes them as they are now, as it takes
+                # those of a forward that writes its own weights (record/modstate.py)
+                found = {f"param:{n}": p.detach().clone() for n, p in self.params}
+                for b in st.batches:
+                    b[2].update(found)
         name_of = self._param_names()
         pairs = [(name_of[id(p)], g) for grp in opt.param_groups for p in grp["params"]
                  if id(p) in name_of and (g := p.grad) is not None and g.layout == torch.strided
@@ -176,7 +178,7 @@ class OptimizerCallbacks:
     def _backward_ended(self) -> None:
         """The backward whose optimizer steps step_in_backward saw has ended: the step ends."""
         st = self.st
-        st.bwd_queued = False
+        st.bwd_task = None
         if self.disabled or st.phase is not StepPhase.OPEN:
             return
         try:

@@ -144,6 +144,10 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
 
     def begin(self) -> None:
         """A new iteration starts (root forward, zero_grad, scaler.scale): close the ended step."""
+        if self.st.bwd_task is not None:
+            # a backward with optimizer steps fused into it that never reached its end (an exception in a hook
+            # aborted it): its step ends here (optsink.step_in_backward)
+            self._backward_ended()
         if self.st.phase is StepPhase.ENDED:
             t = time.perf_counter()
             self.finalize()

@@ -98,7 +98,7 @@ def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Cal
         m = copy.deepcopy(m)   # never move the caller's model
     # the batch went into one module of the model, not its own forward (record/entries.py)
     m = entry_view(m, ((cap.manifest or {}).get("extra") or {}).get("entry"))
-    with modelio.preserved(m):
+    with modelio.preserved(m), modelio.inline_reentrant_checkpoints():
         modelio.module_to(m, dev)
         return _replay(cap, m, loss_fn, dev, shadow, whatif, fix_search, say)
 

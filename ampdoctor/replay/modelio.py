@@ -4,6 +4,8 @@ modelstate.py (`preserved` and `set_rng` are re-exported here).
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import itertools
 import os
@@ -177,37 +179,23 @@ def floating_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
 
 
-def _reentrant_checkpoint(root: torch.Tensor) -> bool:
-    """The graph behind `root` holds a reentrant activation checkpoint (`checkpoint(..., use_reentrant=True)`), which
-    refuses torch.autograd.grad."""
-    todo, seen = [root.grad_fn], set()
-    while todo:
-        n = todo.pop()
-        if n is None or n in seen:
-            continue
-        seen.add(n)
-        if type(n).__name__ == "CheckpointFunctionBackward":
-            return True
-        todo.extend(f for f, _ in n.next_functions)
-    return False
-
-
-def _backward_keeping_grads(root: torch.Tensor, params: list) -> list | None:
-    """The parameters' gradients by `root.backward()`, for a graph that refuses autograd.grad (reentrant activation
-    checkpointing): their own .grad set aside before and put back after, so the model's gradients are as they were.
-    None (the replay has the forward only, as without a loss) when a parameter has a post-accumulate-grad hook: an
-    optimizer step fused into the backward would run."""
-    if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
-        return None
-    saved = [p.grad for p in params]
+@contextlib.contextmanager
+def inline_reentrant_checkpoints():
+    """Within: `torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=True)` runs `fn` as a plain call. A reentrant
+    checkpoint's graph refuses torch.autograd.grad (its recomputation calls .backward(), which would write the
+    model's .grad and run the user's hooks on them: an optimizer step fused into the backward); inline, the replay's
+    step has the same ops, values and RNG draws (the recomputation forks the RNG), traced in its forward, and its
+    gradients come from autograd.grad like any other model's. Process-wide while it lasts (the replay's own calls)."""
+    from torch.utils import checkpoint as ck
+    cls = getattr(ck, "CheckpointFunction", None)
+    if cls is None or "apply" in cls.__dict__:
+        yield
+        return
+    cls.apply = staticmethod(lambda function, preserve_rng_state, *args: function(*args))
     try:
-        for p in params:
-            p.grad = None
-        root.backward()
-        return [p.grad for p in params]
+        yield
     finally:
-        for p, g in zip(params, saved):
-            p.grad = g
+        del cls.apply
 
 
 def run_step(model, args, kwargs, *, device: str, dtype, rng: dict, loss_fn=None, scale: float | None = None,
@@ -223,11 +211,13 @@ def run_step(model, args, kwargs, *, device: str, dtype, rng: dict, loss_fn=None
         root = loss.float() * scale if scale else loss
         if on_backward is not None:
             on_backward(root)
-        if _reentrant_checkpoint(root):  # (autograd.grad would refuse it after freeing part of the graph)
-            gs = _backward_keeping_grads(root, [p for _, p in params])
-            if gs is None:
-                return out, loss, {}
-        else:
+        try:
             gs = torch.autograd.grad(root, [p for _, p in params], allow_unused=True)
+        except RuntimeError as e:
+            if "use_reentrant" not in str(e):
+                raise
+            # a reentrant checkpoint other than torch's (inline_reentrant_checkpoints runs torch's inline) refuses
+            # autograd.grad, and .backward() would write the model's .grad: the replay then has the forward only
+            return out, loss, {}
         grads = {n: g for (n, _), g in zip(params, gs) if g is not None}
     return out, loss, grads
