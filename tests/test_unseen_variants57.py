@@ -57,10 +57,11 @@ final weights):
  8. twin of 3: the same LoRA model under torch.optim.AdamW (fp32 states).
 
 Result when written (torch CPU, default watch): 5/8 right (1, 5, 6, both twins); strict xfails (WrongAnswer):
-- 2: top three `overflow@dist step 6 [error]` (right: sqrt's backward makes +inf there), `loss_scale_collapse@net.2
-  step 6 [error]`: the collapse is traced to `net.2`, which only passes on the NaN made inside `dist`'s backward.
-  rules/scaler.py scale_timeline picks as the collapse's cause the first skipped step with a backward producer of
-  kind "nan" before any other backward producer, so the inf producer (`dist`) loses to a later NaN "producer".
+- 2 (fixed since): top three `overflow@dist step 6 [error]` (right: sqrt's backward makes +inf there),
+  `loss_scale_collapse@net.2 step 6 [error]`: the hooks' producer on the later sampled steps is `net.2`, which the
+  replay of step 6 corrected to `dist` for the overflow finding but not for the collapse. Now a scaler finding
+  follows the replay's correction of a producer first seen on a later step (analysis/replayfold.py
+  _follow_refined).
 - 3: top three `overflow@blocks.1.lora_b step 1 [error]`, `skipped_steps@blocks.1.lora_b step 1 [error]`: the
   step-0 update that caused it is not named. rules/updates.py _spikes: factor = norm_after / norm_before only
   `if n0 > 0 else 0.0`, so a zero-initialised weight (LoRA B, ControlNet zero convs, ReZero) can never spike.
@@ -367,9 +368,6 @@ def triplet_batch(i, dup=True):
     return a, p, n
 
 
-@wrong("ampdoctor's top three: overflow@dist step 6 [error]; loss_scale_collapse@net.2 step 6 [error]: the "
-       "collapse is traced to `net.2`, which only passes on the NaN made in `dist`'s backward; expected "
-       "loss_scale_collapse at dist step 6 [error]")
 def test_triplet_distance_nan_backward_every_step_collapses_the_scale(tmp_path):
     steps = DUP_AT + 12
     r = run(TripletNet, adamw(1e-3), steps, tmp_path / "run", batch=triplet_batch, scaler={})

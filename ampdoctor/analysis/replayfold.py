@@ -60,12 +60,15 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
 def _follow_refined(findings: list[Finding], refined: set[int], before: list[str | None]) -> None:
     """The scaler findings that named a producer module (loss_scale_collapse, skipped_steps: "it comes from X")
     follow the replay where it located that producer more precisely inside X (under torch.compile the watch sees
-    only the root module; the replay of the capture names the layer)."""
+    only the root module; the replay of the capture names the layer), or where the hooks' producer was seen on a
+    later sampled step (evidence.observed_step) and the replay of the step itself named another module: the
+    scaler findings took their producer from those same later steps."""
     moved: dict[str | None, str] = {}
     for i, old in enumerate(before):
         f = findings[i]
+        later = f.evidence.get("observed_step") not in (None, f.step)
         if id(f) in refined and old is not None and f.module and f.module != old and (
-                not old or f.module.startswith(old + ".")):
+                not old or f.module.startswith(old + ".") or later):
             moved.setdefault(old, f.module)
     for i, f in enumerate(findings):
         if f.phase == "scaler" and f.module in moved and id(f) not in refined:
