@@ -1,6 +1,5 @@
 """Healthy runs at ampdoctor's DEFAULT watch, thirty-second set: LARGE BUT SAFE fp16 ACTIVATIONS. Every case's fp16
-forward outputs sit in, or grow into, 256..30000 (within 8 bits of the fp16 max, where the default headroom="auto"
-records the per-layer headroom series densely after a new high: record/headroomhooks.py `saw`, URGENT_STEPS) and
+forward outputs sit in, or grow into, 256..30000 (within 8 bits of the fp16 max, where headroom_trend may warn) and
 then settle, never within one bit of 65504. The risk tested is a FALSE headroom_trend warning on a healthy run whose
 activations are large by design or grow and then stop. `ampdoctor.watch(model, optimizer=..., scaler=...,
 run_dir=tmp_path / "run")` and nothing else; CPU fp16 autocast with a real `torch.amp.GradScaler("cpu")`, fixed
@@ -45,6 +44,12 @@ The cases:
     first layer's fp16 output steps up a bit each time (~600 -> ~1200 -> ~2400) and stays;
 12. cosine_schedule_growth_then_decay: a residual MLP without normalisation under warm-up + cosine decay to 0,
     trained on targets ~300: hidden features grow while the learning rate is high and freeze as it reaches 0.
+
+Result when written: every oracle holds (healthy, in range, bitwise identical); final reports all quiet. False
+headroom_trend warnings in MID-RUN reports: frozen_readout_hidden_growth at every stride (strict xfail, XFAIL);
+regression_large_targets, attention_logits_warmup_plateau and curriculum_input_scale_doubling at some strides only
+(FLAKY: non-strict xfail raising WrongAnswer only; pin with AMPDOCTOR_FORCE_STRIDE to reproduce). Written against
+a recording of the series on every step near the max (since taken back); the same four warn without it.
 """
 from __future__ import annotations
 
@@ -73,7 +78,27 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 F16 = torch.float16
 NEAR = 65504.0 / 2       # one bit below the fp16 max
 CASES: dict = {}
-XFAIL: dict[str, str] = {}
+XFAIL: dict[str, str] = {
+    # at every forced stride 1..32 (tests/stride_sweep.py) and at the default
+    "frozen_readout_hidden_growth": "mid-run report (step 80): [warning] headroom_trend at fc2 step 52-53: `fc2` "
+    "(Linear) output is losing headroom ... 6.9 bits left at step 53, falling 0.22 bits/step, forecast to overflow "
+    "around step 84; the hidden layer is fitting targets ~1500 through a frozen readout and settles at ~2800 "
+    "(4.5 bits left); at step 80 it still had 5.4 bits, the forecast is stale (rules/headroomseries.py _refuted / "
+    "fitting_predicate: only the root's own output counts as a fit)",
+}
+# The same false headroom_trend in mid-run reports, but only at some headroom strides (the stride under the default
+# headroom="auto" follows the machine's load), so not a strict xfail: strides where it warned, and what it said.
+FLAKY: dict[str, str] = {
+    "regression_large_targets": "strides 1, 8, 16 and the default here: mid-run report (step 60) [warning] "
+    "headroom_trend at 2 step 39: 8.0 bits left, falling 0.09 bits/step, forecast to overflow around step 132 "
+    "(a hidden Linear growing while the head fits targets ~10000; it settles, later reports drop it)",
+    "attention_logits_warmup_plateau": "strides 4, 8 and once at the default: mid-run reports (steps 60, 90) "
+    "[warning] headroom_trend at logits step 47: 7.7 bits left, falling 0.09 bits/step, forecast around step 130 "
+    "(q.k logits growing in warm-up, plateau at ~330 = 7.6 bits left)",
+    "curriculum_input_scale_doubling": "strides 1, 2, 4, 32: mid-run reports (steps 45, 85, 105) [warning] "
+    "headroom_trend at inp step 42: 6.1 bits left, falling 0.09 bits/step, forecast around step 111 (a one-time "
+    "doubling of the input scale at step 40, read as a steady fall)",
+}
 
 _case = registrar(CASES)
 
@@ -237,7 +262,7 @@ def regression_large_targets():
     def loss_fn(i):
         x, y = data(i)
         return F.l1_loss(model(x).float(), y)           # MAE on prices (an MSE's gradient here would be ~1e4)
-    return amp_case(model, optimizer, loss_fn, clip=None)
+    return amp_case(model, optimizer, loss_fn, clip=None, init_scale=2.0 ** 7)
 
 
 # ----------------------------------------------------------------------- 2. hidden growth through a frozen readout
@@ -276,7 +301,8 @@ class OutlierBlock(nn.Module):
         super().__init__()
         self.inp = nn.Linear(d_in, d)
         with torch.no_grad():
-            self.inp.weight[:3] *= 800.0          # three "massive activation" channels
+            self.inp.weight.mul_(20.0)            # a wide-ranged residual stream (~10-50) ...
+            self.inp.weight[:3] *= 30.0           # ... with three "massive activation" channels (~1000-3000)
         self.ln1 = nn.LayerNorm(d)
         self.ff = nn.Sequential(nn.Linear(d, 64), nn.GELU(), nn.Linear(64, d))
         self.ln2 = nn.LayerNorm(d)
@@ -322,6 +348,7 @@ class Retrieve(nn.Module):
     def __init__(self, V=16, d=32):
         super().__init__()
         self.emb = nn.Embedding(V, d)
+        nn.init.normal_(self.emb.weight, std=2.0)
         self.q, self.k = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
         self.logits = Logits()
         self.v = nn.Linear(d, d)
@@ -370,7 +397,7 @@ def pixels(seed, n=16):
         x = torch.rand(n, 3, 16, 16, generator=g) * 120.0
         for b in range(n):
             r, c = divmod(int(y[b]), 2)
-            x[b, :, r * 8:(r + 1) * 8, c * 8:(c + 1) * 8] += 120.0
+            x[b, :, r * 8:(r + 1) * 8, c * 8:(c + 1) * 8] += 135.0
         return x.floor(), y
     return batch
 
@@ -395,6 +422,7 @@ class ScaledEmbedLM(nn.Module):
         self.emb = nn.Embedding(V, d)          # std 1 (nn.Embedding's default init)
         self.scale = math.sqrt(d)
         self.proj = nn.Linear(d, h)
+        nn.init.normal_(self.proj.weight, std=0.08)
         self.norm = nn.LayerNorm(h)
         self.head = nn.Linear(h, V)
 
@@ -426,6 +454,7 @@ class BagOfTokens(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(V, d)
         self.tok = nn.Linear(d, d)
+        nn.init.constant_(self.tok.bias, 0.5)
         self.pool = SumPool()
         self.head = nn.Linear(d, 2)
 
@@ -445,7 +474,7 @@ def sum_pooling_long_sequence():
         x = torch.randint(0, 64, (16, 512), generator=g)
         x = torch.where((torch.rand(16, 512, generator=g) < 0.2) & (y[:, None] == 1), x % 8, x)  # class 1: more 0..7
         return F.cross_entropy(model(x).float(), y)
-    return amp_case(model, optimizer, loss_fn)
+    return amp_case(model, optimizer, loss_fn, init_scale=2.0 ** 9)
 
 
 # ----------------------------------------------------------------------- 8. CLIP with a clamped temperature
@@ -465,19 +494,20 @@ class TinyCLIP(nn.Module):
 def clip_learned(r):
     ls = r.losses
     assert sum(ls[-10:]) / 10 < 0.7 * sum(ls[:10]) / 10, (ls[:3], ls[-3:])
-    assert abs(r.c.extra["scale"][-1] - 100.0) < 1e-3, r.c.extra["scale"][-5:]
+    sc = r.c.extra["scale"]
+    assert max(sc) <= 100.0 + 1e-3 and sc[-1] > 1.2 * sc[0], (sc[:3], sc[-3:])
 
 
 @case(100, mid=(30, 70), learned=clip_learned)
 def clip_temperature_clamped():
     torch.manual_seed(8)
     model = TinyCLIP()
-    optimizer = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n != "logit_scale"]},
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n != "logit_scale"], "lr": 1e-2},
                                    {"params": [model.logit_scale], "lr": 0.1, "weight_decay": 0.0}], lr=2e-3)
     Wa, Wb = torch.randn(6, 12, generator=gen(81)), torch.randn(6, 10, generator=gen(82))
     def loss_fn(i):
         z = torch.randn(32, 6, generator=gen(8_000_000 + i))
-        a, b = (z @ Wa).abs() * 15.0, (z @ Wb).abs() * 15.0         # unnormalised raw inputs, 0..~150
+        a, b = (z @ Wa) * 40.0, (z @ Wb) * 40.0                   # unnormalised raw inputs, ~ +-300
         lg = model(a, b)
         t = torch.arange(32)
         return 0.5 * (F.cross_entropy(lg, t) + F.cross_entropy(lg.t(), t))
@@ -518,7 +548,7 @@ class Standardised(nn.Module):
         super().__init__()
         self.net = mlp(4, 32, d_out)
         with torch.no_grad():
-            self.net[0].weight.mul_(0.05)
+            self.net[0].weight.mul_(0.2)
 
     def forward(self, x):
         return self.net(x)
@@ -535,7 +565,7 @@ def sum_loss_big_batch():
         x, price = data(i)
         y = torch.bucketize(price, torch.tensor([230.0, 330.0]))          # cheap / middle / expensive
         return F.cross_entropy(model(x).float(), y, reduction="sum") / 16.0
-    return amp_case(model, optimizer, loss_fn, init_scale=2.0 ** 12)
+    return amp_case(model, optimizer, loss_fn, init_scale=2.0 ** 2)
 
 
 # ----------------------------------------------------------------------- 10. unnormalised tabular data, MSE
@@ -549,7 +579,7 @@ def tabular_unnormalised_mse():
     def loss_fn(i):
         x, price = data(i)
         return F.mse_loss(model(x).float()[:, 0], (price - 280.0) / 100.0)
-    return amp_case(model, optimizer, loss_fn)
+    return amp_case(model, optimizer, loss_fn, init_scale=2.0 ** 3)
 
 
 # ----------------------------------------------------------------------- 11. curriculum: input scale x2, x2
@@ -596,11 +626,19 @@ def cosine_schedule_growth_then_decay():
         x = torch.randn(64, 8, generator=gen(12_000_000 + i))
         y = 300.0 + 60.0 * torch.tanh(x @ wt)
         return F.smooth_l1_loss(model(x).float()[:, 0], y)
-    return amp_case(model, optimizer, loss_fn, clip=None, sched=sched)
+    return amp_case(model, optimizer, loss_fn, clip=None, sched=sched, init_scale=2.0 ** 8)
 
 
 # ---------------------------------------------------------------------------------------------------- the test
-@pytest.mark.parametrize("name", [pytest.param(n, marks=wrong(XFAIL[n]) if n in XFAIL else ()) for n in CASES])
+def _marks(n):
+    if n in XFAIL:
+        return wrong(XFAIL[n])
+    if n in FLAKY:
+        return pytest.mark.xfail(strict=False, raises=WrongAnswer, reason=FLAKY[n])
+    return ()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CASES])
 def test_large_activations_healthy(name, tmp_path):
     cs = CASES[name]
     ru = run(cs)                          # the unwatched twin, with the oracles
@@ -614,6 +652,6 @@ def test_large_activations_healthy(name, tmp_path):
     in_range(ru)
     rw = run(cs, tmp_path / "run")
     identical(rw, ru)
+    judge(rw)                             # the final reports first (quiet there too), then the mid-run ones
     if rw.mid:
         raise WrongAnswer(" | ".join(rw.mid))
-    judge(rw)

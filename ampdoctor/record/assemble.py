@@ -164,7 +164,6 @@ def finalize(m) -> None:
                      bad_weights=(w_bad or None) if not st.sampled else None, bad_buffer=st.bad_buffer,
                      outside_updates=st.outside, int_inputs=m.int_watch.found(st, probes) if st.int_calls else None,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
-    m.hr_hooks.saw(rec.headroom)  # (near the max: the series on every step for a while, headroomhooks.py)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True
     for sink in m.sinks:  # sinks see the full record; storage keeps a slim one for routine steps

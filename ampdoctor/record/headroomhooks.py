@@ -6,15 +6,9 @@ watch. The first routine step after a sampled one runs every one of them and not
 With headroom="auto" the budget (budget.py) says which routine steps carry the series, and between those steps
 the hooks come off entirely ("parked": a hooked module takes torch's slow call path even when its hook returns at
 once). They come off for good when the watch closes, fails, or finds the model compiled.
-
-Near the max the series is wanted on every step: when a module's fp16 output reaches a new high by half a bit,
-within URGENT_BITS of the max (an abs-max of 256 or more), the next URGENT_STEPS routine steps carry it whatever the
-budget says. A layer running out of range then gives headroom_trend the points it needs (a window of them) while
-there is time to warn; a tiny model whose budget records one step in eight would otherwise reach its overflow first.
 """
 from __future__ import annotations
 
-import math
 import time
 
 from typing import TYPE_CHECKING
@@ -25,12 +19,7 @@ from .hooks import HeadroomHook, PassHook, hookable
 if TYPE_CHECKING:
     from .step import StepMachine
 
-__all__ = ["HeadroomHooks", "URGENT_BITS", "URGENT_STEPS"]
-
-URGENT_BITS = 8.0   # (rules/headroomseries.py MAX_BITS: where headroom_trend may warn)
-URGENT_STEPS = 24   # two of its windows of points
-_URGENT_MIN = {"h": 65504.0 / 2 ** URGENT_BITS}
-_NEW_HIGH = 2 ** 0.5
+__all__ = ["HeadroomHooks"]
 
 
 class HeadroomHooks:
@@ -44,8 +33,6 @@ class HeadroomHooks:
         self.observe_next = True  # the next routine step observes which hooks read anything
         self.idle: frozenset = frozenset()  # the slots the last observed step pruned
         self.empty = False       # ... and it read nothing at all (no fp16/bf16 value anywhere, root included)
-        self.highs: dict[int, float] = {}  # slot -> the highest forward abs-max its series showed
-        self.urgent = 0          # routine steps still to carry the series whatever the budget says (see `saw`)
         cfg = m.cfg
         self.budget = HeadroomBudget(cfg.headroom_budget) if cfg.headroom == "auto" else None
 
@@ -75,11 +62,6 @@ class HeadroomHooks:
             hr.on = False  # the observed step read nothing (an fp32 model): nothing to read until it is observed again
         elif hr.on and budget is not None:
             hr.on = budget.due()
-            if self.urgent > 0:
-                self.urgent -= 1
-                if not hr.on:
-                    budget.untimed()  # (carried for the warning, not for the budget's measurement)
-                    hr.on = True
             if hr.on and self.parked:
                 self.install(skip=self.idle)
             elif not hr.on and not self.parked and self.wanted and budget.stride > 1:
@@ -88,23 +70,6 @@ class HeadroomHooks:
                 t = time.perf_counter() - t
                 budget.t0 += t  # (the series' own cost, not this step's)
                 budget.tail(t)
-
-    def saw(self, series: dict | None) -> None:
-        """A step's series was read (a routine step's, or a sampled step's from its statistics): a module's fp16
-        output at a new high by half a bit, within URGENT_BITS of the max, makes the next URGENT_STEPS routine steps
-        carry the series (headroom="auto" only: otherwise every routine step does)."""
-        if self.budget is None or not series:
-            return
-        fwd, dt, highs = series.get("fwd") or (), series.get("dtype") or "", self.highs
-        for s, v in enumerate(fwd):
-            if v is None or not v > 0.0 or v == math.inf:
-                continue
-            hi = highs.get(s, 0.0)
-            if v > hi:
-                highs[s] = v
-                low = _URGENT_MIN.get(dt[s:s + 1])
-                if low is not None and v >= low and hi > 0.0 and v >= hi * _NEW_HIGH:
-                    self.urgent = URGENT_STEPS
 
     def ended(self) -> None:
         """The open step reached its optimizer step (the budget times it)."""
