@@ -57,139 +57,24 @@ Run: .venv/bin/python -m pytest -n 0 -q -p no:cacheprovider tests/test_unseen_va
 """
 from __future__ import annotations
 
-import math
-import os
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import (Producer, WrongAnswer, at_top3, finite, probe_run, quiet_twin,
-                           real_fwd_after_backoffs as real_fwd)
-from scenarios import gen, lines, no_error_at, one_thread
+from scenarios import gen, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 FP16 = torch.float16
 FWD = ("overflow", "nan_origin")
-DEBUG = os.environ.get("AMPDOCTOR_PROBE_DEBUG")
 BAD_AT = 7
 
 
-# ======================================================================================================================
-# the loop, the oracle and the checks (as test_unseen_variants54/56)
-# ======================================================================================================================
-def own_loss(out, y):
-    """The models below compute their own training loss."""
-    return out
-
-
-def run(m, batch, steps, run_dir, *, lr=1e-3, oracle=lambda m: Producer(m, with_kwargs=True), **kw):
-    """probe_harness.probe_run at ampdoctor's default settings; the oracle a Producer on keyword inputs too."""
-    r = probe_run(m, batch, own_loss, steps, run_dir, lr=lr, oracle=oracle, **kw)
-    if DEBUG:
-        print("first", r["first"], "bad_loss", r["bad_loss"], "skipped", r["skipped"])
-        print("losses", [round(v, 4) for v in r["losses"]])
-        if r["rep"] is not None:
-            print("\n".join(lines(r["rep"])))
-    return r
-
-
-def snapshot_model(make, r, **kw):
-    """A fresh model (`make(**kw)`) with the weights (and buffers) the bad step's forward ran with."""
-    torch.manual_seed(0)
-    m = make(**kw)
-    m.load_state_dict(r["sd"])
-    return m
-
-
-def fp32_finite(make, r, batch, step):
-    """The bad batch is an fp16 failure: the bad step's weights run it in float32 (no autocast) to a finite loss with
-    finite gradients."""
-    m = snapshot_model(make, r)
-    args, kwargs, _ = batch(step)
-    loss = m(*args, **kwargs)
-    loss.backward()
-    assert math.isfinite(loss.item()), loss
-    assert all(finite(p.grad) for p in m.parameters() if p.grad is not None), step
-
-
-def fp16_loss(make, r, batch, step, **kw):
-    """The bad batch under fp16 autocast on the bad step's weights (`make(**kw)`: the fix): the loss."""
-    m = snapshot_model(make, r, **kw)
-    args, kwargs, _ = batch(step)
-    with torch.no_grad(), torch.autocast("cpu", dtype=FP16):
-        return m(*args, **kwargs)
-
-
-def fp16_calls(make, r, batch, step, name):
-    """[(inputs, output)] of each call of module `name` when the bad step's forward is re-run under fp16 autocast."""
-    m = snapshot_model(make, r)
-    seen = []
-    h = dict(m.named_modules())[name].register_forward_hook(
-        lambda mod, a, kw, o: seen.append((tuple(a) + tuple(kw.values()), o)), with_kwargs=True)
-    args, kwargs, _ = batch(step)
-    with torch.no_grad(), torch.autocast("cpu", dtype=FP16):
-        m(*args, **kwargs)
-    h.remove()
-    return seen
-
-
-def top3(rep):
-    return [f"{f.rule}@{f.module if f.module is not None else '(run)'} {f.op} step {f.step} {f.phase} [{f.severity}]"
-            for f in rep.findings[:3]]
-
-
-def named(r, rules, module, step, phase="forward", quiet_at=()):
-    """One of `rules` at the producer `module`, at `step`, in `phase`, an error, among the first three findings, and
-    no error at the modules that only passed it on; else a WrongAnswer naming ampdoctor's top three."""
-    rep = r["rep"]
-    try:
-        at_top3(rep, rules, module, step=step, phase=phase, severity="error")
-        no_error_at(rep, quiet_at)
-    except AssertionError as e:
-        raise WrongAnswer(f"top3={top3(rep)} warnings={r['warns']} ({str(e)[:800]})") from None
-
-
-def twin(make, batch, steps, tmp_path, lr=1e-3, fall=0.9, skips=()):
-    """A healthy twin: watched (with the oracle) and unwatched; healthy, ampdoctor quiet, and the watch changed
-    nothing: losses and final weights bitwise identical."""
-    torch.manual_seed(0)
-    r = run(make(), batch, steps, tmp_path / "run", lr=lr)
-    torch.manual_seed(0)
-    bare = run(make(), batch, steps, tmp_path / "bare", lr=lr, watch=False)
-    assert r["losses"] == bare["losses"], (r["losses"], bare["losses"])
-    assert all(torch.equal(r["weights"][k], bare["weights"][k]) for k in r["weights"])
-    ls = r["losses"]     # healthy (a plain failure otherwise): finite, falling, no producer, no skip but `skips`
-    assert all(map(math.isfinite, ls)) and r["first"] is None and sum(ls[-3:]) < fall * sum(ls[:3]), (r["first"], ls)
-    assert [s for s in r["skipped"] if s >= 3] == list(skips), r["skipped"]
-    try:
-        quiet_twin(r, fall=fall, skips=skips)
-    except AssertionError as e:
-        raise WrongAnswer(f"false alarm on a healthy run: top3={top3(r['rep'])} warnings={r['warns']} "
-                          f"({str(e)[:800]})") from None
-    return r
-
-
-def check_failure(tmp_path, make, batch, step, name, rules, quiet_at, steps_after=3, lr=1e-3, opening=3):
-    """Oracle first (producer `name` at `step`, loss non-finite there, skipped; float32 finite; the producer's inputs
-    finite and its output not under fp16; the fix finite under fp16), then the report. `opening`: the scaler's
-    opening search backs off on steps 0 .. opening-1 (a loss over 4,096 tokens takes five)."""
-    torch.manual_seed(0)
-    r = run(make(), batch, step + steps_after, tmp_path / "run", lr=lr, snap_at=step)
-    if opening == 3:
-        real_fwd(r, name, step)
-    else:
-        assert r["first"] == (name, step) and r["bad_loss"] and r["bad_loss"][0] == step, r
-        assert all(s < opening for s in r["skipped"] if s < step) and step in r["skipped"], r["skipped"]
-    fp32_finite(make, r, batch, step)
-    calls = fp16_calls(make, r, batch, step, name)
-    assert any(finite(a) and not finite(o) for a, o in calls), name
-    assert math.isfinite(float(fp16_loss(make, r, batch, step, fix=True))), "the fix"
-    named(r, rules, name, step, quiet_at=quiet_at)
-    return r
+# the loop, the oracle and the checks: test_unseen_variants56's (its run, twin and check_failure)
+from test_unseen_variants56 import check_failure, snapshot_model, twin  # noqa: E402
 
 
 def byte_lm_tokens(g, B, T, vocab):
