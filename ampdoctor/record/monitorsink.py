@@ -230,7 +230,7 @@ class MonitorCallbacks:
         opt = tok[1] if isinstance(tok, tuple) else None
         if opt is not None and "unscale FP16 gradients" in ev.error:
             # which fp16 parameters it refused (e.g. a group added by add_param_group after the watch began)
-            names = {id(p): n for n, p in self.params}
+            names = self._param_names()
             ev.extra["fp16_params"] = [names.get(id(p), "?") for g in opt.param_groups for p in g["params"]
                                        if p.grad is not None and p.grad.dtype == torch.float16][:50]
         if ev.kind == "step":

@@ -39,17 +39,19 @@ def _shares_params(a, b) -> bool:
 def _forward_went_bad(st) -> bool:
     """The open step's losses, or its outputs, hold NaN or +inf so far (-inf alone in an output is a mask). One
     read on the host: the one that a step without a GradScaler makes at its first optimizer step anyway."""
+    losses = [t.reshape(-1).float() for t in st.losses]
+    outs = [t.reshape(-1).float() for sums, _ in st.out_ok for t in sums]
+    if not losses and not outs:
+        return False
     try:
-        losses = [t.reshape(-1).float() for t in st.losses]
-        outs = [t.reshape(-1).float() for sums, _ in st.out_ok for t in sums]
-        bad = torch.zeros((), dtype=torch.bool)
+        flags = []
         if losses:
-            bad = bad | ~torch.isfinite(torch.cat(losses)).all().cpu()
+            flags.append(~torch.isfinite(torch.cat(losses)).all())
         if outs:
             v = torch.cat(outs)
-            bad = bad | (torch.isnan(v) | (v == math.inf)).any().cpu()
-        return bool(bad)
-    except RuntimeError:  # (values on several devices)
+            flags.append((torch.isnan(v) | (v == math.inf)).any())
+        return bool(torch.stack([f.to(flags[0].device) for f in flags]).any())
+    except RuntimeError:  # (losses on several devices)
         return False
 
 
@@ -189,7 +191,7 @@ class OptimizerCallbacks:
             self.fail(e)
 
     def _param_names(self) -> dict:
-        """id(parameter) -> its name, for the parameters the watch began with."""
+        """id(parameter) -> its name, for the parameters the watch began with (fixed for the watch's life)."""
         if self._name_of_param is None:
             self._name_of_param = {id(p): n for n, p in self.params}
         return self._name_of_param
