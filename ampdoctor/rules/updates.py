@@ -50,6 +50,16 @@ def _by_updates(run: RunData, growth: float, n_upd: int, numel: int) -> bool:
     return growth <= n_upd * _ADAM_MAX_STEP * lr * math.sqrt(max(numel, 1))
 
 
+def _adam_bound(run: RunData, lr: float | None, n_upd: int, numel: int) -> float | None:
+    """The largest L2 norm `n_upd` updates of an Adam-type optimizer can give a weight that started at zero (each
+    moves every element by at most _ADAM_MAX_STEP learning rates), or None for other optimizers."""
+    cls = str(run.meta.optimizer.get("class") or "")
+    lrs = [v for v in (lr, _lr(run)) if isinstance(v, (int, float)) and v > 0]
+    if not lrs or "adam" not in cls.lower():
+        return None
+    return n_upd * _ADAM_MAX_STEP * max(lrs) * math.sqrt(max(numel, 1))
+
+
 def _clipped(r: StepRecord) -> str:
     """'before' when the step clipped gradients before the optimizer step, 'after' if only after, else 'off';
     'unknown' for a routine step kept without its calls (storage thins them) and no clip norm."""
@@ -91,6 +101,17 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 if rms < _MIN_RMS:
                     born_zero[p.name] = r.step
             young = p.name in born_zero and len(between(born_zero[p.name] - 1, r.step)) < _ZERO_GRACE
+            if young and p.weight_norm_after is not None and r.step in updated and not p.grad_nonfinite:
+                n_upd = len(between(born_zero[p.name] - 1, r.step)) + 1
+                bound = _adam_bound(run, p.lr, n_upd, p.numel)
+                if bound and p.weight_norm_after >= _BROKE * bound:
+                    # a zero-born weight has no scale to multiply, but an Adam-type optimizer's own steps bound how
+                    # far it can move: far past that, the update was not Adam's ±lr (its second moment underflowed)
+                    out[p.name] = {"name": p.name, "module": p.module, "factor": p.weight_norm_after / bound,
+                                   "before": p.weight_norm, "after": p.weight_norm_after, "step": r.step,
+                                   "between": [r.step, r.step + 1], "updates": 1, "rms_before": rms, "lr": p.lr,
+                                   "bound": bound}
+                    continue
             if p.name in ref and not young and not ref[p.name][3]:  # several updates since the last sampled step
                 # (not from a norm taken while the weight was still young: a zero-born weight's first updates
                 # set its scale, and Adam's ordinary steps from one update's worth read as growth)
@@ -195,9 +216,23 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
             f"{worst['between'][1]}")
     msg = (f"{when} multiplied the weights of {names}{more} (‖w‖ {worst['before']:.3g} → {worst['after']:.3g})"
            + (f"; the run went non-finite at step {went_bad}." if went_bad is not None else "."))
+    fix = ("Lower the learning rate or add a warmup, e.g. "
+           "`sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2000))`; "
+           "clip after unscale_ and before step:\n"
+           "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+           "scaler.step(optimizer)\nscaler.update()")
     causes = []
     adam = "adam" in str(run.meta.optimizer.get("class") or "").lower()
-    if lr is not None and adam:
+    if worst.get("bound"):  # a zero-born weight moved past what Adam's steps allow (_spikes)
+        msg = (f"{when} moved the weights of `{worst['module'] or '(root)'}`, zero-initialised, to ‖w‖ "
+               f"{worst['after']:.3g}: {worst['factor']:.3g}× further than an Adam-type optimizer's steps can "
+               f"(at most {worst['bound']:.3g} for lr={lr:g})"
+               + (f"; the run went non-finite at step {went_bad}." if went_bad is not None else "."))
+        causes.append("the optimizer's second moment is 0 where its first moment is not (its state kept in "
+                      "fp16/bf16, where g² underflows, or an eps too small for it): the update becomes lr × m / eps")
+        fix = ("Keep the optimizer's state (exp_avg, exp_avg_sq) in float32, or use torch.optim.AdamW, which keeps "
+               "it in the parameters' dtype; with low-precision state, raise eps (1e-8 is below fp16's resolution).")
+    elif lr is not None and adam:
         ratio = lr / worst["rms_before"] if worst["rms_before"] else math.inf
         causes.append(f"a learning rate too high for these weights (lr={lr:g}; Adam-type optimizers move every "
                       f"weight by about ±lr per update, here {ratio:.3g}× the weights' typical size)")
@@ -205,17 +240,13 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
         causes.append(f"a learning rate too high for these weights (lr={lr:g}; the update is lr × the gradient)")
     else:
         causes.append("a learning rate too high for these weights")
-    causes.append("no warmup (start from ~1% of the learning rate and ramp up over the first 1-2k steps)")
-    if clip != "unknown":
+    if not worst.get("bound"):
+        causes.append("no warmup (start from ~1% of the learning rate and ramp up over the first 1-2k steps)")
+    if clip != "unknown" and not worst.get("bound"):
         causes.append({"off": "no gradient clipping", "after": "gradient clipping after the optimizer step",
                        "before": "clipping cannot help here: it bounds the gradient, not Adam's ±lr step" if adam
                        else "a clipping threshold too loose for this learning rate (the update is lr × the clipped "
                        "gradient)"}[clip])
-    fix = ("Lower the learning rate or add a warmup, e.g. "
-           "`sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2000))`; "
-           "clip after unscale_ and before step:\n"
-           "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
-           "scaler.step(optimizer)\nscaler.update()")
     ev = {"factor": worst["factor"], "norm_before": worst["before"], "norm_after": worst["after"],
           "param": worst["name"], "between_steps": worst["between"], "updates": worst["updates"],
           "layers": [[m, f] for m, f in list(layers.items())[:20]], "lr": lr, "clipping": clip,
