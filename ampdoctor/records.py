@@ -203,12 +203,17 @@ class ParamStat:
     update_sampled: int = 0
     update_rounded_away: int = 0
     sharded: bool = False  # a DTensor (FSDP2): the gradient values are this rank's shard's (merged by diagnose)
+    state_dtype: str | None = None  # its optimizer state's dtype where narrower than the parameter's (fp16 moments
+    #                                 over fp32 weights; sampled steps; rules/weights.py optimizer_eps)
 
     def to_dict(self) -> dict:
         return plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParamStat":
+        v = d.get("state_dtype")
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"state_dtype must be a string, not {_short(v)}"[:120])
         return _fromd(cls, d)
 
 

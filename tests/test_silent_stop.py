@@ -42,10 +42,11 @@ stepped through fp32 master copies (AdamW over the masters, GradScaler unscaling
 over a finite distance buffer with the causal mask applied by masked_fill; a QLoRA-style frozen fp16 base with fp32
 adapters, AdamW(eps=1e-8) over model.parameters(), autocast + GradScaler.
 
-What ampdoctor got wrong (strict xfails, 1 of 15; fixed since: 5, record/params.py update_check_pre samples a sparse
-gradient's rows (_update_sample); 6, an optimizer holding fp16/bf16 parameters has its updates' rounding checked every
-LOW_CHECK_EVERY (4) steps too, not only on sampled steps):
- 8. fp16 optimizer state over fp32 parameters: `[error] update_spike at enc.0 step 0 (x inf)`, `overflow at enc.0 step
+What ampdoctor got wrong (strict xfails, 1 of 15 when written, 0 now; fixed since: 5, record/params.py
+update_check_pre samples a sparse gradient's rows (_update_sample); 6, an optimizer holding fp16/bf16 parameters has
+its updates' rounding checked every LOW_CHECK_EVERY (4) steps too, not only on sampled steps; 8, below):
+ 8. (fixed since: sampled steps record an optimizer state narrower than its parameter, ParamStat.state_dtype from
+    record/params.py narrow_state, and optimizer_eps reads it) fp16 optimizer state over fp32 parameters: `[error] update_spike at enc.0 step 0 (x inf)`, `overflow at enc.0 step
     1` (weights already inf), `nan_origin at enc.0`, no eps_underflow. rules/weights.py optimizer_eps considers only a
     group's parameters whose dtype is float16 (`p[1] == "float16"` in meta.optimizer groups); the optimizer's state
     dtypes are never recorded, so an eps added in fp16 state over fp32 parameters is not seen.
@@ -517,11 +518,6 @@ def _anyprec_run(variance_dtype, steps=10):
     return losses, info, w
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "'[error] update_spike at enc.0 step 0 (x inf)', 'overflow at enc.0 step 1' (weights already inf), 'nan_origin at "
-    "enc.0 aten::addmm step 1', no eps_underflow: ampdoctor/rules/weights.py optimizer_eps considers only a group's "
-    "parameters whose dtype is float16 (p[1] == 'float16' in meta.optimizer groups); the optimizer's state dtypes "
-    "are never recorded, so eps=1e-8 added to fp16 state over fp32 parameters is not seen"))
 def test_anyprecision_adamw_with_fp16_variance_state_divides_by_a_vanished_eps():
     losses, info, w = _anyprec_run(torch.float16)
     # real: the variance state is fp16, elements with a nonzero gradient have v == 0 there (0.001 * g^2 flushed),

@@ -90,7 +90,10 @@ def finalize(m) -> None:
     # update, but its weights as the step found them (the norms before) show an earlier update's blow-up
     skipped = (s["found_inf"] or 0) > 0
     checks, st.upd = st.upd, []
+    narrow = {}  # name -> its optimizer state's dtype, where narrower than the parameter's (params.narrow_state)
     for chk in checks:  # (one per optimizer stepped)
+        if chk.state:
+            narrow.update(chk.state)
         if chk.only_huge:  # (an unfrozen layer's follow-up check: a blow-up only, params.HUGE_GROWTH)
             if not skipped and chk.res is not None:
                 upd.update((n, (*r, lr)) for n, r, lr in zip(chk.names, chk.res.tolist(), chk.lrs)
@@ -126,7 +129,7 @@ def finalize(m) -> None:
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
                                 update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded,
                                 weight_norm=u[2] if u else None, weight_norm_after=u[3] if u else None,
-                                lr=u[4] if u else None))
+                                lr=u[4] if u else None, state_dtype=narrow.get(name)))
     if upd:  # a routine step that checked its updates (params.update_check_pre), or a parameter whose gradient
         #      is not among the step's (a sparse one): keep what was found
         seen = {p.name for p in params}
@@ -136,7 +139,7 @@ def finalize(m) -> None:
                 params.append(ParamStat(name=name, module=name.rpartition(".")[0], dtype=dt, numel=n,
                                         update_sampled=int(u[1]), update_rounded_away=int(u[0]),
                                         sharded=name in m.sharded, weight_norm=u[2], weight_norm_after=u[3],
-                                        lr=u[4]))
+                                        lr=u[4], state_dtype=narrow.get(name)))
     fwd = forward_producer(calls, parents) if calls else None
     if bad_param_modules and _allreduced(m) and not any(
             x is not None and not x.finite for c in calls for x in (c.gout, c.gin)):

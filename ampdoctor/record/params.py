@@ -99,13 +99,14 @@ class UpdateCheck:
     vector, update_check_pre) and the results after it (a matrix, rows [rounded away, sampled, norm before, norm
     after], update_check_post): read at finalize in one transfer each, no per-parameter tensors."""
 
-    __slots__ = ("opt", "names", "params", "samples", "pre", "res", "lrs", "only_huge")
+    __slots__ = ("opt", "names", "params", "samples", "pre", "res", "lrs", "only_huge", "state")
 
     def __init__(self, opt: int, names: list, params: list, samples: list, pre: torch.Tensor, lrs: list):
         self.opt = opt  # id of the optimizer: a step of several optimizers keeps one check each
         self.names, self.params, self.samples, self.pre, self.res = names, params, samples, pre, None
         self.lrs = lrs  # each parameter's group learning rate for this update (a number, or None)
         self.only_huge = False  # keep only the parameters this update grew HUGE_GROWTH-fold (an unfrozen layer's)
+        self.state: dict | None = None  # name -> its optimizer state's dtype, where narrower (narrow_state)
 
 
 def _opt_params(m, opt) -> list:
@@ -255,6 +256,32 @@ def update_check_post(m, opt) -> None:
     if sampled:
         res[torch.tensor(sampled, device=post.device), :2] = torch.stack(counts).double()
     chk.res = res
+    if m.st.sampled and not chk.only_huge:
+        chk.state = narrow_state(opt, chk.names, chk.params)
+
+
+def narrow_state(opt, names: list, params: list) -> dict | None:
+    """{name: dtype} of the parameters whose optimizer state holds a floating tensor of their size in a narrower
+    dtype than theirs (a hand-written or torchdistx-style AdamW keeping exp_avg_sq in fp16 over fp32 weights), the
+    narrowest one; None when there are none. Host attributes only, on sampled steps."""
+    state = getattr(opt, "state", None)
+    if not state:
+        return None
+    out = {}
+    for name, p in zip(names, params):
+        try:
+            st = state.get(p)
+        except TypeError:
+            return None
+        if not isinstance(st, dict):
+            continue
+        size = p.dtype.itemsize
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype.itemsize < size \
+                    and v.numel() == p.numel():
+                size = v.dtype.itemsize
+                out[name] = str(v.dtype).replace("torch.", "")
+    return out or None
 
 
 OUTSIDE_SAMPLE = 4096

@@ -281,6 +281,36 @@ def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
             "Keep fp32 master weights (parameters in fp32 + autocast), or use an eps that exists in fp16 "
             "(>= 1e-4 for fp16 optimizer state, e.g. `torch.optim.Adam(params, eps=1e-4)`).",
             {"eps": eps, "group": gi, "params": low[:20], "rank_hint": 6}))
+    for gi, eps, low, broke in _vanished_state_eps(run):
+        out.append(Finding(
+            "eps_underflow", "error" if broke is not None else "warning", "optimizer",
+            _common_module(_went_bad(run, low) or low), "optimizer.step", broke,
+            f"{run.meta.optimizer.get('class')} keeps its optimizer state in fp16 for {len(low)} parameter(s) that "
+            f"are not fp16 themselves, with eps={eps:g}, below fp16's smallest value: where g² underflows in that "
+            "state (v == 0 while the gradient is not 0), the update divides by ~0 (inf/NaN, or a step of lr·m/eps)"
+            + (f"; the update at step {broke} went non-finite or blew up." if broke is not None else "."),
+            "Keep the optimizer's moments in float32 (torch.optim.AdamW keeps them in the parameters' dtype), or in "
+            "bfloat16, whose range holds g²; with fp16 state, use eps >= 1e-4.",
+            {"eps": eps, "group": gi, "params": low[:20], "state_dtype": "float16", "rank_hint": 6}))
+    return out
+
+
+def _vanished_state_eps(run: RunData) -> list[tuple]:
+    """As `_vanished_eps`, for parameters that are not fp16 but whose optimizer state is (ParamStat.state_dtype,
+    recorded on sampled steps)."""
+    narrow = {p.name for r in run.steps for p in r.params if p.state_dtype == "float16"}
+    if not narrow:
+        return []
+    out = []
+    for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
+        eps = g.get("eps")
+        if isinstance(eps, list):
+            eps = min((e for e in eps if isinstance(e, (int, float)) and e > 0), default=None)
+        low = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
+               and p[1] != "float16" and p[0] in narrow]
+        if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
+            continue
+        out.append((gi, eps, low, _broken_at(run, set(low))))
     return out
 
 
