@@ -43,7 +43,8 @@ ampdoctor got wrong (strict xfails; expected vs what happened):
       the subclass's method, so its unscale_ body runs twice in the first iteration (9 calls for 8 iterations).
       (Fixed since: that first call is recorded around torch's method, the subclass's body runs once.)
  - 18 clip before unscale_: the rule is found (error, top 3) but from step 1 ('seen on 5 step(s)' of 6): the clip of
-      iteration 0, before the first step adopted the scaler, is not judged.
+      iteration 0, before the first step adopted the scaler, is not judged. (Fixed since: a scaler adopted with
+      nothing unscaled yet marks the clips already recorded in that iteration as reading scaled gradients.)
  - 20 update() before step() with no unscale_: torch raises at iteration 0 before the scaler is adopted (update is
       not wrapped on the class): empty report, no scaler_misorder.
  - 22 a new scaler every epoch: 22 of 24 steps skipped is skipped_steps info, "a normal rate for dynamic loss
@@ -629,9 +630,6 @@ def test_clip_before_unscale_with_a_found_scaler():
     assert f.evidence.get("file", "").endswith("test_scaler_found.py") or "test_scaler_found.py" in f.message
 
 
-@pytest.mark.xfail(strict=True, reason="the finding starts at step 1 ('seen on 5 step(s)' of 6): iteration 0's "
-                   "clip ran before the scaler's first step adopted it, and the clip already recorded in that open "
-                   "step is not re-judged when adoption shows its gradients were scaled")
 def test_clip_before_unscale_with_a_found_scaler_names_the_first_iteration():
     w, t = _misuse(_std_loop(init_scale=2.0 ** 10, unscale=False, clip=True), 6)
     f = _top3(w.report(), "clip_before_unscale", ("error",))

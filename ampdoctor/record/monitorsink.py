@@ -93,6 +93,12 @@ class MonitorCallbacks:
             if self.scaler_adopted:  # the first call of a scaler found now: its scale() ran unseen
                 ev.extra["adopted"] = True
                 self.scaler_adopted = False
+                if stage in (None, "READY") and getattr(self.w.scaler, "_enabled", True):
+                    # nothing unscaled this optimizer yet: a clip earlier in this iteration, recorded before the
+                    # scaler was known, read the scaled gradients (rules/scaler.py: clipping before unscale_)
+                    for e in st.events:
+                        if e.kind.startswith(("clip_grad", "get_total_norm")) and e.scaled is False:
+                            e.scaled = True
             mark = self.stepped_grads.pop(id(opt), None) if self.stepped_grads else None
             if mark is not None and st.in_scaler_step == 0 and _stale(
                     mark, sum(1 for e in st.events if e.kind == "scale")):
