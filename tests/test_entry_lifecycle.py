@@ -46,7 +46,8 @@ Cases:
     one the batch went into (the loss module; a Linear of the wrong width): in-process replay raises BadInput or
     returns a report blaming nothing (error), the CLI answers one line + exit 2 or such a report, no traceback.
 16. cli_modulelist: `ampdoctor replay` of the "body.0" capture with --model: exit 1, overflow at "body.0".
-17. two_optimizers: two optimizers step the model (one scaler): no entries; bitwise, quiet, hooks.
+17. two_optimizers: two optimizers step the model (one scaler): entries, one step per iteration; without a
+    scaler no entries; bitwise, quiet, hooks.
 
 Result when written: 19/23 right (22/23 now: all but the deepcopy case fixed since); wrong:
  - root_at_step0_only bad step: no capture written at all (step 0 called the root, so no top-level module was
@@ -780,11 +781,11 @@ def test_cli_replays_a_modulelist_entry_capture(tmp_path, helpers):
                for f in found[:3]), [(f["rule"], f["module"]) for f in found[:3]]
 
 
-# -- 17. two optimizers stepping the model: no entries -------------------------------------------------------------
-def _two_opts(model, watch, run_dir=None):
+# -- 17. two optimizers stepping the model: entries with one scaler --------------------------------------------------
+def _two_opts(model, watch, run_dir=None, scaler=True):
     opt_a = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("heads.b")], lr=1e-3)
     opt_b = torch.optim.AdamW(model.heads["b"].parameters(), lr=1e-3)
-    sc = torch.amp.GradScaler("cpu")
+    sc = torch.amp.GradScaler("cpu", enabled=scaler)
     before = hooks_of(model)
     w = ampdoctor.watch(model, optimizer=opt_a, scaler=sc, run_dir=run_dir) if watch else None
     g = torch.Generator().manual_seed(0)
@@ -798,10 +799,15 @@ def _two_opts(model, watch, run_dir=None):
             opt_b.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = f_heads(model, x, y, i)
-            sc.scale(loss).backward()
-            sc.step(opt_a)
-            sc.step(opt_b)
-            sc.update()
+            if scaler:
+                sc.scale(loss).backward()
+                sc.step(opt_a)
+                sc.step(opt_b)
+                sc.update()
+            else:  # (bf16 would need no scaler; the loop steps the optimizers itself)
+                loss.backward()
+                opt_a.step()
+                opt_b.step()
             losses.append(loss.item())
         if w is not None:
             w.close()
@@ -811,9 +817,25 @@ def _two_opts(model, watch, run_dir=None):
             "weights": [p.detach().clone() for p in model.parameters()]}
 
 
-def test_two_optimizers_make_no_entries(tmp_path, helpers):
+def test_two_optimizers_on_one_scaler_make_entries(tmp_path, helpers):
+    """Both optimizers step through the one scaler in every step (one step per iteration, as
+    StepMachine.iteration_goes_on keeps a GAN's): the modules the loop calls become entries (no entries when this
+    was written: two optimizers were thought to split an iteration's batches across records)."""
     plain = _two_opts(helpers["mod"].heads(), False)
     watched = _two_opts(helpers["mod"].heads(), True, tmp_path / "run")
+    assert _hex(plain["losses"]) == _hex(watched["losses"])
+    assert all(bits(a, b) for a, b in zip(plain["weights"], watched["weights"]))
+    clean(watched)
+    assert sorted(watched["w"].machine.entries.values()) == ["body.0", "body.1", "heads.a", "heads.b"], \
+        watched["w"].machine.entries
+    assert len(watched["w"].steps) == 20
+    quiet(watched["w"].report())
+
+
+def test_two_optimizers_without_a_scaler_make_no_entries(tmp_path, helpers):
+    """Without a scaler nothing says that the two optimizer steps are one iteration's: no entries."""
+    plain = _two_opts(helpers["mod"].heads(), False, scaler=False)
+    watched = _two_opts(helpers["mod"].heads(), True, tmp_path / "run", scaler=False)
     assert _hex(plain["losses"]) == _hex(watched["losses"])
     assert all(bits(a, b) for a, b in zip(plain["weights"], watched["weights"]))
     clean(watched)

@@ -26,11 +26,12 @@ Misuse:
      update()": missing_scaler_update (or scaler_misorder) at step 3 at that step() line.
  M5. a GAN whose discriminator gets two updates per generator update after a 2-iteration warm-up, one scaler,
      update() once per iteration: iteration 2's second scaler.step(optD) raises: missing_scaler_update (or
-     scaler_misorder) at step 4 (the watch counts D 0, G 1, D 2, G 3, D 4) at the D step line.
+     scaler_misorder) at step 2 (one step per iteration: D and G through one scaler, one update(); step 4 when
+     written, each optimizer step counted) at the D step line.
  M6. StyleGAN2-style lazy R1 regularization (`global_step % 4 == 0`, global_step from 1: iterations 3 and 7), R1
      computed with torch's gradient-penalty recipe, through a helper that calls `scaler.unscale_(optD)` inside
      `torch.no_grad()` (to weight the penalty by D's gradient norm) BEFORE the penalty's scaled backward: the
-     applied gradient norm is ~300x the true one: scaler_misorder at step 6 (iteration 3's D step) at the
+     applied gradient norm is ~300x the true one: scaler_misorder at step 3 (iteration 3; 6 when written) at the
      unscale_ or the R1 backward line.
  M7. the GradScaler created inside `train_one_epoch()` (a sum-reduced regression loss: the working scale is 1024,
      so each new scaler skips 6 of an epoch's 8 steps at 65536..2048): skipped_steps (warning or error) at step 8,
@@ -417,8 +418,9 @@ def test_m5_gan_second_discriminator_step_without_update_raises():
     # real: iterations 0-1 (D, G) ran; iteration 2's first D step ran (the 5th optimizer step), its second raised
     assert raised is not None and raised[0] == 2 and log["steps"] == 5, (raised, log["steps"])
     assert "step() has already been called since the last update()" in raised[1], raised
-    # the watch counts every optimizer step (D 0, G 1, D 2, G 3, D 4 = iteration 2's first D step)
-    expect(rep, ("missing_scaler_update", "scaler_misorder"), step=4, tag="gan-d-step")
+    # one step per iteration: D and G step through the one scaler, one update() each (steps 0 and 1); iteration 2's
+    # first D step is step 2 (counted 4 when written: each optimizer step was a step, StepMachine.iteration_goes_on)
+    expect(rep, ("missing_scaler_update", "scaler_misorder"), step=2, tag="gan-d-step")
 
 
 def test_t5_twin_gan_update_after_each_discriminator_step_is_quiet():
@@ -502,8 +504,9 @@ def test_m6_r1_penalty_backpropagated_after_an_unscale_in_no_grad():
     rep, raised, log = r1_run(False)
     # real: on the regularized iterations the applied gradient norm is far above the true one (the R1 part x scale)
     assert raised is None and log["reg"] == [3, 7] and all(r > 20 for r in log["ratio"]), log
-    # iteration 3's D step is the watch's step 6 (D and G step once per iteration)
-    expect(rep, "scaler_misorder", step=6, tag=("r1-unscale", "r1-backward"))
+    # iteration 3 is the watch's step 3: D and G step through the one scaler, one update() per iteration (step 6
+    # when written: each optimizer step was a step, StepMachine.iteration_goes_on)
+    expect(rep, "scaler_misorder", step=3, tag=("r1-unscale", "r1-backward"))
 
 
 def test_t6_twin_r1_penalty_backpropagated_before_unscale_is_quiet():

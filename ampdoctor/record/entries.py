@@ -6,9 +6,10 @@ keep each batch for a capture, check the model's output every step, keep the gra
 nothing on routine steps, and a failure between sampled steps could only be reported at (run). On a sampled step
 (every module hooked) the modules called at top level, with gradients on, while the root was not called at all are
 noted (`_Step.tops`); those that hold a trainable parameter (not a loss module) become entries two steps later,
-when by then a single optimizer steps the model's parameters (with two, a GAN's generator and discriminator stepped
-in turn with a forward between them, each optimizer's step ends a step and the batches of one iteration would be
-split across two records: such a container stays without entries, as before). Entries get the root's two hooks
+when by then a single optimizer steps the model's parameters, or several step it through one GradScaler within one
+step (a GAN's generator and discriminator stepped in turn, one scaler.update() per iteration: StepMachine.
+iteration_goes_on keeps the iteration one step). With several optimizers otherwise (each optimizer's step ends a
+step, and the batches of one iteration would be split across two records) such a container stays without entries. Entries get the root's two hooks
 (`ModuleHookCallbacks` treats a top-level call of an entry as a root call) and each batch they receive is kept with
 its entry's name (`_Step.entry_of`). A capture of such a batch names
 its entry (manifest `extra.entry`), and the replay runs that module of the model (replay/skeleton.entry_view), so
@@ -51,7 +52,7 @@ def adopt_entries(m: "StepMachine", step: int) -> None:
     if step < due:
         return
     m.entry_wait = None
-    if m.compiled or m.disabled or m.w.closed or len(m.known_optimizers) > 1:
+    if m.compiled or m.disabled or m.w.closed or len(m.known_optimizers) > 1 and not _together(m):
         return
     new = []
     for mod in tops:
@@ -67,3 +68,9 @@ def adopt_entries(m: "StepMachine", step: int) -> None:
         m.entries[id(mod)] = m.w._names.get(id(mod), "?")
         m.w._handles.append(ModuleHook(m.forward_pre, "pre", eager=True).register(mod))
         m.w._handles.append(ModuleHook(m.forward_post, "post", eager=True).register(mod))
+
+
+def _together(m: "StepMachine") -> bool:
+    """Every optimizer of the model stepped through the scaler in the step that just ended: one step holds the
+    whole iteration (StepMachine.iteration_goes_on), so its batches are not split across records."""
+    return {m.opt_stepped_at.get(o) for o in m.known_optimizers} == {m.st.step - 1}

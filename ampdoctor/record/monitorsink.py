@@ -222,6 +222,7 @@ class MonitorCallbacks:
                 st.found_inf_t = fi
             if opt is not None and st.in_scaler_step == 0:
                 self.stepped_grads[id(opt)] = _first_grad(opt)
+                self.opt_stepped_at[id(opt)] = st.step
             presync(self, opt)
             st.loss_mark = len(st.losses)
             st.advance(StepPhase.ENDED)

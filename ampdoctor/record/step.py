@@ -20,7 +20,7 @@ from .autocapture import CapturePolicy
 from .buffers import BufferWatch
 from .hooks import GradTap, ModuleHook, hookable, passes_on
 from .modulehooks import ModuleHookCallbacks
-from .monitor import caller_location
+from .monitor import OptimizerPatch, caller_location
 from .monitorsink import MonitorCallbacks
 from .optsink import OptimizerCallbacks
 from .clipsink import ClipCallbacks
@@ -50,6 +50,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.known_optimizers: set[int] = set()
         self.opt_numbers: dict[int, int] = {}  # id(optimizer) -> 0, 1, ... in order of first scaler call
         self.stepped_grads: dict = {}  # id(optimizer) -> monitorsink._first_grad as its last scaler.step ended
+        self.opt_stepped_at: dict = {}  # id(optimizer) -> the step its last scaler.step() was in (iteration_goes_on)
         self._rejected_optimizers: set[int] = set()
         self._event_index = 0
         self.policy = CapturePolicy(self.cfg)  # which steps are sampled, which bad steps captured
@@ -148,7 +149,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
             # a backward with optimizer steps fused into it that never reached its end (an exception in a hook
             # aborted it): its step ends here (optsink.step_in_backward)
             self._backward_ended()
-        if self.st.phase is StepPhase.ENDED:
+        if self.st.phase is StepPhase.ENDED and not self.iteration_goes_on():
             t = time.perf_counter()
             self.finalize()
             ended = self.st
@@ -161,6 +162,37 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
             self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
             step_ended(self, ended)
             self.sync_module_hooks()
+
+    def iteration_goes_on(self) -> bool:
+        """The ended step's iteration is not over: its scaler.step() came and its scaler.update() has not, and an
+        optimizer of this model that the scaler steps has not stepped in it yet. A GAN's loop on one GradScaler
+        (the discriminator's step, then the generator's forward, scaled backward and step, then one update):
+        both optimizers' steps are one step of a watched container holding both networks."""
+        st = self.st
+        if not self._awaits_update():
+            return False
+        stepped = [e.opt for e in st.events if e.kind == "step" and not e.internal]
+        done = set(stepped)
+        if len(done) < len(stepped):
+            return False  # an optimizer stepped twice: a second iteration already (a loop that never calls update())
+        last = self.opt_stepped_at
+        given = id(self.w.optimizer) if self.w.optimizer is not None else None
+        # an optimizer the scaler stepped in the step before (it steps every iteration), or the given one before any
+        # step of its own (the first iteration)
+        if any(self.opt_numbers.get(o) not in done and (last.get(o) == st.step - 1 or o == given and o not in last)
+               for o in self.known_optimizers):
+            return True
+        # the first iteration, before the other optimizer is known: trained parameters no known optimizer holds
+        return not self.records and bool(self._unheld())
+
+    def _unheld(self) -> set:
+        """The ids of the model's trainable parameters that no known optimizer holds (a GAN container watched with
+        one network's optimizer, before the other's first step)."""
+        held: set = set()
+        for patch in self.w._patches:
+            if isinstance(patch, OptimizerPatch) and id(patch.obj) in self.known_optimizers:
+                held.update(id(q) for g in patch.obj.param_groups for q in g["params"])
+        return {id(p) for _, p in self.params if p.requires_grad and id(p) not in held}
 
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
     # with the root's two hooks alone (the cheapest watch is the one that is not there).
