@@ -9,11 +9,11 @@ noted (`_Step.tops`); those that hold a trainable parameter (not a loss module) 
 when by then a single optimizer steps the model's parameters, or several step it through one GradScaler within one
 step (a GAN's generator and discriminator stepped in turn, one scaler.update() per iteration: StepMachine.
 iteration_goes_on keeps the iteration one step). With several optimizers otherwise (each optimizer's step ends a
-step, and the batches of one iteration would be split across two records) such a container stays without entries. Entries get the root's two hooks
-(`ModuleHookCallbacks` treats a top-level call of an entry as a root call) and each batch they receive is kept with
-its entry's name (`_Step.entry_of`). A capture of such a batch names
-its entry (manifest `extra.entry`), and the replay runs that module of the model (replay/skeleton.entry_view), so
-the findings keep the watched model's module names.
+step, and the batches of one iteration would be split across two records) such a container stays without entries.
+Entries get the root's two hooks (`ModuleHookCallbacks` treats a top-level call of an entry as a root call) and each
+batch they receive is kept with its entry's name (`_Step.entry_of`). A capture of such a batch names its entry
+(manifest `extra.entry`), and the replay runs that module of the model (replay/skeleton.entry_view), so the findings
+keep the watched model's module names.
 """
 from __future__ import annotations
 
