@@ -165,9 +165,11 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
 
     def iteration_goes_on(self) -> bool:
         """The ended step's iteration is not over: its scaler.step() came and its scaler.update() has not, and an
-        optimizer of this model that the scaler steps has not stepped in it yet. A GAN's loop on one GradScaler
-        (the discriminator's step, then the generator's forward, scaled backward and step, then one update):
-        both optimizers' steps are one step of a watched container holding both networks."""
+        optimizer of this model that the scaler stepped in the step before has not stepped in it yet (in the first
+        iteration: parameters that this step trained and that no optimizer stepped so far holds). A GAN's loop on
+        one GradScaler (the discriminator's step, then the generator's forward, scaled backward and step, then one
+        update): both optimizers' steps are one step of a watched container holding both networks. An optimizer
+        stepping twice ends it (a loop that never calls update())."""
         st = self.st
         if not self._awaits_update():
             return False
@@ -176,23 +178,32 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         if len(done) < len(stepped):
             return False  # an optimizer stepped twice: a second iteration already (a loop that never calls update())
         last = self.opt_stepped_at
-        given = id(self.w.optimizer) if self.w.optimizer is not None else None
-        # an optimizer the scaler stepped in the step before (it steps every iteration), or the given one before any
-        # step of its own (the first iteration)
-        if any(self.opt_numbers.get(o) not in done and (last.get(o) == st.step - 1 or o == given and o not in last)
-               for o in self.known_optimizers):
+        # an optimizer the scaler stepped in the step before (it steps every iteration) and not yet in this one
+        if any(self.opt_numbers.get(o) not in done and last.get(o) == st.step - 1 for o in self.known_optimizers):
             return True
-        # the first iteration, before the other optimizer is known: trained parameters no known optimizer holds
-        return not self.records and bool(self._unheld())
+        # the first iteration, before the other optimizer has stepped: parameters this step trained that none of
+        # the optimizers stepped so far holds
+        return not self.records and st.sampled and self._untouched_in_use(done)
 
-    def _unheld(self) -> set:
-        """The ids of the model's trainable parameters that no known optimizer holds (a GAN container watched with
-        one network's optimizer, before the other's first step)."""
-        held: set = set()
-        for patch in self.w._patches:
-            if isinstance(patch, OptimizerPatch) and id(patch.obj) in self.known_optimizers:
-                held.update(id(q) for g in patch.obj.param_groups for q in g["params"])
-        return {id(p) for _, p in self.params if p.requires_grad and id(p) not in held}
+    def _known_opts(self) -> list:
+        """The optimizer objects this watch knows (patched: given or adopted)."""
+        return [p.obj for p in self.w._patches if isinstance(p, OptimizerPatch) and id(p.obj) in self.known_optimizers]
+
+    def held_by_others(self, opt) -> set:
+        """The ids of the parameters that the model's other known optimizers hold and `opt` does not."""
+        mine = {id(q) for g in opt.param_groups for q in g["params"]}
+        return {id(q) for o in self._known_opts() if o is not opt for g in o.param_groups for q in g["params"]
+                if id(q) not in mine}
+
+    def _untouched_in_use(self, stepped: set) -> bool:
+        """Whether parameters that require grad, of modules this (sampled) step ran with gradients on, are held by
+        none of the optimizers stepped so far (`stepped`: their opt numbers): a GAN container's other network,
+        before its optimizer's first step (not an EMA copy, which no forward with gradients runs; not a second
+        optimizer over the same parameters that the loop never steps)."""
+        held = {id(q) for o in self._known_opts() if self.opt_numbers.get(id(o)) in stepped
+                for g in o.param_groups for q in g["params"]}
+        ran = {c.module for c in self.st.calls if c.grad_enabled}
+        return any(p.requires_grad and id(p) not in held and n.rpartition(".")[0] in ran for n, p in self.params)
 
     # Hooks on the modules below the root are only present on sampled steps: a routine step runs the model
     # with the root's two hooks alone (the cheapest watch is the one that is not there).

@@ -71,6 +71,13 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         st.grad_by_norm = True
     else:
         names, grads = model_grads(m) if need_grad_check else ([], [])
+        if grads and opt is not None and len(m.known_optimizers) > 1:
+            # another optimizer's parameters are not this step's to apply (a GAN's discriminator holds last
+            # iteration's skipped gradients until its own zero_grad): only the ones `opt` steps, or none holds
+            others = m.held_by_others(opt)
+            if others:
+                keep = [i for i, n in enumerate(names) if id(m.param_by_name[n]) not in others]
+                names, grads = [names[i] for i in keep], [grads[i] for i in keep]
         st.param_names = names
         if grads:
             parts.append(("g_amax", norms(grads, math.inf)))
