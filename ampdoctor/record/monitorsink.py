@@ -13,7 +13,7 @@ from .openstep import StepPhase
 from .params import grads_after_unscale
 from .monitor import guarded, scaler_stage
 from .optsink import _unscaled_through_another
-from .transfer import found_inf_all, presync, stage_rows
+from .transfer import found_inf_all, presync, presync_more, stage_rows
 
 __all__ = ["MonitorCallbacks"]
 
@@ -223,6 +223,8 @@ class MonitorCallbacks:
             if opt is not None and st.in_scaler_step == 0:
                 self.stepped_grads[id(opt)] = _first_grad(opt)
                 self.opt_stepped_at[id(opt)] = st.step
+            if st.phase is StepPhase.ENDED and st.in_scaler_step == 0:
+                presync_more(self, opt)  # a second optimizer's step in an iteration that went on
             presync(self, opt)
             st.loss_mark = len(st.losses)
             st.advance(StepPhase.ENDED)

@@ -125,6 +125,8 @@ class _Step:
     staged: tuple | None = None  # (rows then, {device: (indices, matrix)}): transfer.stage_rows, read at presync
     seen: dict = field(default_factory=dict)
     pending: object = None  # hostcopy.Pending: the values on their way to the host, until resolve reads them
+    half: tuple | None = None  # (len(losses), len(out_ok)) at the last transfer (transfer.presync / presync_more)
+    more: list = field(default_factory=list)  # Pendings of what a step that went on added (transfer.presync_more)
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
     headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/record/headroom.py)

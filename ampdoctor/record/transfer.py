@@ -21,7 +21,7 @@ from .params import checked_weights, model_grads, norms, weight_amax
 from ..tensors import nonfinite_input
 from .stats import NSTAT
 
-__all__ = ["presync", "stage_rows", "resolve", "found_inf_all"]
+__all__ = ["presync", "presync_more", "stage_rows", "resolve", "found_inf_all"]
 
 
 def found_inf_all(m) -> None:
@@ -116,8 +116,27 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
     st.pending = Pending(parts, asynchronous, via_scaler, grads_scaled, m.host_slots, ("main", st.step & 1))
     st.advance(StepPhase.STAGED)
-    if not asynchronous:
-        resolve(m)
+    st.half = (len(st.losses), len(st.out_ok))
+    if not asynchronous and not (m.w.scaler is not None and len(m.known_optimizers) > 1):
+        resolve(m)  # (several optimizers on the scaler: read at finalize, with what the iteration adds, presync_more)
+
+
+def presync_more(m, opt) -> None:
+    """Another optimizer's scaler.step() in a step that went on (StepMachine.iteration_goes_on: a GAN's generator
+    after its discriminator): the losses and model outputs the iteration added since the step's transfer, and what
+    this optimizer's unscale_ found, read with the step's values (resolve merges them)."""
+    st = m.st
+    if st.pending is None or st.half is None:
+        return
+    n_l, n_o = st.half
+    st.half = (len(st.losses), len(st.out_ok))
+    parts = [("loss", t.reshape(-1)) for t in st.losses[n_l:]]
+    parts += [("out_ok", t) for sums, _ in st.out_ok[n_o:] for t in sums]
+    fi = m._found_inf_of(opt) if opt is not None else None
+    if fi is not None:
+        parts.append(("found_inf", fi.double().reshape(-1).sum().reshape(1)))
+    if parts:
+        st.more.append(Pending(parts, False))
 
 
 def stage_rows(m) -> None:
@@ -157,6 +176,14 @@ def resolve(m) -> None:
     pending, st.pending = st.pending, None
     via_scaler, grads_scaled = pending.via_scaler, pending.grads_scaled
     host = pending.result()
+    more, st.more, st.half = st.more, [], None
+    for p in more:  # the rest of the iteration (presync_more): its losses and outputs follow the step's own
+        got = p.result()
+        for k in ("loss", "out_ok"):
+            if k in got:
+                host[k] = host.get(k, []) + got[k]
+        if "found_inf" in got:
+            host["found_inf"] = [sum(v for v in host.get("found_inf", [0.0]) + got["found_inf"])]
     rows: dict[int, list[float]] = {}
     for key, vals in host.items():
         if key.startswith("vec:"):
