@@ -49,11 +49,31 @@ HEALTHY += [(f"{m}/healthy", dt) for m in ("vit", "unet", "lstm", "vae", "moe", 
             for dt in ("float16", "bfloat16")]
 
 
+def _bf16_grouped_conv_error() -> float:
+    """The relative error, against float32, of wav2vec's positional convolution (zoo.Wav2Vec.pos_conv at the tiny
+    size: a weight-normed Conv1d(32, 32, 16, groups=4)) under CPU bf16 autocast on this machine. About 0.003 where
+    torch's bf16 convolution is right; 1.1 on an Intel Sapphire Rapids (AMX) with torch 2.13, whose bf16 grouped
+    convolution with 8 channels per group returns values that have little to do with the float32 ones."""
+    g = torch.Generator().manual_seed(0)
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(32, 32, 16, padding=8, groups=4), dim=2)
+    x = torch.randn(2, 32, 40, generator=g)
+    with torch.no_grad():
+        y = conv(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yb = conv(x)
+    return float((yb.float() - y).norm() / y.norm())
+
+
 @pytest.mark.parametrize("name,dtype", HEALTHY)
 def test_healthy_run_unchanged_and_quiet(name, dtype):
     r = _run(name, dtype)
     _unchanged(r)
     assert (r["n_warning"], r["n_error"]) == (0, 0), r["findings"]
+    if (name, dtype) == ("wav2vec/healthy", "bfloat16") and _bf16_grouped_conv_error() > 0.1:
+        # this machine's bf16 grouped convolution is itself wrong: the replay's fp32 comparison saying so at that
+        # module, and nowhere else, is the true answer
+        assert r.get("replay_findings") == ["precision_loss@pos_conv@None"], r.get("replay_findings")
+        return
     assert (r["replay_n_warning"], r["replay_n_error"]) == (0, 0), r.get("replay_findings") or \
         r.get("replay_exception")
 

@@ -91,7 +91,7 @@ import torch.nn.functional as F
 from torch.optim import Optimizer
 
 import ampdoctor
-from probe_harness import WrongAnswer, at_top3, wrong
+from probe_harness import WrongAnswer, at_top3
 from scenarios import alarms, gen, lines, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -569,9 +569,12 @@ def first_inf(r):
     return next(i for i, v in enumerate(r["seen"]["absmax"]) if not math.isfinite(v))
 
 
-@wrong("no headroom_trend at all: the mid-run report at step 39 (S - 5, the abs-max 42368 of 65504, growing "
-       "~0.3 bits/step since step 0) is empty; the final report's top three: overflow@quantizer step 44 [error]; "
-       "skipped_steps@quantizer step 44 [error]; expected headroom_trend at quantizer [warning] before step 40")
+@pytest.mark.xfail(strict=False, raises=WrongAnswer, reason=(
+    "no headroom_trend at all: the mid-run report at step 39 (S - 5, the abs-max 42368 of 65504, growing "
+    "~0.3 bits/step since step 0) is empty; the final report's top three: overflow@quantizer step 44 [error]; "
+    "skipped_steps@quantizer step 44 [error]; expected headroom_trend at quantizer [warning] before step 40. Not "
+    "strict: the series' stride follows the machine's load (headroom=\"auto\"), and on a loaded host (the full suite "
+    "beside other work) a denser series warned in time"))
 def test_gumbel_temperature_annealed_without_floor_loses_headroom_steadily(tmp_path):
     probe = run(DVAE, adamw(1e-3), 60, None, batch=dvae_batch, scaler={}, clip=lambda i: 1.0, before=anneal,
                 setup=q_absmax, watch=False)

@@ -57,6 +57,8 @@ Run: .venv/bin/python -m pytest -n 0 -q -p no:cacheprovider tests/test_unseen_va
 """
 from __future__ import annotations
 
+import math
+
 
 import pytest
 import torch
@@ -74,7 +76,7 @@ BAD_AT = 7
 
 
 # the loop, the oracle and the checks: test_unseen_variants56's (its run, twin and check_failure)
-from test_unseen_variants56 import check_failure, snapshot_model, twin  # noqa: E402
+from test_unseen_variants56 import check_failure, run, snapshot_model, twin  # noqa: E402
 
 
 def byte_lm_tokens(g, B, T, vocab):
@@ -152,7 +154,14 @@ def test_mingru_log_space_scan_running_sum_of_log_decays_passes_fp16_range(tmp_p
 
 
 def test_twin_mingru_log_space_scan_in_fp32_stays_quiet(tmp_path):
-    twin(lambda: ByteRNN(fix=True), gru_batch, 10, tmp_path, lr=LR_GRU, fall=0.95)
+    # On some CPUs (an Intel Sapphire Rapids with AVX512-FP16, torch 2.13) the scaled backward of the 131,072-token
+    # batch overflows once at BAD_AT (finite unscaled: the scaler's job, which it does); on others it does not. The
+    # unwatched run says which: those skips, and only those, are the healthy run's (no warning, no error either way)
+    torch.manual_seed(0)
+    bare = run(ByteRNN(fix=True), gru_batch, 10, None, lr=LR_GRU, watch=False)
+    skips = tuple(s for s in bare["skipped"] if s >= 3)
+    assert skips in ((), (BAD_AT,)) and all(map(math.isfinite, bare["losses"])), (skips, bare["losses"])
+    twin(lambda: ByteRNN(fix=True), gru_batch, 10, tmp_path, lr=LR_GRU, fall=0.95, skips=skips)
 
 
 # ======================================================================================================================
