@@ -121,13 +121,14 @@ class Watch:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # the loop raised inside `with ampdoctor.watch(...)`: the open step is the one that crashed (a crash outside
-        # the watched modules, e.g. in the loss or the data, leaves no other trace; KeyboardInterrupt is the user)
+        # the watched modules, e.g. in the loss or the data, leaves no other trace). A KeyboardInterrupt too: the
+        # run stopped there, as a script's uncaught one is recorded (Watch._record_fatal at exit)
         if exc is not None:
             try:
                 if isinstance(exc, SystemExit):
                     if exc.code not in (None, 0):
                         self._record_exit(exc.code)
-                elif isinstance(exc, Exception):
+                elif isinstance(exc, (Exception, KeyboardInterrupt)):
                     self._record_fatal(exc)
             except Exception:
                 pass
@@ -185,6 +186,8 @@ class Watch:
         m = self.machine
         if self._closed or m.disabled or not isinstance(exc, BaseException) or isinstance(exc, SystemExit):
             return
+        if m.st.exception is None and m.raised_between(exc):
+            m.begin()  # raised at the next iteration's top (its data): that iteration's step is the one that crashed
         if m.st.exception is None:
             m.st.exception = m.exception_info(exc, None)
         m.st.exception["fatal"] = True

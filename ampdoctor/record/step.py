@@ -170,20 +170,47 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         one GradScaler (the discriminator's step, then the generator's forward, scaled backward and step, then one
         update): both optimizers' steps are one step of a watched container holding both networks. An optimizer
         stepping twice ends it (a loop that never calls update())."""
-        st = self.st
         if not self._awaits_update():
             return False
-        stepped = [e.opt for e in st.events if e.kind == "step" and not e.internal]
+        stepped = self.scaler_stepped()
         done = set(stepped)
         if len(done) < len(stepped):
             return False  # an optimizer stepped twice: a second iteration already (a loop that never calls update())
-        last = self.opt_stepped_at
-        # an optimizer the scaler stepped in the step before (it steps every iteration) and not yet in this one
-        if any(self.opt_numbers.get(o) not in done and last.get(o) == st.step - 1 for o in self.known_optimizers):
+        return self.others_to_step(done)
+
+    def scaler_stepped(self) -> list:
+        """The opt numbers of the optimizers scaler.step() stepped in the open step so far, in order."""
+        return [e.opt for e in self.st.events if e.kind == "step" and not e.internal]
+
+    def others_to_step(self, done: set) -> bool:
+        """Whether another optimizer of the model is still to step through the scaler in this iteration (`done`:
+        the opt numbers stepped so far): one it stepped in the step before and not yet in this one, or, in the first
+        iteration, one for the parameters this step trained that none of those stepped so far holds."""
+        st, last = self.st, self.opt_stepped_at
+        if len(self.known_optimizers) > 1 and any(self.opt_numbers.get(o) not in done and last.get(o) == st.step - 1
+                                                  for o in self.known_optimizers):
             return True
-        # the first iteration, before the other optimizer has stepped: parameters this step trained that none of
-        # the optimizers stepped so far holds
         return not self.records and st.sampled and self._untouched_in_use(done)
+
+    def raised_between(self, exc: BaseException) -> bool:
+        """Whether `exc`, ending the run, was raised after the ended step's last call and before the next iteration's
+        first (its data loading at the loop's top): the step had finished (its optimizer step and its scaler's
+        update came, no call of it raised), and where the loop's own frame was when it raised lies above that step's
+        first call in the loop's file (a check of the step's results below its update() stays the step's)."""
+        st = self.st
+        if st.phase is not StepPhase.ENDED or self._awaits_update() or any(e.error for e in st.events):
+            return False
+        calls = [(e.file, e.line) for e in st.events if e.file and e.line is not None and not e.internal]
+        if not calls:
+            return False
+        first = min(ln for f, ln in calls if f == calls[0][0])
+        tb = exc.__traceback__
+        while tb is not None:  # the frame of the code that made the step's first call: the loop's
+            code = tb.tb_frame.f_code
+            if code.co_filename == calls[0][0] and any(ln == first for _, _, ln in code.co_lines()):
+                return tb.tb_lineno < first
+            tb = tb.tb_next
+        return False
 
     def _known_opts(self) -> list:
         """The optimizer objects this watch knows (patched: given or adopted)."""
