@@ -84,6 +84,10 @@ import torch.nn as nn
 
 import ampdoctor
 
+# Ctrl-C raises KeyboardInterrupt, as in a terminal (a parent that ignores SIGINT, a pytest-xdist worker, would
+# otherwise hand its SIG_IGN down to this script)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 class Gate(nn.Module):
     """A hand-written softmax gate: x * exp(z) / sum exp(z); exp overflows fp16 when z > 11."""
