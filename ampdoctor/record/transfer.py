@@ -117,8 +117,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     st.pending = Pending(parts, asynchronous, via_scaler, grads_scaled, m.host_slots, ("main", st.step & 1))
     st.advance(StepPhase.STAGED)
     st.half = (len(st.losses), len(st.out_ok))
-    if not asynchronous and not (m.w.scaler is not None and opt is not None and m.others_to_step(
-            set(m.scaler_stepped()))):
+    if not asynchronous and not (m.w.scaler is not None and opt is not None and (
+            len(m.known_optimizers) > 1 or not m.records) and m.others_to_step(set(m.scaler_stepped()))):
         resolve(m)  # (another optimizer still to step this iteration: read at finalize with what it adds, presync_more)
 
 
