@@ -178,13 +178,13 @@ def resolve(m) -> None:
     via_scaler, grads_scaled = pending.via_scaler, pending.grads_scaled
     host = pending.result()
     more, st.more, st.half = st.more, [], None
+    more_inf = []  # what the later optimizers' unscale_ found
     for p in more:  # the rest of the iteration (presync_more): its losses and outputs follow the step's own
         got = p.result()
         for k in ("loss", "out_ok"):
             if k in got:
                 host[k] = host.get(k, []) + got[k]
-        if "found_inf" in got:
-            host["found_inf"] = [sum(v for v in host.get("found_inf", [0.0]) + got["found_inf"])]
+        more_inf += got.get("found_inf", [])
     rows: dict[int, list[float]] = {}
     for key, vals in host.items():
         if key.startswith("vec:"):
@@ -201,6 +201,8 @@ def resolve(m) -> None:
     found_inf = host.get("found_inf", [None])[0]
     if via_scaler and not st.fused_amp:
         found_inf = 0.0  # GradScaler only calls a plain optimizer's step when no inf was found
+    if more_inf:
+        found_inf = (found_inf or 0.0) + sum(more_inf)
     div = scale if (grads_scaled and scale and st.grad_parts is None) else 1.0
     g_amax, g_l2 = host.get("g_amax", []), host.get("g_l2", [])
     if st.grad_by_norm:  # (presync) the total norm of a clip over every parameter, read before any gradient
