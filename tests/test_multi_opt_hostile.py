@@ -77,6 +77,7 @@ import torch.nn.functional as F
 import ampdoctor
 from probe_harness import Producer, WrongAnswer, at_top3, expect as _expect, finite
 from scenarios import alarms, gen, lines, no_error_at, one_thread
+from test_unseen_variants46 import fp32, mlp  # noqa: E402  (the same float32 re-run and MLP builder)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -188,23 +189,6 @@ def same_as_twin(r, twin):
     assert r["weights"].keys() == twin["weights"].keys()
     diff = [k for k in r["weights"] if not torch.equal(r["weights"][k], twin["weights"][k])]
     assert not diff, diff
-
-
-def fp32(build, sd, fn):
-    """The same forward in float32: a fresh container with the weights the fp16 forward ran with, no autocast."""
-    torch.manual_seed(0)
-    m, _ = build()
-    m.load_state_dict(sd)
-    m.float()
-    with torch.no_grad():
-        return fn(m)
-
-
-def mlp(*dims, act=nn.ReLU):
-    layers = []
-    for a, b in zip(dims, dims[1:]):
-        layers += [nn.Linear(a, b), act()]
-    return nn.Sequential(*layers[:-1])
 
 
 def lrelu():
