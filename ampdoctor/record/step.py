@@ -218,17 +218,14 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
 
     def held_by_others(self, opt) -> set:
         """The ids of the parameters that the model's other known optimizers hold and `opt` does not."""
-        mine = {id(q) for g in opt.param_groups for q in g["params"]}
-        return {id(q) for o in self._known_opts() if o is not opt for g in o.param_groups for q in g["params"]
-                if id(q) not in mine}
+        return _held(o for o in self._known_opts() if o is not opt) - _held([opt])
 
     def _untouched_in_use(self, stepped: set) -> bool:
         """Whether parameters that require grad, of modules this (sampled) step ran with gradients on, are held by
         none of the optimizers stepped so far (`stepped`: their opt numbers): a GAN container's other network,
         before its optimizer's first step (not an EMA copy, which no forward with gradients runs; not a second
         optimizer over the same parameters that the loop never steps)."""
-        held = {id(q) for o in self._known_opts() if self.opt_numbers.get(id(o)) in stepped
-                for g in o.param_groups for q in g["params"]}
+        held = _held(o for o in self._known_opts() if self.opt_numbers.get(id(o)) in stepped)
         ran = {c.module for c in self.st.calls if c.grad_enabled}
         return any(p.requires_grad and id(p) not in held and n.rpartition(".")[0] in ran for n, p in self.params)
 
@@ -336,3 +333,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         except Exception as e:
             self.fail(e)
 
+
+def _held(opts) -> set:
+    """The ids of the parameters the optimizers `opts` hold."""
+    return {id(q) for o in opts for g in o.param_groups for q in g["params"]}

@@ -44,20 +44,28 @@ def _by_updates(run: RunData, growth: float, n_upd: int, numel: int) -> bool:
     between two sampled steps was made outside the optimizer (the user's code, a checkpoint load) and is not an
     update spike (the overflow it causes is named where it happens)."""
     lr = _lr(run)
-    cls = str(run.meta.optimizer.get("class") or "")
-    if lr is None or "adam" not in cls.lower():
+    if lr is None or not _adam(run):
         return True
-    return growth <= n_upd * _ADAM_MAX_STEP * lr * math.sqrt(max(numel, 1))
+    return growth <= _adam_reach(lr, n_upd, numel)
+
+
+def _adam(run: RunData) -> bool:
+    return "adam" in str(run.meta.optimizer.get("class") or "").lower()
+
+
+def _adam_reach(lr: float, n_upd: int, numel: int) -> float:
+    """The largest L2 norm `n_upd` updates of an Adam-type optimizer at `lr` can add to a weight of `numel`
+    elements (each moves every element by at most _ADAM_MAX_STEP learning rates)."""
+    return n_upd * _ADAM_MAX_STEP * lr * math.sqrt(max(numel, 1))
 
 
 def _adam_bound(run: RunData, lr: float | None, n_upd: int, numel: int) -> float | None:
-    """The largest L2 norm `n_upd` updates of an Adam-type optimizer can give a weight that started at zero (each
-    moves every element by at most _ADAM_MAX_STEP learning rates), or None for other optimizers."""
-    cls = str(run.meta.optimizer.get("class") or "")
+    """The largest L2 norm `n_upd` updates of an Adam-type optimizer can give a weight that started at zero (at the
+    larger of the update's and the run's learning rate), or None for other optimizers."""
     lrs = [v for v in (lr, _lr(run)) if isinstance(v, (int, float)) and v > 0]
-    if not lrs or "adam" not in cls.lower():
+    if not lrs or not _adam(run):
         return None
-    return n_upd * _ADAM_MAX_STEP * max(lrs) * math.sqrt(max(numel, 1))
+    return _adam_reach(max(lrs), n_upd, numel)
 
 
 def _clipped(r: StepRecord) -> str:
@@ -222,7 +230,7 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
            "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
            "scaler.step(optimizer)\nscaler.update()")
     causes = []
-    adam = "adam" in str(run.meta.optimizer.get("class") or "").lower()
+    adam = _adam(run)
     if worst.get("bound"):  # a zero-born weight moved past what Adam's steps allow (_spikes)
         msg = (f"{when} moved the weights of `{worst['module'] or '(root)'}`, zero-initialised, to ‖w‖ "
                f"{worst['after']:.3g}: {worst['factor']:.3g}× further than an Adam-type optimizer's steps can "

@@ -301,33 +301,29 @@ def _vanished_state_eps(run: RunData) -> list[tuple]:
     narrow = {p.name for r in run.steps for p in r.params if p.state_dtype == "float16"}
     if not narrow:
         return []
-    out = []
-    for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
-        eps = g.get("eps")
-        if isinstance(eps, list):
-            eps = min((e for e in eps if isinstance(e, (int, float)) and e > 0), default=None)
-        low = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
-               and p[1] != "float16" and p[0] in narrow]
-        if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
-            continue
-        out.append((gi, eps, low, _broken_at(run, set(low))))
-    return out
+    return _eps_groups(run, lambda name, dtype: dtype != "float16" and name in narrow)
 
 
 def _vanished_eps(run: RunData) -> list[tuple]:
     """(group index, eps, its trained fp16 parameters, the step whose update the eps broke or None) per optimizer
     group whose eps rounds to 0 in fp16."""
-    out = []
     trained = _trained(run)
+    return _eps_groups(run, lambda name, dtype: dtype == "float16" and (name in trained or name == "?"))
+
+
+def _eps_groups(run: RunData, low) -> list[tuple]:
+    """(group index, eps, the group's parameters `low(name, dtype)` picks, the step whose update the eps broke or
+    None) per optimizer group whose eps rounds to 0 in fp16 and that holds such parameters."""
+    out = []
     for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
         eps = g.get("eps")
         if isinstance(eps, list):  # a pair (Adafactor): the smallest one given
             eps = min((e for e in eps if isinstance(e, (int, float)) and e > 0), default=None)
-        low = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
-               and p[1] == "float16" and (p[0] in trained or p[0] == "?")]
-        if not isinstance(eps, (int, float)) or not low or eps >= _FP16_TINY / 2:
+        names = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
+                 and low(p[0], p[1])]
+        if not isinstance(eps, (int, float)) or not names or eps >= _FP16_TINY / 2:
             continue
-        out.append((gi, eps, low, _broken_at(run, set(low))))
+        out.append((gi, eps, names, _broken_at(run, set(names))))
     return out
 
 
