@@ -246,8 +246,17 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
         # (a loss the scale itself made non-finite is the search too: scaled_loss_steps). The length that counts
         # is the search's: a forward that stays broken for the rest of the run makes the streak long, not the search
         k = next((i for i, r in enumerate(s) if r.forward_bad and r.step not in scaled_loss or r.exception), len(s))
-        ended_by_failure = k < len(s)
-        s = s[:k]
+        nxt = by_step.get(s[-1].step + 1)
+        if k < len(s) and s[-1].step not in failed and nxt is not None and not nxt.skipped \
+                and nxt.grad_finite is not False:
+            # ... unless the streak went on past its failures and ended in an applied update: a failed forward
+            # splits the search without changing it (a skip updates no weight; the scale only halved once more),
+            # so the skips around it are still the search, judged as one
+            s = [r for r in s if r.step not in failed]
+            ended_by_failure = False
+        else:
+            ended_by_failure = k < len(s)
+            s = s[:k]
         if len(s) >= max_streak and not first_search:
             continue
         if not s or any(r.scale is not None and r.scale < min_scale for r in s):
