@@ -283,7 +283,11 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
                     closed = True
                     continue
                 try:
-                    steps.append(StepRecord.from_dict(d))
+                    rec = StepRecord.from_dict(d)
+                    if steps and steps[-1].step == rec.step:  # a step written again whole (record/storage.folded)
+                        steps[-1] = rec
+                    else:
+                        steps.append(rec)
                 except (TypeError, ValueError, AttributeError, KeyError) as e:
                     raise BadInput(f"{sp}:{lineno}: malformed step record ({e.__class__.__name__}: {e})") from None
         except OSError as e:

@@ -34,9 +34,10 @@ Result when written (torch 2.13 CPU): 8 pass, 3 strict xfail (WrongAnswer):
  - 3: the plain CLI on the live run names no module: "nan_origin, step 12: ... a step without per-layer
    statistics; replay its capture ..." (nan_origin@None) -- the saved replay is written only at close(); 3b with
    --model names `hid` (arguably documented; the brief asks for the plain CLI to name it).
- - 4 and 9: an in-process w.report() inside the failing step 12 changes the FINAL report's skipped_steps: after
-   backward it becomes `[info] skipped_steps step 13` (the error at step 12 is lost), after forward `[error]
-   skipped_steps step 13`; without the mid-run report: `[error] skipped_steps step 12`. Training is unchanged.
+ - 4 and 9 (wrong when written, fixed since: record/storage.folded): an in-process w.report() inside the failing
+   step 12 changed the FINAL report's skipped_steps: after backward it became `[info] skipped_steps step 13` (the
+   error at step 12 lost), after forward `[error] skipped_steps step 13`, and every later step was numbered one
+   higher; without the mid-run report: `[error] skipped_steps step 12`. Training was unchanged.
 
 Each case checks, besides the report: a live run is never reported as crashed/killed, a healthy live run has no
 warning or error, nothing returns exit 2; training (losses, weights) is bitwise identical to an unwatched twin; the
@@ -467,10 +468,6 @@ def test_overflow_cli_with_model_at_step_14_while_running_and_after_end(live, tm
     _overflow_cli_at_14(live, tmp_path, model=True)
 
 
-@wrong("a w.report() at step 12 between backward and the optimizer step makes the FINAL report lose "
-       "`[error] skipped_steps step 12`: final top3 [error overflow@hid step 12, info skipped_steps@None step 13], "
-       "exit 1; the same run without the mid-run report: [error overflow@hid step 12, error skipped_steps@None "
-       "step 12] (training itself bitwise unchanged; diagnose(run_dir) at that point changes nothing)")
 def test_in_process_report_at_the_failing_step_between_backward_and_optimizer_step(live, tmp_path):
     at = {(BAD, "bwd")}
     t, t2, mids, final, disk_final, nomid = in_process(live, tmp_path, STEPS_FAIL, BAD, at, None)
@@ -580,9 +577,6 @@ def _watched_final(mod, steps, bad_step, rd):
     return keys(w.report())
 
 
-@wrong("a w.report() at step 12 after its (inf) forward, before backward, moves the FINAL report's skip to the "
-       "wrong step: final top3 [error overflow@hid step 12, error skipped_steps@None step 13], exit 1; the same run "
-       "without it: [.., error skipped_steps@None step 12] (the scaler skipped step 12 only; training unchanged)")
 def test_in_process_report_at_the_failing_step_after_forward_before_backward(live, tmp_path):
     at = {(BAD, "fwd")}
     t, t2, mids, final, disk_final, nomid = in_process(live, tmp_path, STEPS_FAIL, BAD, at, None)

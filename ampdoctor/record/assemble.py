@@ -14,7 +14,7 @@ from .producers import backward_producer, forward_producer
 from .series import from_calls
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
 from .stats import combine, integer_input, vector_to_stats
-from .storage import store
+from .storage import folded, store
 from .transfer import presync, resolve
 
 __all__ = ["finalize", "unpropagated"]
@@ -169,6 +169,10 @@ def finalize(m) -> None:
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True
+    # the rest of a step a mid-run report finished: one record of the whole step (storage.folded)
+    replaces = st.folds and len(m.records) > 0 and m.records[-1].step == rec.step
+    if replaces:
+        rec = folded(m.records[-1], rec)
     for sink in m.sinks:  # sinks see the full record; storage keeps a slim one for routine steps
         try:
             sink.on_step(m.w.meta, rec)
@@ -177,4 +181,4 @@ def finalize(m) -> None:
             warnings.warn(f"ampdoctor: a reporter failed on step {rec.step} ({e}); it is switched off",
                           RuntimeWarning, stacklevel=2)
             m.sinks = [x for x in m.sinks if x is not sink]
-    store(m, rec)
+    store(m, rec, replace=replaces)

@@ -264,8 +264,13 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
                 # raised (a scaler error the loop caught): a report taken inside it leaves it to the iteration; at
                 # the end it is no step (a loop that stopped after the backward)
                 return
+            # a report inside an iteration whose forward already went non-finite (a NaN guard printing it): the
+            # step is recorded as it is now, and the rest of the iteration (its backward, the scaler's skip) is
+            # recorded under the same step number and folded into that record when it ends, as if no report came
+            folds = mid_run and st.phase is StepPhase.OPEN and not self.w.closed
             self.finalize()
-            self.st = self._new_step(st.step + 1)
+            self.st = self._new_step(st.step if folds else st.step + 1)
+            self.st.folds = folds
             if not self.w.closed:
                 step_ended(self, st)
                 self.sync_module_hooks()

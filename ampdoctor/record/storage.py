@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from ..records import StepRecord
 
-__all__ = ["store", "StepStore", "keeps_detail", "MEMORY_STEPS", "MEMORY_OBJECTS", "FULL_DETAIL_STEPS",
+__all__ = ["store", "folded", "StepStore", "keeps_detail", "MEMORY_STEPS", "MEMORY_OBJECTS", "FULL_DETAIL_STEPS",
            "FOLLOWUP_STEPS"]
 
 MEMORY_STEPS = 256          # newest records held in memory; older ones live in the spill file
@@ -127,6 +127,14 @@ class StepStore(Sequence):
 
     append = add
 
+    def drop_last(self) -> None:
+        """Forget the newest record (held in memory: a record is spilled only once newer ones came), for `store`'s
+        replace."""
+        if not self._hot:
+            return
+        self._held -= self._weights.pop()
+        del self._hot[-1], self._slim[-1], self._lines[-1]
+
     def _spill_oldest(self, n: int) -> None:
         if self._spill is None:
             self._spill = tempfile.TemporaryFile(prefix="ampdoctor-steps-")
@@ -201,8 +209,38 @@ def _unpack(f) -> dict:
     return json.loads(head + f.readline())
 
 
-def store(m, rec: StepRecord) -> None:
-    """Store a finished step of machine `m`: into `m.records` (a StepStore) and its run-directory writer."""
+def store(m, rec: StepRecord, replace: bool = False) -> None:
+    """Store a finished step of machine `m`: into `m.records` (a StepStore) and its run-directory writer.
+    `replace`: `rec` is the newest record's step again, whole (`folded`): it takes that record's place, and the run
+    directory gets a second line for the step, which rundir.read_run reads over the first."""
     if not isinstance(m.records, StepStore):   # a machine that started with a plain list
         m.records = StepStore(m.records)
+    if replace:
+        m.records.drop_last()
     m.records.add(rec, m.writer)
+
+
+_LATER = ("scale", "next_scale", "found_inf", "grad_finite", "grad_norm", "backward_producer")
+
+
+def folded(first: StepRecord, rest: StepRecord) -> StepRecord:
+    """One record of a step recorded in two parts: `first` as a mid-run report found it (its forward went
+    non-finite before its optimizer step) and `rest`, the remainder of its iteration (backward, the scaler's step
+    and update). The end of the step (scale, found_inf, gradients, the backward's producer) is the rest's where it
+    has one; the calls, module statistics and micro-batches add up; anything else is the first part's, else the
+    rest's."""
+    out = {}
+    for f in dataclasses.fields(StepRecord):
+        a, b = getattr(first, f.name), getattr(rest, f.name)
+        if f.name in ("events", "modules"):
+            out[f.name] = list(a) + list(b)
+        elif f.name == "micro_batches":
+            out[f.name] = a + b
+        elif f.name in ("skipped", "sampled"):
+            out[f.name] = a or b
+        elif f.name in _LATER:
+            out[f.name] = b if b is not None else a
+        else:
+            out[f.name] = a if a is not None and a != [] and a != {} else b
+    out["step"] = first.step
+    return StepRecord(**out)
