@@ -239,7 +239,8 @@ def build_findings(*, events: list[OpEvent], consts: list[dict], step_bad: bool,
     for i, e in enumerate(origins):
         rule = e.kind
         if rule == "overflow" and e.op.split("::")[-1] in _MASK_CAPABLE and is_mask_like(e.absmax_in) and (
-                e.op.split("::")[-1] != "mul" or getattr(e, "mask_operand", True)) and not e.in_param:
+                e.op.split("::")[-1] != "mul" or getattr(e, "mask_operand", True)) and not e.in_param \
+                and not getattr(e, "lone_extreme", False):
             rule = "mask_value_overflow"
         msg, fx = _op_text(e, device, softmax_inputs, sdpa_used)
         if e.grad_off and e.kind == "overflow" and any(d in ("float16", "bfloat16") for d in e.in_dtypes or ()):

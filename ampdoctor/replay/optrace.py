@@ -115,6 +115,9 @@ class OpEvent:
     """an input is one of the model's trainable weights (a leaf that requires grad): no mask constant"""
     mask_operand: bool = False
     """mul: every tensor operand holds only 0s and 1s (a 0/1 mask times a constant, not an activation)"""
+    lone_extreme: bool = False
+    """overflow: the inputs' abs-max, a round number (1e5), is held by one value among other nonzero values (a data
+    outlier, e.g. a sensor glitch cast to fp16), not by the many positions, or the 0/constant tensor, of a fill"""
     grad_off: bool = False
     """a forward op that ran with autograd off: inside a custom torch.autograd.Function's forward (or no_grad)"""
     absorbed: bool = False
@@ -123,6 +126,16 @@ class OpEvent:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _lone(ins: list, absmax: float) -> bool:
+    """One value among the inputs has magnitude `absmax`, in a tensor that holds other nonzero values."""
+    with torch.no_grad():
+        hits = [int((t.detach().abs() == absmax).sum()) for t in ins]
+        if sum(hits) != 1:
+            return False
+        t = ins[hits.index(1)].detach()
+        return int((t != 0).sum()) > 1
 
 
 def _floats(tree) -> list[torch.Tensor]:
@@ -391,4 +404,5 @@ class OpTracer:
             in_param=any(t.is_leaf and t.requires_grad for t in ins),
             mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None
             and constants.mask_operand(args, kwargs or {}),
+            lone_extreme=kind == "overflow" and constants.is_mask_like(absmax) and _lone(ins, absmax),
             grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
