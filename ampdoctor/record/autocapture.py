@@ -79,6 +79,10 @@ class CapturePolicy:
         it is the first of that kind (a capture is due), else None."""
         if (bad_fwd or bad_bwd) and not sampled:
             self.followup = max(self.followup, self.cfg.bad_step_followup)
+        elif scale is not None and self.prev_scale is not None and scale * 2 < self.prev_scale and not sampled:
+            # the loss scale fell more than one backoff in one step (set by the loop: `scaler.update(new_scale)`,
+            # a scaler state loaded): the next step is sampled, so its gradients are seen at the new scale
+            self.followup = max(self.followup, 1)
         clean, self.clean = self.clean, 0 if (bad_fwd or bad_bwd) else self.clean + 1
         worked = self.worked
         if not (bad_fwd or bad_bwd) and scale is not None:

@@ -122,7 +122,8 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out: list[Finding] = []
     done: set[tuple[str, str]] = set()
     scales = [r.scale for r in run.steps if r.scale is not None]
-    pinned = bool(scales) and max(scales) <= _PINNED_LOW
+    # (a scale set low after the first step, `scaler.update(new_scale=1.0)` each iteration, is pinned as well)
+    pinned = bool(scales) and (max(scales) <= _PINNED_LOW or len(scales) >= 4 and max(scales[1:]) <= _PINNED_LOW)
     fallen = _fallen_onsets(run.steps) if run.has_scaler and not pinned else {}
     collapsed = _collapsed(run)
     for r in run.steps:
