@@ -70,7 +70,8 @@ class Finding:
 
     def one_line(self) -> str:
         where = "(run)" if self.module is None else self.module or "(root)"
-        op = f" {self.op}" if self.op else ""
+        call = self.op or self.evidence.get("api")  # (an ATen op, else the API call a call-order rule names)
+        op = f" {call}" if call else ""
         step = f" step {self.step}" if self.step is not None else ""
         return f"[{self.severity}] {self.rule} at {where}{op}{step}: {self.message}"
 

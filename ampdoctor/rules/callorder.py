@@ -34,8 +34,9 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
             return
         r = steps.get(e.step)
         seq = _seq(r.events) if r else []
-        out.append(Finding(rule, "error", "scaler", None, f"GradScaler.{e.kind}" if "." not in e.kind else e.kind,
-                           e.step, msg, fix, dict({"file": e.file, "line": e.line, "sequence": seq,
+        out.append(Finding(rule, "error", "scaler", None, None, e.step, msg, fix, dict({
+                           "api": f"GradScaler.{e.kind}" if "." not in e.kind else e.kind,
+                           "file": e.file, "line": e.line, "sequence": seq,
                                                    "error": e.error, "rank_hint": 4}, **(extra or {}))))
 
     enabled = (run.meta.scaler or {}).get("enabled", True) is not False

@@ -39,14 +39,14 @@ def _unapplied(run: RunData) -> list[Finding]:
     r, ev, d, a = off[0]
     bw = next((e for e in r.events if e.kind == "engine.backward"), ev)
     return [Finding(
-        "scaler_misorder", "error", "scaler", None, "engine.backward", r.step,
+        "scaler_misorder", "error", "scaler", None, None, r.step,
         f"DeepSpeed's optimizer divides the gradients by its loss scale ({d:g}) but the backward multiplied them by "
         f"{a:g}: the loss was never scaled ({_where(run)}). Every update is {d / a:g}x too small, gradient clipping "
         "and Adam's eps see the wrong magnitude, and fp16 gradients get no protection from underflow.",
         "Use a path whose backward applies the scale: ZeRO stage 1 (`\"zero_optimization\": {\"stage\": 1}`, also on "
         "one GPU), or bf16 (`\"bf16\": {\"enabled\": true}`, no loss scale at all), or a DeepSpeed release with the "
         "fix for stage 0 (deepspeedai/DeepSpeed#8393).",
-        {"ds_scale": d, "applied_scale": a, "steps": len(off), "of_steps": len(pairs), "file": bw.file,
+        {"api": "engine.backward", "ds_scale": d, "applied_scale": a, "steps": len(off), "of_steps": len(pairs), "file": bw.file,
          "line": bw.line, "deepspeed": run.meta.env.get("deepspeed"), "rank_hint": 5})]
 
 
@@ -96,12 +96,12 @@ def _floor(run: RunData, cfg: RuleConfig) -> list[Finding]:
         return []  # scale_timeline reports the collapse, with its cause
     r, e = hit
     mn = run.meta.scaler.get("min_scale")
-    return [Finding("loss_scale_collapse", "error", "scaler", None, "engine.step", r.step,
+    return [Finding("loss_scale_collapse", "error", "scaler", None, None, r.step,
                     f"DeepSpeed's loss scale fell to min_loss_scale ({mn}) and the engine stopped the run at "
                     f"{e.file}:{e.line} (\"{_AT_MIN}\"): the gradients are inf/NaN at any scale.",
                     "Find the inf/NaN's producer (the findings above, or `ampdoctor replay` of the capture); a lower "
                     "min_loss_scale would only hide it.",
-                    {"min_loss_scale": mn, "error": e.error, "file": e.file, "line": e.line, "rank_hint": 60})]
+                    {"api": "engine.step", "min_loss_scale": mn, "error": e.error, "file": e.file, "line": e.line, "rank_hint": 60})]
 
 
 def _config(run: RunData) -> list[Finding]:

@@ -117,13 +117,13 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
         how = (f"`scaler.update({upd.new_scale:g})` at {_loc(upd)} sets the scale itself every iteration"
                if upd is not None else "the scaler's backoff_factor leaves it where it is")
         out.append(Finding(
-            "skipped_steps", "error", "scaler", None, "GradScaler.update", first,
+            "skipped_steps", "error", "scaler", None, None, first,
             f"GradScaler skipped {len(skipped)} of {len(steps)} steps ({n} in a row from step {first}) and the loss "
             f"scale stayed at {scale:g} through them: {how}, so the scale never backs off to one whose gradients "
             "are finite, and every one of these steps is thrown away.",
             "Let the scaler adapt: call `scaler.update()` without an argument (and keep backoff_factor < 1); to "
             "start lower, pass `init_scale=` when creating the GradScaler.",
-            dict(ev, pinned_scale=scale, rank_hint=55,
+            dict(ev, api="GradScaler.update", pinned_scale=scale, rank_hint=55,
                  **({"file": upd.file, "line": upd.line} if upd is not None else {}))))
         return out
     collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
@@ -254,11 +254,10 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
     msg = (f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}){then} — "
            f"{'the scaled norm was clipped, so the real update is shrunk by ~the scale factor' if clipping else 'the norm it read is scale× too large'}"
            f" (seen on {len(hits)} step(s)).")
-    ev = {"file": e.file, "line": e.line, "stage": e.stage, "loss_scale": r.scale, "norm_seen": norm,
+    ev = {"api": f"torch.nn.utils.{e.kind}", "file": e.file, "line": e.line, "stage": e.stage, "loss_scale": r.scale, "norm_seen": norm,
           "norm_unscaled_estimate": norm / r.scale if norm and r.scale else None, "calls": len(hits),
           "sequence": _seq(r.events), "rank_hint": 3}
-    return [Finding("clip_before_unscale", "error" if clipping else "warning", "optimizer", None,
-                    f"torch.nn.utils.{e.kind}", r.step, msg,
+    return [Finding("clip_before_unscale", "error" if clipping else "warning", "optimizer", None, None, r.step, msg,
                     "Call `scaler.unscale_(optimizer)` before clipping:\n" + ORDER, ev)]
 
 

@@ -85,8 +85,8 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
             names = [n for n in e.extra["fp16_params"] if n != "?"]
             module = _common_module(names) if names else None
             ev.update(params=names, n_params=len(names))
-        ev.update({"file": e.file, "line": e.line, "error": e.error})
-        return [Finding("fp16_master_weights", "error", "optimizer", module, "GradScaler.unscale_", r.step,
+        ev.update({"api": "GradScaler.unscale_", "file": e.file, "line": e.line, "error": e.error})
+        return [Finding("fp16_master_weights", "error", "optimizer", module, None, r.step,
                         f"GradScaler refused to unscale fp16 gradients at {e.file}:{e.line}: the optimizer holds "
                         f"fp16 parameters ({', '.join(names[:3])}{'…' if len(names) > 3 else ''}), so there is no "
                         "fp32 master copy.", fix, ev)]
@@ -275,23 +275,24 @@ def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out = []
     for gi, eps, low, broke in _vanished_eps(run):
         out.append(Finding(
-            "eps_underflow", "error", "optimizer", _common_module(_went_bad(run, low) or low), "optimizer.step", broke,
+            "eps_underflow", "error", "optimizer", _common_module(_went_bad(run, low) or low), None, broke,
             f"{run.meta.optimizer.get('class')} uses eps={eps:g} on fp16 parameters: it rounds to 0 in fp16, so "
             "the update divides by sqrt(v) + 0 and any parameter with v == 0 gets inf/NaN.",
             "Keep fp32 master weights (parameters in fp32 + autocast), or use an eps that exists in fp16 "
             "(>= 1e-4 for fp16 optimizer state, e.g. `torch.optim.Adam(params, eps=1e-4)`).",
-            {"eps": eps, "group": gi, "params": low[:20], "rank_hint": 6}))
+            {"api": "optimizer.step", "eps": eps, "group": gi, "params": low[:20], "rank_hint": 6}))
     for gi, eps, low, broke in _vanished_state_eps(run):
         out.append(Finding(
             "eps_underflow", "error" if broke is not None else "warning", "optimizer",
-            _common_module(_went_bad(run, low) or low), "optimizer.step", broke,
+            _common_module(_went_bad(run, low) or low), None, broke,
             f"{run.meta.optimizer.get('class')} keeps its optimizer state in fp16 for {len(low)} parameter(s) that "
             f"are not fp16 themselves, with eps={eps:g}, below fp16's smallest value: where g² underflows in that "
             "state (v == 0 while the gradient is not 0), the update divides by ~0 (inf/NaN, or a step of lr·m/eps)"
             + (f"; the update at step {broke} went non-finite or blew up." if broke is not None else "."),
             "Keep the optimizer's moments in float32 (torch.optim.AdamW keeps them in the parameters' dtype), or in "
             "bfloat16, whose range holds g²; with fp16 state, use eps >= 1e-4.",
-            {"eps": eps, "group": gi, "params": low[:20], "state_dtype": "float16", "rank_hint": 6}))
+            {"api": "optimizer.step", "eps": eps, "group": gi, "params": low[:20], "state_dtype": "float16",
+             "rank_hint": 6}))
     return out
 
 
