@@ -36,7 +36,8 @@ ampdoctor got wrong (strict xfails; expected vs what happened):
       optimizer ends a step of G's watch too (19 records for 10 iterations; 20 with the scaler given), and G's records
       are marked skipped when only D's found_inf made the scale back off. (Step count fixed since: a scaler.step on
       another model's optimizer does not end the watched step; the skipped flags remain.)
- -  8 GAN, both watched, one shared adopted scaler, D's watch closed first: G's instance patches are deleted and D's
+ -  8 (fixed since: stacked instance patches unlink themselves in any order, record/monitor.py; and one step per
+      iteration) GAN, both watched, one shared adopted scaler, D's watch closed first: G's instance patches are deleted and D's
       put back, so after both close the scaler still carries a closed watch's wrappers, which keeps recording
       (closing G first leaves nothing). Each watch also counts the other's scaler.step: 15 and 16 records for 8.
  - 10 subclass overriding unscale_/step via super(): adoption inside super() re-enters the instance patch that wraps
@@ -298,11 +299,6 @@ def test_gan_two_optimizers_one_scaler_only_generator_watched():
     _assert_restored(t)
 
 
-@pytest.mark.xfail(strict=True, reason="two watches adopting one shared scaler stack their instance patches; "
-                   "closing D's watch first deletes G's (outer) patches and closing G's puts D's back: after both "
-                   "close, scale/unscale_/step/update are still instance wrappers of D's closed watch, which goes on "
-                   "recording (6 -> 11 records over 3 more iterations; closing G first leaves nothing). Also each "
-                   "watch counts the other model's scaler.step as a step: 15 and 16 records for 8 iterations")
 def test_gan_both_models_watched_share_one_adopted_scaler():
     G0, D0, oG0, oD0 = _gan()
     t0 = Trace()

@@ -87,20 +87,38 @@ def scaler_stage(scaler, optimizer) -> str | None:
 
 
 class _InstancePatch:
-    """Replace methods on one object by wrappers; `remove()` restores exactly what was there."""
+    """Replace methods on one object by wrappers; `remove()` restores exactly what was there. Two watches may wrap
+    the same object (an encoder's and a decoder's watch given one optimizer and one scaler): closed in any order,
+    each takes itself out of the chain and the object ends with its own methods."""
+
+    _live: dict = {}  # id(obj) -> the patches on it not yet removed, oldest first
 
     def __init__(self, obj: Any):
         self.obj = obj
-        self._saved: list[tuple[str, bool, Any]] = []
+        self._saved: list[list] = []  # [name, had, old, our wrapper, what it calls]
 
     def wrap(self, name: str, make: Callable[[Callable], Callable]) -> None:
         had = name in vars(self.obj)
         orig = getattr(self.obj, name)
-        self._saved.append((name, had, vars(self.obj).get(name)))
-        setattr(self.obj, name, make(orig))
+        fn = make(orig)
+        self._saved.append([name, had, vars(self.obj).get(name), fn, orig])
+        setattr(self.obj, name, fn)
+        live = _InstancePatch._live.setdefault(id(self.obj), [])
+        if self not in live:
+            live.append(self)
 
     def remove(self) -> None:
-        for name, had, old in reversed(self._saved):
+        live = _InstancePatch._live.get(id(self.obj), [])
+        others = [p for p in live if p is not self]
+        for name, had, old, fn, orig in reversed(self._saved):
+            if vars(self.obj).get(name) is not fn:
+                # another patch wrapped this one since: its wrapper now calls what this one called, and it will put
+                # back what this one found
+                above = next((e for p in others for e in p._saved if e[0] == name and e[2] is fn), None)
+                if above is not None:
+                    above[1], above[2] = had, old
+                    _relink(above[3], fn, orig)
+                continue
             if had:
                 setattr(self.obj, name, old)
             else:
@@ -109,6 +127,19 @@ class _InstancePatch:
                 except AttributeError:
                     pass
         self._saved.clear()
+        if others:
+            _InstancePatch._live[id(self.obj)] = others
+        else:
+            _InstancePatch._live.pop(id(self.obj), None)
+
+
+def _relink(wrapper, old, new) -> None:
+    """Make `wrapper` (a closure made by a patch's `make`) call `new` where it called `old`."""
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        if cell.cell_contents is old:
+            cell.cell_contents = new
+    if getattr(wrapper, "__wrapped__", None) is old:
+        wrapper.__wrapped__ = new
 
 
 class ScalerPatch(_InstancePatch):
