@@ -32,7 +32,7 @@ among its first three findings at that step, and the other watches blame none of
     watched ... close that one first" (a refusal only in the code's message, not in README/CONTRACT); epoch 0's
     watch records all 15 iterations and must name overflow@4 step 12.
               XFAIL wrong: "overflow@(run) step 12: the loss became inf outside the watched model while the model's
-              outputs were finite"; truth: its layer 4 overflowed at 12 (the model's output was inf)
+              outputs were finite"; truth: its layer 4 overflowed at 12 (the model's output was inf). PASS since
 10. overlapping: watch(model) and watch(model.decoder) open together (the docs say nothing), decoder.4 overflows at
     8 -> no crash, 11 records (no double counting), outer watch overflow@decoder.4 step 8, the inner watch no error
     at a module that only passed the inf on; bitwise; nothing left patched (inner closed first).         PASS
@@ -41,7 +41,9 @@ among its first three findings at that step, and the other watches blame none of
 12. two models/scalers/watches; A's watch closed after iteration 4, B.4 overflows at 8 -> A 5 records, quiet; B
     11 records and overflow@4 step 8; nothing left patched.                                               PASS
 
-Result when written (torch 2.13 CPU): 12 cases, 8 pass, 4 strict xfails (wrong answers, above); 10 pass since. Known and documented
+Result when written (torch 2.13 CPU): 12 cases, 8 pass, 4 strict xfails (wrong answers, above); 11 pass since
+(4-5: stacked instance patches; 9: the forward hook took the WatchError the loop's `except` block was handling for
+the forward's own exception, record/modulehooks.py). Known and documented
 beside these (README): one scaler shared by two watches mixes their skips. The instance-patch stacking of 4/5 is
 the same defect tests/test_scaler_found.py case 8 shows for an ADOPTED shared scaler; here it happens with the
 optimizer and scaler GIVEN to both watches, and closing the first-opened watch first.
@@ -591,8 +593,6 @@ def test_per_epoch_watch_closed_each_epoch(tmp_path):
     named(r.kept[-1], ("overflow",), "4", (EP_FAULT[1], r.g_fault), clean=("", "0", "2"), name="epoch 2")
 
 
-@wrong("epoch 0's still-open watch says overflow@(run) step 12 'the loss became inf outside the watched model while "
-       "the model's outputs were finite'; truth: its layer `4` overflowed at iteration 12 (the output was inf)")
 def test_per_epoch_watch_left_open_and_kept_by_the_caller(tmp_path):
     r = per_epoch(tmp_path, close=False)
     real(r, "m", "4", r.g_fault, skips=("s",))

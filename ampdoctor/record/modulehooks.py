@@ -133,7 +133,10 @@ class ModuleHookCallbacks:
     def _forward_post(self, module, output):
         st = self.st
         c = st.stack.pop() if st.stack else None
-        exc = sys.exc_info()[1]
+        # the forward raised: torch runs this (always_call) hook from its exception handler, with no output. With
+        # an output, an exception in sys.exc_info() is one the caller is handling (a training loop that goes on
+        # inside an `except` block), not this forward's
+        exc = sys.exc_info()[1] if output is None else None
         if exc is not None and st.exception is None:
             st.exception = self.exception_info(exc, self.w._names.get(id(module), "?"))
         top = not st.stack and (module is self.root or id(module) in self.entries)
