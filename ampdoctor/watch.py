@@ -7,6 +7,7 @@ come from the optimizer / GradScaler themselves; the user's loop needs no extra 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 
 import torch
@@ -145,6 +146,11 @@ class Watch:
         if self._closed:
             return
         self._closed = True
+        st = self.machine.st
+        if st.exception is not None and not st.exception.get("fatal") and sys.exc_info()[1] is None:
+            # the script went on to close the watch with no exception on its way: the one the last step's forward
+            # raised, the loop caught (a bad batch skipped on the last iteration); the run did not crash on it
+            st.exception["caught"] = True
         try:
             self.machine.finish()
         finally:

@@ -27,7 +27,8 @@ class CapturePolicy:
 
     GradScaler's normal search for a loss scale is not worth a capture: skipped steps with a finite forward
     before the first applied update (a streak shorter than records.BACKOFF_MAX_STREAK), or a single skip right
-    after the scale grew (the scaler probing upwards). What is: a forward failure (`forward`); a skip after the
+    after the scale grew (the scaler probing upwards). What is: a forward failure (`forward`; one that only raised, with nothing non-finite seen, is `raised`: a loop
+    that catches a bad batch's error and goes on keeps the `forward` capture for a later failure); a skip after the
     scale had settled (`backward`); skips that persist (`persistent`). One capture of each kind, within
     `WatchConfig.max_captures`, and one more of a `backward` skip that comes again after RECUR_CLEAN clean steps at
     a scale an update already used (no scale explains it: a NaN at any loss scale, an empty tile, a zero-length
@@ -74,7 +75,8 @@ class CapturePolicy:
             return None  # the scale had just grown: the scaler probing
         return "persistent" if self.skip_streak >= 3 else "backward"
 
-    def observe(self, bad_fwd: bool, bad_bwd: bool, scale, *, sampled: bool, scaler: bool) -> str | None:
+    def observe(self, bad_fwd: bool, bad_bwd: bool, scale, *, sampled: bool, scaler: bool,
+                raised_only: bool = False) -> str | None:
         """One resolved step: schedule the follow-ups of a bad step that was not sampled, and return its kind when
         it is the first of that kind (a capture is due), else None."""
         if (bad_fwd or bad_bwd) and not sampled:
@@ -88,6 +90,8 @@ class CapturePolicy:
         if not (bad_fwd or bad_bwd) and scale is not None:
             self.worked = scale if self.worked is None else max(self.worked, scale)
         k = self.kind(bad_fwd, bad_bwd, scale, scaler)
+        if k == "forward" and raised_only:
+            k = "raised"  # (the forward raised, nothing non-finite: a kind of its own, see transfer.resolve)
         if k == "backward" and k in self.kinds and clean >= RECUR_CLEAN and scale is not None \
                 and worked is not None and scale <= worked and not self.recurred \
                 and self.captures < self.cfg.max_captures - 1:

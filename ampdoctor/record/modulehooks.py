@@ -51,6 +51,7 @@ class ModuleHookCallbacks:
                 self.int_watch.remove()
             self.begin()
             st = self.st
+            self.exc_at_top = st.exception  # (an exception a submodule raises and the model catches: _forward_post)
             if torch.is_grad_enabled():
                 st.micro += 1
                 if st.micro == 1:
@@ -140,6 +141,10 @@ class ModuleHookCallbacks:
         if exc is not None and st.exception is None:
             st.exception = self.exception_info(exc, self.w._names.get(id(module), "?"))
         top = not st.stack and (module is self.root or id(module) in self.entries)
+        if top and exc is None and st.exception is not self.exc_at_top:
+            # the forward returned: what a submodule raised inside it, the model caught itself (a fused kernel's
+            # fallback); it did not stop the step
+            st.exception = self.exc_at_top
         if top and st.in_versions is not None:
             vers, st.in_versions = st.in_versions, None
             if input_writes(vers):

@@ -72,6 +72,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         # found on probed steps, snapshotted with each batch from then on
         self.state_keys: list = []
         self.state_probe = None
+        self.exc_at_top = None  # the open step's exception when the top-level forward began (modulehooks.py)
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}

@@ -123,8 +123,8 @@ def unfinished(meta, steps: list[StepRecord], running: bool | None) -> dict | No
 
 
 def crash(steps: list[StepRecord]) -> dict | None:
-    """The exception that ended the run: the last recorded step carries one."""
-    if not steps or not steps[-1].exception:
+    """The exception that ended the run: the last recorded step carries one that the script did not catch."""
+    if not steps or not steps[-1].exception or steps[-1].exception.get("caught"):
         return None
     e = steps[-1].exception
     return {"step": steps[-1].step, "type": e.get("type"), "message": e.get("message"), "module": e.get("module"),
