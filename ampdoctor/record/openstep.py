@@ -143,7 +143,7 @@ class _Step:
     micro_stepped: int | None = None  # `micro` at the step's first unscale_/step
     scaled_node: object = None  # the last scale()'s output node: a scale() of it scales the loss twice (monitorsink)
     folds: bool = False  # the rest of a step that a mid-run report finished (StepMachine.finish_open_step): its
-    #                      record is folded into that step's (storage.fold)
+    #                      record is folded into that step's (storage.folded)
     _phase: StepPhase = field(default=StepPhase.OPEN, init=False, repr=False)
 
     @property
