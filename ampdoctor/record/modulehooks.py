@@ -138,9 +138,14 @@ class ModuleHookCallbacks:
         # an output, an exception in sys.exc_info() is one the caller is handling (a training loop that goes on
         # inside an `except` block), not this forward's
         exc = sys.exc_info()[1] if output is None else None
-        if exc is not None and st.exception is None:
+        if exc is not None and (st.exception is None
+                                or st.exception is not self.exc_at_top and exc is not self.exc_obj):
+            # (the first module it passes through names it; one caught inside this forward gives way to it)
             st.exception = self.exception_info(exc, self.w._names.get(id(module), "?"))
+            self.exc_obj = exc  # (held until the top-level forward ends: its traceback holds the frames)
         top = not st.stack and (module is self.root or id(module) in self.entries)
+        if top:
+            self.exc_obj = None
         if top and exc is None and st.exception is not self.exc_at_top:
             # the forward returned: what a submodule raised inside it, the model caught itself (a fused kernel's
             # fallback); it did not stop the step

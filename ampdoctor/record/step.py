@@ -73,6 +73,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.state_keys: list = []
         self.state_probe = None
         self.exc_at_top = None  # the open step's exception when the top-level forward began (modulehooks.py)
+        self.exc_obj = None     # the exception recorded last inside the running top-level forward (modulehooks.py)
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order
         mods = [m for _, m in watch.model.named_modules()]
         self.slot_of = {id(m): i for i, m in enumerate(mods)}
