@@ -65,8 +65,9 @@ Result when written (torch 2.13 CPU, default watch): 10 passed, 2 strict xfail (
  8 WRONG (xfail): `[info] overflow at energy step 4` "the loss-scaled backward overflowed ... while the loss scale
    was high; GradScaler skipped them and lowered the scale, as designed" -- right module and step, but an info
    blaming the loss scale; truth: an error, the backward is non-finite at scale 1 too.
- 9 WRONG (xfail): no finding at all (the report is empty); truth: scaler_misorder (zero_grad between the scaled
-   backward and the step), error, step 0; each step applies the last micro-batch's gradient alone.
+ 9 WRONG when written (xfail): no finding at all (the report is empty); truth: scaler_misorder (zero_grad between
+   the scaled backward and the step), error, step 0; each step applies the last micro-batch's gradient alone. PASS
+   since (rules/callorder.py _zeroed_between_backwards: two or more zero_grads between the backwards of one step).
 10-12 quiet (info only: the opening backoff at step 0), bitwise identical with and without the watch.
 
 Run: .venv/bin/python -m pytest -n 0 -q -p no:cacheprovider tests/test_accumulation_failures.py
@@ -594,9 +595,6 @@ def test_custom_function_backward_overflow_in_micro_batch_2(tmp_path):
 # ======================================================================================================================
 # 9. misuse: zero_grad inside the micro-batch loop
 # ======================================================================================================================
-@wrong("ampdoctor: no finding at all (top3 empty). Truth: `optimizer.zero_grad()` runs between micro-batch k's "
-       "scaled backward and the step on every micro-batch but the first: each step applies the last micro-batch's "
-       "gradient alone (asserted), 3/4 of the data silently discarded -> scaler_misorder, an error, step 0")
 def test_zero_grad_inside_micro_batch_loop(tmp_path):
     seen = {}
 

@@ -102,6 +102,14 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 f"`scaler.{e.kind}()` at {_loc(e)}: the iteration's gradients are discarded before the step{lost}.",
                 "Zero the gradients at the start of the iteration (or after `scaler.update()`), never between "
                 "the backward and the step:\n" + ORDER)
+        elif e.kind in ("unscale_", "step") and (zs := _zeroed_between_backwards(
+                since_update, e, getattr(steps.get(e.step), "micro_batches", 0))):
+            add("scaler_misorder", zs[0], f"`zero_grad()` at {_loc(zs[0])} runs between the scaled backwards of one "
+                f"optimizer step ({len(zs)} times before `scaler.{e.kind}()` at {_loc(e)}): each clears the gradients "
+                f"the micro-batches before it accumulated, so the step applies the last micro-batch's gradient alone "
+                f"and {len(zs)} of {len(zs) + 1} micro-batches are thrown away.",
+                "Zero the gradients once per optimizer step, before the first micro-batch (or after "
+                "`scaler.update()`), not inside the accumulation loop:\n" + ORDER)
         elif e.kind == "step" and _NO_INF in (e.error or ""):
             add("scaler_misorder", e, f"`scaler.step()` at {_loc(e)} found no gradients to check (GradScaler "
                 "asserts 'No inf checks were recorded for this optimizer'): no scaled backward reached this "
@@ -269,6 +277,30 @@ def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallE
         if p.kind == "step" and p.opt == e.opt:
             return None  # (this optimizer already stepped: a zero_grad after it is the next iteration's)
     return None
+
+
+ACCUM_ZEROED_MIN = 2
+"""zero_grads between the scaled backwards of one step that make it gradient accumulation thrown away: two or more
+(three micro-batches, each with its own forward). One is a deliberate pattern: an adversarial step (FGSM: a
+backward for the input's gradient, zero_grad, the real backward), SAM's two passes."""
+
+
+def _zeroed_between_backwards(since_update: list[CallEvent], e: CallEvent, micro: int) -> list[CallEvent]:
+    """This optimizer's `zero_grad`s that each came after a scaled backward and before the next one, in an iteration
+    of at least ACCUM_ZEROED_MIN + 1 micro-batches (forwards of the model) ending at `e` (its unscale_ or step):
+    a zero_grad inside the accumulation loop. Empty when fewer."""
+    out, seen_scale = [], False
+    for p in since_update:
+        if p.kind == "scale":
+            seen_scale = True
+        elif p.kind == "zero_grad" and seen_scale and (p.opt is None or e.opt is None or p.opt == e.opt):
+            out.append(p)
+            seen_scale = False
+        elif p.kind in ("step", "optimizer.step") and p.opt == e.opt:
+            return []  # (stepped in between: separate iterations)
+    if not seen_scale or len(out) < ACCUM_ZEROED_MIN or micro < len(out) + 1:
+        return []  # (the last zero_grad must be followed by a backward: else _zeroed_after_backward's case)
+    return out
 
 
 def _stepped_again(events: list[CallEvent], i: int, first_scale: int | None) -> CallEvent | None:
