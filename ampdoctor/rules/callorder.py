@@ -41,6 +41,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
 
     enabled = (run.meta.scaler or {}).get("enabled", True) is not False
     last_update = None  # index of the latest update() before events[i]
+    accum = []  # (zero_grads inside the accumulation loop, the unscale_/step they precede): _zeroed_between_backwards
     for i, e in enumerate(events):
         if i and events[i - 1].kind == "update":
             last_update = i - 1
@@ -57,6 +58,9 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue
             since_update.append(p)
         since_update.reverse()
+        if e.kind in ("unscale_", "step") and (zs := _zeroed_between_backwards(
+                since_update, e, getattr(steps.get(e.step), "micro_batches", 0))):
+            accum.append((zs, e))
         if _NO_SCALE in (e.error or ""):
             add("scaler_misorder", e, f"`scaler.{e.kind}()` at {_loc(e)} found no loss scale (GradScaler asserts "
                 "'_scale is None'): the loss was backpropagated without `scaler.scale(loss)` (e.g. `loss.backward()` "
@@ -102,14 +106,6 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 f"`scaler.{e.kind}()` at {_loc(e)}: the iteration's gradients are discarded before the step{lost}.",
                 "Zero the gradients at the start of the iteration (or after `scaler.update()`), never between "
                 "the backward and the step:\n" + ORDER)
-        elif e.kind in ("unscale_", "step") and (zs := _zeroed_between_backwards(
-                since_update, e, getattr(steps.get(e.step), "micro_batches", 0))):
-            add("scaler_misorder", zs[0], f"`zero_grad()` at {_loc(zs[0])} runs between the scaled backwards of one "
-                f"optimizer step ({len(zs)} times before `scaler.{e.kind}()` at {_loc(e)}): each clears the gradients "
-                f"the micro-batches before it accumulated, so the step applies the last micro-batch's gradient alone "
-                f"and {len(zs)} of {len(zs) + 1} micro-batches are thrown away.",
-                "Zero the gradients once per optimizer step, before the first micro-batch (or after "
-                "`scaler.update()`), not inside the accumulation loop:\n" + ORDER)
         elif e.kind == "step" and _NO_INF in (e.error or ""):
             add("scaler_misorder", e, f"`scaler.step()` at {_loc(e)} found no gradients to check (GradScaler "
                 "asserts 'No inf checks were recorded for this optimizer'): no scaled backward reached this "
@@ -235,6 +231,18 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
             add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly on gradients still "
                 "multiplied by the loss scale: the update is scale× too large and inf steps are not skipped.",
                 "Use `scaler.step(optimizer)` instead of `optimizer.step()`:\n" + ORDER)
+    hit = {e.step for _, e in accum}
+    if len(hit) >= 2 or any(k + 1 in steps and not steps[k + 1].events for k in hit):
+        # on step after step (a routine step keeps no events: it repeated the sequence of the step before): the
+        # loop's own shape. Once, before the first step, is a dry run: a batch-size finder's backwards, each
+        # followed by zero_grad
+        zs, e = accum[0]
+        add("scaler_misorder", zs[0], f"`zero_grad()` at {_loc(zs[0])} runs between the scaled backwards of one "
+            f"optimizer step ({len(zs)} times before `scaler.{e.kind}()` at {_loc(e)}, and so on every step): each "
+            "clears the gradients the micro-batches before it accumulated, so the step applies the last micro-batch's "
+            f"gradient alone and {len(zs)} of {len(zs) + 1} micro-batches are thrown away.",
+            "Zero the gradients once per optimizer step, before the first micro-batch (or after `scaler.update()`), "
+            "not inside the accumulation loop:\n" + ORDER)
     # a step with scaler.step but no update before the next iteration, without an exception
     if not any(f.rule == "missing_scaler_update" for f in out):
         last = run.steps[-1].step if run.steps else None
