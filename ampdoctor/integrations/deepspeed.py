@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ..record.monitor import _InstancePatch
-from ..record.openstep import StepPhase
 from ..record.params import model_grads, norms
 from ..record.transfer import presync
 
@@ -281,5 +280,4 @@ class EnginePatch(_InstancePatch):
         elif isinstance(gn, (int, float)):
             ev.total_norm = float(gn)
         presync(m, None)
-        st.advance(StepPhase.ENDED)
-        m.hr_hooks.ended()
+        m.end_step()

@@ -52,7 +52,7 @@ class ModuleHookCallbacks:
             self.begin()
             st = self.st
             self.exc_at_top = st.exception  # (an exception a submodule raises and the model catches: _forward_post)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() or self.w.optimizer is None and self.frozen():  # (a teacher's no_grad too)
                 st.micro += 1
                 if st.micro == 1:
                     self._input_jump(st, args, kwargs)
@@ -155,7 +155,7 @@ class ModuleHookCallbacks:
             if input_writes(vers):
                 # e.g. x.div_(255) on the caller's batch: a capture must hold the batch as the forward received it
                 self.copy_inputs = True
-        if top and exc is None and torch.is_grad_enabled():
+        if top and exc is None and (torch.is_grad_enabled() or self.w.optimizer is None and self.frozen()):
             loss = loss_of(output)
             if loss is not None and self.w.scaler is None:
                 st.losses.append(loss)
@@ -184,6 +184,7 @@ class ModuleHookCallbacks:
                 if st.batches and any(c[0] in was for c in new):  # this batch's own, from before its forward
                     st.batches[-1][2].update(modstate.snapshot([c for c in new if c[0] in was], was))
         if top:
+            st.forwards += 1
             for buf in st.fbuf.values():  # the forward's pending statistics: measured before the backward begins
                 buf.forward_done()
         if module is self.root and self.hr.on and exc is None:

@@ -11,12 +11,13 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
 
 __all__ = ["ScalerPatch", "OptimizerPatch", "ClipPatch", "ScalerFinder", "caller_location", "scaler_stage",
-           "guarded"]
+           "guarded", "LOOSE", "others_stepped"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ampdoctor package (this file is in record/)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -165,6 +166,19 @@ class ScalerPatch(_InstancePatch):
         return wrapper
 
 
+LOOSE: weakref.WeakSet = weakref.WeakSet()
+"""The step machines of the open watches given no optimizer and no scaler: a frozen model's (a distillation teacher,
+a perceptual-loss network) has no step of its own and ends its steps with the other models' (optsink._foreign_step)."""
+
+
+def others_stepped(machine=None) -> None:
+    """A training step ended (an optimizer stepped, or a scaler skipped it) that is not a loose watch's own:
+    `machine`'s, or one that no watch sees (a GradScaler no watch holds: ScalerFinder)."""
+    for m in list(LOOSE) if LOOSE else ():
+        if m is not machine and not m.disabled:
+            m._foreign_step()
+
+
 class ScalerFinder:
     """Process-wide, for watches given no `scaler=`: a GradScaler that unscales or steps an optimizer on a watched
     model's parameters is adopted by that watch (`Watch.adopt_scaler`: a ScalerPatch on the instance, so from then
@@ -216,7 +230,10 @@ class ScalerFinder:
                         return getattr(scaler, name)(optimizer, *args, **kwargs)
                     return ScalerPatch._make(name, functools.partial(orig, scaler), w.machine)(
                         optimizer, *args, **kwargs)
-            return orig(scaler, optimizer, *args, **kwargs)
+            out = orig(scaler, optimizer, *args, **kwargs)
+            if name == "step":  # (stepped or skipped: a loose watch's iteration ends with it)
+                others_stepped()
+            return out
         wrapper.__wrapped__ = orig
         return wrapper
 

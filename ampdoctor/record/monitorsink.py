@@ -201,8 +201,7 @@ class MonitorCallbacks:
             # (Another model's optimizer only, a GAN's generator stepped through the one scaler while the watch
             # holds the discriminator: no step of this model's; its half of the iteration joins the next one)
             presync(self, None)
-            st.advance(StepPhase.ENDED)
-            self.hr_hooks.ended()
+            self.end_step()
         if ev.kind == "update":
             st.loss_mark = len(st.losses)
         if ev.kind == "step":
@@ -227,8 +226,7 @@ class MonitorCallbacks:
                 presync_more(self, opt)  # a second optimizer's step in an iteration that went on
             presync(self, opt)
             st.loss_mark = len(st.losses)
-            st.advance(StepPhase.ENDED)
-            self.hr_hooks.ended()
+            self.end_step()
 
     @guarded
     def failed(self, tok, e: BaseException) -> None:

@@ -10,7 +10,7 @@ import math
 import torch
 
 from .gradexits import in_backward
-from .monitor import guarded, scaler_stage
+from .monitor import guarded, others_stepped, scaler_stage
 from .openstep import StepPhase
 from .params import norms, update_check_post, update_check_pre
 from .transfer import presync
@@ -94,6 +94,7 @@ class OptimizerCallbacks:
             if id(opt) not in self.known_optimizers:
                 if id(opt) in self._rejected_optimizers or not self.owns(opt):
                     self._rejected_optimizers.add(id(opt))
+                    self._foreign_step()
                     return None
                 self.known_optimizers.add(id(opt))
                 self.w.adopt_optimizer(opt)
@@ -142,10 +143,37 @@ class OptimizerCallbacks:
             presync(self, opt, grads_scaled=scaled)
             update_check_pre(self, opt)
             if not via:
-                st.advance(StepPhase.ENDED)
-                self.hr_hooks.ended()
+                self.end_step()
         except Exception as e:
             self.fail(e)
+
+    def end_step(self) -> None:
+        """The open step reached its end: the optimizer stepped, or the scaler skipped it (the caller has queued
+        the step's values: presync). A frozen model's watch ends its own step with it (`_foreign_step`)."""
+        self.st.advance(StepPhase.ENDED)
+        self.hr_hooks.ended()
+        others_stepped(self)
+
+    def _foreign_step(self) -> None:
+        """Another model's step ended (an optimizer step no watch sees, or another watch's step, skipped ones
+        included). A watch on a frozen model (a distillation teacher, a perceptual-loss network: no optimizer or
+        scaler given, no parameter that trains) has no step of its own: the training loop's iteration ends here,
+        after the model's forwards in it, so that its steps count the loop's iterations."""
+        st = self.st
+        if st.phase is not StepPhase.OPEN or not st.forwards or in_backward() or not self.frozen():
+            return
+        try:
+            presync(self, None)
+            st.advance(StepPhase.ENDED)
+            self.hr_hooks.ended()
+        except Exception as e:
+            self.fail(e)
+
+    def frozen(self) -> bool:
+        """The watch is on a model that does not train: no optimizer or scaler given or found, no parameter that
+        requires grad. Its forwards (under no_grad too: a teacher's) are the steps' forwards."""
+        return self.w.optimizer is None and self.w.scaler is None and not self.known_optimizers \
+            and not any(p.requires_grad for _, p in self.params)
 
     def step_in_backward(self, st, opt) -> bool:
         """An optimizer step fused into the backward (PyTorch's "optimizer step in backward" recipe, torchtune's
@@ -185,8 +213,7 @@ class OptimizerCallbacks:
             return
         try:
             presync(self, None)
-            st.advance(StepPhase.ENDED)
-            self.hr_hooks.ended()
+            self.end_step()
         except Exception as e:
             self.fail(e)
 

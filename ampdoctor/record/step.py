@@ -20,7 +20,7 @@ from .autocapture import CapturePolicy
 from .buffers import BufferWatch
 from .hooks import GradTap, ModuleHook, hookable, passes_on
 from .modulehooks import ModuleHookCallbacks
-from .monitor import OptimizerPatch, caller_location
+from .monitor import LOOSE, OptimizerPatch, caller_location
 from .monitorsink import MonitorCallbacks
 from .optsink import OptimizerCallbacks
 from .clipsink import ClipCallbacks
@@ -132,6 +132,8 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
             self.writer = RunDirWriter(path, meta)
         self.defer_plan = DeferPlan()  # which values the fused statistics may read late (fused.py)
         self.st = self._new_step(0)
+        if watch.optimizer is None and watch.scaler is None:
+            LOOSE.add(self)  # a frozen model's watch ends its steps with the other models' (optsink.end_step)
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def _new_step(self, step: int, tail: float = 0.0) -> _Step:
@@ -291,6 +293,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
             self.finish_open_step()
 
     def close(self) -> None:
+        LOOSE.discard(self)
         if self.writer is not None:
             self.writer.end()
             self.writer.close()
