@@ -125,7 +125,7 @@ def _no_search(findings: list[Finding], cap_step: int | None) -> None:
                 k.rule, "warning", k.phase, k.module, k.op, k.step,
                 f"GradScaler skipped {k.evidence.get('skipped', '?')} of {k.evidence.get('steps', '?')} "
                 f"steps; the replay of step {cap_step} finds its gradients non-finite at every loss scale "
-                "down to 1, so these skips are not the scaler's search (see the overflow above).",
+                f"down to 1, so step {cap_step}'s skip is not the scaler's search (see the finding above).",
                 "Fix the producer of the inf/NaN (the finding above); no loss scale can.",
                 dict(k.evidence, benign_backoff=False, rank_hint=70))
 

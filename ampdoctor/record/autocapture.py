@@ -15,7 +15,7 @@ import torch
 
 from ..records import BACKOFF_MAX_STREAK, LOSS_JUMP
 
-__all__ = ["CapturePolicy", "maybe_capture", "RECUR_CLEAN"]
+__all__ = ["CapturePolicy", "maybe_capture", "bad_micro", "RECUR_CLEAN"]
 
 RECUR_CLEAN = 5
 """Clean steps after which a `backward` skip at a working scale is captured again (CapturePolicy.observe)."""
@@ -142,7 +142,7 @@ def maybe_capture(m, st) -> None:
                               str(st.step), getattr(m.writer, "run", None))
         else:  # no run directory: a temporary capture, so that w.report() can still replay it
             path = os.path.join(_tmp_root(), f"{id(w):x}-{st.step}")
-        k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else -1  # else the last micro-batch
+        k = st.bad_batch if 0 <= st.bad_batch < len(st.batches) else bad_micro(st)
         args, kwargs, rng = st.batches[k]
         grad_out = st.grad_outs.get(id(st.batches[k]))
         rng, state_dict = _weights_as_found(w.model, rng)
@@ -164,6 +164,17 @@ def maybe_capture(m, st) -> None:
     except Exception as e:  # a capture must never break training
         warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=4)
+
+
+def bad_micro(st) -> int:
+    """Index into `st.batches` of the micro-batch whose backward first made the step's gradients non-finite, from
+    the gradients accumulated before each later micro-batch's forward (modulehooks._grads_so_far): the one just
+    before the first non-finite reading; the last micro-batch when none was (or it is no longer kept)."""
+    for micro, t in st.acc_grads:
+        if not math.isfinite(float(t)):
+            i = len(st.batches) - 1 - (st.micro - (micro - 1))
+            return i if 0 <= i < len(st.batches) else -1
+    return -1
 
 
 def _weights_as_found(model, rng: dict) -> tuple[dict, dict | None]:

@@ -16,7 +16,7 @@ from . import modstate
 from .gradexits import EntryHook, ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import GRAD_OUT_BYTES, in_compiled_frame, keep_grad
 from .openstep import _Call
-from .params import checked_weights, outside_compare, outside_snapshot, weight_amax
+from .params import checked_weights, model_grads, norms, outside_compare, outside_snapshot, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
                        input_writes, loss_of, module_type, rng_state, shallow, tb_location, tb_module)
@@ -56,6 +56,8 @@ class ModuleHookCallbacks:
                 st.micro += 1
                 if st.micro == 1:
                     self._input_jump(st, args, kwargs)
+                else:
+                    self._grads_so_far(st)
                 rng = rng_state(self.rng_extra)
                 if self.state_keys:  # the module state this forward reads (a counter, a memory: modstate.py)
                     rng.update(modstate.snapshot(self.state_keys))
@@ -108,6 +110,16 @@ class ModuleHookCallbacks:
             if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)
                 c.grad_inputs = input_nodes(ins)  # their nodes now: an in-place forward replaces them
                 c.seq0 = sequence_nr()
+
+    def _grads_so_far(self, st) -> None:
+        """A later micro-batch's forward (gradient accumulation): the abs-max of the gradients the micro-batches
+        before it accumulated, a device scalar read only if the step goes bad, so that a backward-only failure is
+        captured from the micro-batch whose backward made it (autocapture.bad_micro), not from the last one."""
+        if self.compiled or len(st.acc_grads) >= 64:
+            return
+        _, grads = model_grads(self)
+        if grads:
+            st.acc_grads.append((st.micro, norms(grads, math.inf).amax()))
 
     def _input_jump(self, st, args, kwargs) -> None:
         """The batch holds INPUT_JUMP times more values than any before (a sequence-length or resolution curriculum

@@ -99,6 +99,8 @@ class _Step:
     tops: list = field(default_factory=list)        # sampled: modules other than the root called at top level
     in_versions: list | None = None                   # (tensor, _version) of the root's inputs (input_writes)
     bad_batch: int = -1                                # index into batches of the first non-finite output
+    zeroed: list = field(default_factory=list)  # (zero_grad event, optimizer, its gradients then): optsink.zero_grad_done
+    acc_grads: list = field(default_factory=list)      # (micro, abs-max of the gradients accumulated before it)
     pw_index: list = field(default_factory=list)       # params whose weights were checked at presync
     w_start: object = None                             # their abs-max when the step's forward began (sampled)
     bad_buffer: dict | None = None                     # a written buffer that turned non-finite (buffers.py)

@@ -182,6 +182,14 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         say("replay: the backward overflowed alone: trying lower loss scales (GradScaler's backoff)")
         scaler_search = _scaler_search(m, args, kwargs, devtype, dtype, cap, loss_fn, scale)
     benign = bool(scaler_search and scaler_search["finite_at"])
+    if scaler_search and not benign and scale and scale > 1 and any(e.phase == "backward" for e in failing):
+        # no loss scale makes the backward finite: the ops that overflow at scale 1 are the failure; at the
+        # capture's scale others may overflow first that only the scale made overflow (a weight gradient of
+        # a large activation, ahead of a custom backward dividing by an fp16 zero)
+        at_one = _backward_events(m, args, kwargs, devtype, dtype, cap, loss_fn)
+        if at_one:
+            tracer.events = at_one
+            failing = [e for e in at_one if not _fp32_absorbed(e)]
 
     rows, suspects, table, ref, fix = [], [], {}, None, None
     m32 = None
@@ -240,6 +248,22 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
                "headline": _headline(findings, step_bad)}
     say("replay: done")
     return Report(findings, summary, {"replay": data})
+
+
+def _backward_events(m, args, kwargs, devtype, dtype, cap, loss_fn) -> list:
+    """The op trace's events of the same step at loss scale 1, low-precision first ([] when it raised)."""
+    tracer = OpTracer(m)
+
+    def on_backward(root):
+        tracer.phase = "backward"
+        tracer.propagate([root.grad_fn])
+    try:
+        with tracer:
+            modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn, scale=1.0,
+                             on_backward=on_backward)
+    except Exception:
+        return []
+    return _low_precision_first(tracer.events)
 
 
 def _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, scale) -> bool | None:
