@@ -247,7 +247,10 @@ class OptimizerPatch(_InstancePatch):
         def make_zero_grad(orig):
             def zero_grad(*args, **kwargs):
                 sink.zero_grad(optimizer)
-                return orig(*args, **kwargs)
+                out = orig(*args, **kwargs)
+                if sink.zero_pending is not None:
+                    sink.zero_grad_done(optimizer)
+                return out
             zero_grad.__wrapped__ = orig
             return zero_grad
         if callable(getattr(optimizer, "zero_grad", None)):  # (an object that only poses as an optimizer for

@@ -10,6 +10,7 @@ import functools
 import torch
 
 from .openstep import StepPhase
+from .optsink import _grad_versions
 from .params import grads_after_unscale
 from .monitor import guarded, scaler_stage
 from .optsink import _unscaled_through_another
@@ -22,11 +23,6 @@ def _ran(flag: list, grads):
     flag[0] = True
 
 
-def _grad_versions(opt) -> list:
-    """Which gradient tensors the optimizer's parameters hold, and their version counters (an in-place
-    accumulation bumps it)."""
-    return [None if p.grad is None else (id(p.grad), p.grad._version)
-            for g in opt.param_groups for p in g["params"]]
 
 
 def _first_grad(opt) -> tuple | None:
@@ -70,6 +66,18 @@ def _found_inf(scaler, opts: list):
     return (fi[0] if len(fi) == 1 else torch.stack(fi).sum()) if fi else None
 
 
+def _refilled(st, opt) -> None:
+    """Mark the zero_grads of `opt` after a scaled loss (optsink.zero_grad_done) whose gradients were written again
+    before this unscale_/step: the step's gradients were not discarded."""
+    keep = []
+    for ev, o, vers in st.zeroed:
+        if o is not opt:
+            keep.append((ev, o, vers))
+        elif _grad_versions(o) != vers:
+            ev.extra["refilled"] = True
+    st.zeroed = keep
+
+
 class MonitorCallbacks:
     """Mixin of StepMachine: records each scaler call as a CallEvent and marks step boundaries (with
     OptimizerCallbacks, whose `owns` it asks)."""
@@ -105,6 +113,8 @@ class MonitorCallbacks:
                 # no zero_grad since the last scaler.step: this iteration's scaled backward added onto the gradients
                 # that step had already unscaled, and they are about to be divided again (rules/callorder.py)
                 ev.extra["stale_grads"] = True
+            if st.zeroed:
+                _refilled(st, opt)
             if kind == "unscale_":
                 st.unscaled_opts.append(opt)
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself

@@ -15,6 +15,13 @@ from .openstep import StepPhase
 from .params import norms, update_check_post, update_check_pre
 from .transfer import presync
 
+
+def _grad_versions(opt) -> list:
+    """Which gradient tensors the optimizer's parameters hold, and their version counters (an in-place
+    accumulation bumps it)."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version)
+            for g in opt.param_groups for p in g["params"]]
+
 __all__ = ["OptimizerCallbacks"]
 
 
@@ -67,6 +74,16 @@ class OptimizerCallbacks:
         ev = self.event("zero_grad", 5)
         ev.opt = self.opt_numbers.setdefault(id(optimizer), len(self.opt_numbers))
         self.stepped_grads.pop(id(optimizer), None)
+        if self.st.scaled_since_update:  # after a scaled loss: are the gradients written again before the step?
+            self.zero_pending = ev
+
+    @guarded
+    def zero_grad_done(self, optimizer) -> None:
+        """The zero_grad that came after a scaled loss has returned: which gradients the optimizer holds now, to
+        tell at its unscale_/step whether the loop wrote them again in between (monitorsink.before: a meta-learning
+        loop assigning `.grad` from autograd.grad) or the step's gradients were discarded (rules/callorder.py)."""
+        ev, self.zero_pending = self.zero_pending, None
+        self.st.zeroed.append((ev, optimizer, _grad_versions(optimizer)))
 
     def _awaits_update(self) -> bool:
         """The step ended with `scaler.step()` and its `update()` is still to come (`step; zero_grad; update`, or an

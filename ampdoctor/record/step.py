@@ -52,6 +52,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.stepped_grads: dict = {}  # id(optimizer) -> monitorsink._first_grad as its last scaler.step ended
         self.opt_stepped_at: dict = {}  # id(optimizer) -> the step its last scaler.step() was in (iteration_goes_on)
         self._rejected_optimizers: set[int] = set()
+        self.zero_pending = None  # a zero_grad after a scaled loss, until it returns (optsink.zero_grad_done)
         self._event_index = 0
         self.policy = CapturePolicy(self.cfg)  # which steps are sampled, which bad steps captured
         self._mod_handles: list = []

@@ -280,7 +280,10 @@ def _zeroed_after_backward(since_update: list[CallEvent], e: CallEvent) -> CallE
     if last_scale is None:
         return None
     for p in since_update[last_scale + 1:]:
-        if p.kind == "zero_grad" and (p.opt is None or e.opt is None or p.opt == e.opt):
+        if p.kind == "zero_grad" and (p.opt is None or e.opt is None or p.opt == e.opt) \
+                and not p.extra.get("refilled"):
+            # (refilled: the loop wrote the gradients again before the step, a meta-learning loop assigning
+            # `.grad` from autograd.grad, whose scaled "backward" wrote none)
             return p
         if p.kind == "step" and p.opt == e.opt:
             return None  # (this optimizer already stepped: a zero_grad after it is the next iteration's)
