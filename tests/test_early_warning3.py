@@ -88,7 +88,9 @@ What ampdoctor got wrong (strict xfails):
   errors of ~0.3 bits of batch noise over 12 consecutive steps is ~0.075 bits/step) and steady until 0.4 bits. The
   window is WINDOW = 12 points at any stride, so the denser the series (every=1, headroom=True, the default's stride
   1) the shorter the time a slope is judged over; at strides 8-32 the same growth is warned ~70-110 steps early.
-- amplifier_chain at the default's stride 2: `headroom_trend at expand step 311` (3.3 bits, forecast 403), then a
+- (fixed since, with root_logit_temperature below: record/budget.py `creep` has the series on every step while an
+  fp16 output within 8 bits of the max keeps rising, so the window spans steps, not strides)
+  amplifier_chain at the default's stride 2: `headroom_trend at expand step 311` (3.3 bits, forecast 403), then a
   second `headroom_trend at embed step 315` for the same growth: the earliest names `expand`, which only amplifies
   embed's output. Cause: headroom_trend (rules/headroom.py) puts a layer into the warned layer's chain only when
   `_rate_at` gives it a rate at that step, and _rate_at returns None whenever the layer's own 12-point slope is
@@ -611,20 +613,11 @@ PINNED = {
     ("amplifier_chain", 2): sc_amplifier_chain,
     ("root_logit_temperature", 32): sc_root_logit_temperature,
 }
-PINNED_XFAIL: dict[tuple, str] = {
-    ("amplifier_chain", 2): (
-        "the earliest headroom_trend is at `expand` step 311 (embed's gets its own at step 315): rules/headroom.py "
-        "headroom_trend takes a layer into the warned layer's chain only when _rate_at gives it a rate, and "
-        "_rate_at returns None when the layer's 12-point slope is above -MIN_RATE (0.03): embed falls 0.035 "
-        "bits/step and its window ending at step 311 reads -0.025, so the chain is [expand] and the layer that "
-        "only amplifies embed's output is named"),
-    ("root_logit_temperature", 32): (
-        "no headroom_trend: rules/headroom.py _fitting (the 'model's own output growing while the loss falls' "
-        "exemption) compares the median loss around a window's start (+- half a window) with its last half; at "
-        "stride 32 a 12-point window spans ~350 steps and reaches back to the first ~140 steps where the "
-        "classifier learned (loss 1.38 -> 0), so every window is exempt although the loss has been exactly 0 for "
-        "~250 steps while the logits run away to inf at step 389"),
-}
+PINNED_XFAIL: dict[tuple, str] = {}
+# wrong when written, right since (record/budget.py `creep`: the series on every step while an fp16 output within 8
+# bits of the max keeps rising, so the trend window spans steps, not strides): amplifier_chain at stride 2 (the
+# layer that only amplifies embed's output named) and root_logit_temperature at stride 32 (no headroom_trend: the
+# 12-point window at stride 32 reached back to the steps where the classifier learned)
 
 
 @pytest.mark.parametrize("name,stride", [
@@ -643,7 +636,10 @@ def test_default_watch_at_a_stride_its_budget_picks(name, stride, monkeypatch):
     wr = run(sc, watched=True, steps=len(ref.losses))
     same_losses(ref, wr)
     on = [r.step for r in wr.w.steps if r.headroom and not r.sampled and r.step > 20]
-    assert median([b - a for a, b in zip(on, on[1:])]) == stride, on[:20]
+    # (the stride the budget runs at; a layer nearing the max has the series on every step for a while:
+    # record/budget.py `creep`)
+    gaps = [b - a for a, b in zip(on, on[1:])]
+    assert stride == 1 or max(set(gaps), key=[g for g in gaps if g > 1].count) == stride, on[:20]
     assert wr.trend, (bad, wr.lines)
     first = wr.trend[0]
     assert first.module == sc.grower and first.step <= bad - LEAD, (sc.grower, bad, wr.lines)

@@ -60,7 +60,8 @@ What ampdoctor got wrong (strict xfails, WrongAnswer only):
   strides 1 and 16 (passing) it warns at step 123 and 135.
 Seen but passing: layernorm_gain_energy_reward at stride 1 also gets a second headroom_trend at `proj` (step 84).
 
-Result when written: 8 pass, 5 xfail (~19 s on one core).
+Result when written: 8 pass, 5 xfail (~19 s on one core); 11 pass, 2 xfail since (the three stride cases:
+record/budget.py `creep` has the series on every step while an fp16 output within 8 bits of the max keeps rising).
 """
 from __future__ import annotations
 
@@ -306,24 +307,17 @@ FAILING = {
 STRIDES = (1, 16)     # the default watch's series stride, pinned: its budget picks 1..32 on these tiny models
 EXTRA = [("conv_new_block_lr_too_high", 32)]
 FAILING_WRONG: dict[tuple, str] = {
-    ("layernorm_gain_energy_reward", 16): (
-        "no headroom_trend at all (only overflow at proj step 106 and loss_scale_collapse at 111) although `ln` "
-        "falls ~0.09 bits/step and is inside 8 bits from step ~73; at stride 1-8 the same run is warned at ln "
-        "step 69-72"),
-    ("rnn_spectral_radius_creep", 16): (
-        "`headroom_trend at rec step 243: ... 3.0 bits left at step 243, falling 0.10 bits/step, forecast to "
-        "overflow around step 286` for a first skipped step at 241 (rec's backward overflow, which ampdoctor "
-        "dates 244): after the bad step, not 10 steps before it; at stride 1 it warns at step 216"),
     ("qk_uncapped_exponential_warmup", 1): (
         "`headroom_trend at score step 103: 7.3 bits left ... forecast ~154` names `score` (q @ k^T / sqrt(d), no "
         "weights, both inputs growing 0.064 bits/step) instead of the q/k projections whose weights grow"),
     ("qk_uncapped_exponential_warmup", 16): (
         "`headroom_trend at score step 135: 3.1 bits left ... forecast ~196` names `score`, which only multiplies "
         "the growing outputs of q and k, instead of q or k"),
-    ("conv_new_block_lr_too_high", 32): (
-        "`headroom_trend at blocks.1.conv step 169` (a warning) for a first skipped step at 166: 3 steps after it, "
-        "not 10 before; at strides 1, 2, 4, 8, 16 it warns at step 123-135"),
 }
+# wrong when written, right since (record/budget.py `creep`: an fp16 output within 8 bits of the max that keeps
+# rising has the series on every step for a while, whatever the stride): layernorm_gain_energy_reward at stride 16
+# (no headroom_trend at all), rnn_spectral_radius_creep at stride 16 (warned at step 243 for a first skip at 241),
+# conv_new_block_lr_too_high at stride 32 (warned at step 169 for a first skip at 166)
 
 
 def check(cond, *what):
@@ -365,7 +359,10 @@ def test_creep_is_warned_at_its_producer_10_steps_before_the_first_inf_or_skip(n
     wr = run(sc, watched=True, steps=len(ref.losses))
     same_losses(ref, wr)
     on = [r.step for r in wr.w.steps if r.headroom and not r.sampled and r.step > 20]
-    assert median([b - a for a, b in zip(on, on[1:])]) == stride, on[:20]
+    # (the stride the budget runs at; a layer nearing the max has the series on every step for a while:
+    # record/budget.py `creep`)
+    gaps = [b - a for a, b in zip(on, on[1:])]
+    assert stride == 1 or max(set(gaps), key=[g for g in gaps if g > 1].count) == stride, on[:20]
     check(wr.trend, "no headroom_trend", bad, wr.lines)
     first = wr.trend[0]
     check(first.severity in ("warning", "error"), first.one_line())

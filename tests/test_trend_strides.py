@@ -135,8 +135,8 @@ def check_stride(w, stride):
     on = [r.step for r in recs if r.headroom]
     if stride == 1:
         assert gaps <= {1}, on
-    else:
-        assert gaps and max(gaps) <= stride and stride in gaps, (stride, on)
+    else:  # (or every step while an fp16 output near the max kept rising: record/budget.py `creep`)
+        assert gaps and max(gaps) <= stride and (stride in gaps or w.machine.hr_hooks.budget.alerts), (stride, on)
 
 
 def healthy(r, *, fall=None, bounded=None, first=20, max_late_skips=2):

@@ -33,10 +33,15 @@ SAMPLES = 9        # recent pairs of neighbouring steps with and without the ser
 MIN_SAMPLES = 4    # ... needed before the stride follows the measurement (6 timed steps, 3 of each kind)
 MAX_STRIDE = 32    # the series at least every this many routine steps
 REFRESH = 32       # at stride 1, one step in this many goes without the series (to keep measuring its cost)
+ALERT_ABSMAX = 256.0  # an fp16 output this large (8 bits from the max: rules/headroomseries.MAX_BITS) ...
+ALERT_RISE = 0.2      # ... that rose by this many bits over its last ALERT_POINTS points of the series ...
+ALERT_POINTS = 3
+ALERT_STEPS = 24      # ... has the series on every routine step for this many steps (two trend windows)
 
 
 class HeadroomBudget:
-    __slots__ = ("share", "pairs", "own", "t0", "timed", "since", "stride", "off_age", "last", "done")
+    __slots__ = ("share", "pairs", "own", "t0", "timed", "since", "stride", "off_age", "last", "done", "hot",
+                 "alert_left", "alerts")
 
     def __init__(self, share: float):
         self.share = share
@@ -49,6 +54,9 @@ class HeadroomBudget:
         self.off_age = 0                # routine steps since the last one without it
         self.last: list | None = None   # [kind, seconds] of the last timed step: its tail may still come (`tail`)
         self.done: tuple | None = None  # (kind, seconds) of the timed step before it, complete
+        self.hot: list = []             # the forward abs-maxes of the last ALERT_POINTS steps with the series
+        self.alert_left = 0             # routine steps still to carry the series (`creep`)
+        self.alerts = 0                 # how often `creep` had the series on every step
 
     def begin(self) -> None:
         """A step begins now (timed as `due`/`untimed` said)."""
@@ -86,8 +94,36 @@ class HeadroomBudget:
         if self.last is not None and self.last[0]:
             self.own.append(seconds)
 
+    def creep(self, fwd: list, dtype: str) -> None:
+        """A step's series (its forward abs-maxes, `dtype` one code per slot): an fp16 output within 8 bits of the max
+        that rose at each of its last ALERT_POINTS points, by ALERT_RISE bits in all, has the series on every routine
+        step for ALERT_STEPS steps, so that its trend (rules/headroomseries.py: WINDOW points) is judged over a few
+        steps, not over WINDOW strides: a layer running out of range is warned in time whatever stride the budget
+        chose. Those steps are not timed (the budget's measurement stays the routine one's)."""
+        hist = self.hot
+        hist.append(fwd)
+        del hist[:-ALERT_POINTS]
+        if len(hist) < ALERT_POINTS:
+            return
+        first = hist[0]
+        for s, v in enumerate(fwd):
+            if v is None or not ALERT_ABSMAX <= v < math.inf or dtype[s:s + 1] != "h":
+                continue
+            pts = [h[s] if s < len(h) else None for h in hist]
+            if all(a is not None and b is not None and a < b for a, b in zip(pts, pts[1:])) and first[s] > 0 \
+                    and math.log2(v / first[s]) >= ALERT_RISE:
+                if not self.alert_left:
+                    self.alerts += 1
+                self.alert_left = ALERT_STEPS
+                return
+
     def due(self) -> bool:
         """Whether the routine step beginning now carries the series (and is timed as such)."""
+        if self.alert_left > 0:  # (creep: untimed, as the observed step)
+            self.alert_left -= 1
+            self.untimed()
+            self.off_age += 1
+            return True
         if len(self.pairs) >= MIN_SAMPLES:
             cost = median([p[0] for p in self.pairs])
             if self.own:
