@@ -33,10 +33,11 @@ Cases:
 Healthy twins (no warning, no error): 1, 4 and 5 with fp32 weights under fp16 autocast + GradScaler (4: unscale_
 then clip); 2 with fp32 EMA buffers; 3 with a default GradScaler.
 
-Result when written: 8 pass, 2 xfail (stable over two runs). Top finding per case:
+Result when written: 8 pass, 2 xfail (stable over two runs); 9 pass, 1 xfail since. Top finding per case:
  1. PASS  `[error] fp16_master_weights at (root) step 0`, then `[error] update_underflow at fc1 step 40` (93%) and
     `... at fc2 step 40` (90%).
- 2. XFAIL (wrong) `[]`: the report is empty.
+ 2. XFAIL (wrong) when written `[]`: the report is empty. PASS since (record/params.py outside_snapshot reads
+    fp16/bf16 buffers too): `[error] update_underflow at (root)`.
  3. XFAIL (wrong) `[]`: the report is empty.
  4. PASS  `[error] fp16_master_weights at (root) step 0`, then `[error] update_underflow at body step 0` (81%).
  5. PASS  `[error] fp16_master_weights at (root) step 0`, then `[error] update_underflow at (root) step 0` (100% of
@@ -243,9 +244,6 @@ def _mt_run(tmp, ema_dtype):
     return rep, losses, m, w0
 
 
-@wrong("an empty report (no finding at all); truth: the fp16 EMA teacher buffers ema_body_w / ema_head_w, written in "
-       "place with decay 0.9999, keep >90% of their elements at their initial values (fp32 twin: all move): "
-       "update_underflow (README: 'an fp16 EMA copy your code writes') at the root, which owns the buffers")
 def test_mean_teacher_with_fp16_ema_buffers_never_moves_its_teacher(tmp_path):
     rep, losses, m, w0 = _mt_run(tmp_path / "run", torch.float16)
     # truth: the student moved far from the teacher's start, but the fp16 EMA buffers are bit-identical to it (each

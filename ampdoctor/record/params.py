@@ -290,30 +290,43 @@ OUTSIDE_SAMPLE = 4096
 
 def outside_snapshot(m, step: int):
     """On a sampled step, as its forward begins: the first elements and version of every fp16/bf16 parameter that
-    no gradient updates (requires_grad False): an EMA teacher or momentum encoder kept in low precision, written in
-    place by the user's code between steps. None when there is none."""
+    no gradient updates (requires_grad False) and of every fp16/bf16 buffer but a norm layer's running statistics:
+    an EMA teacher or momentum encoder kept in low precision, as parameters or as buffers, written in place by the
+    user's code between steps. None when there is none."""
     items = []
-    for i, (_, p) in enumerate(m.params):
-        if p.requires_grad or p.dtype not in (torch.float16, torch.bfloat16) or p.layout != torch.strided:
+    for name, p in m.params:
+        if p.requires_grad or p.dtype not in _LOW or p.layout != torch.strided:
             continue
         w = local(p.detach())
         if w.numel():
-            items.append((i, p._version, w.reshape(-1)[:OUTSIDE_SAMPLE].clone()))
+            items.append((name, p, p._version, w.reshape(-1)[:OUTSIDE_SAMPLE].clone()))
+    for mod_name, mod in m.w.model.named_modules():
+        if isinstance(mod, _NORM_STATS) or not mod._buffers:
+            continue  # (running statistics: torch's own momentum update, no copy of a model)
+        for b_name, b in mod._buffers.items():
+            if b is None or b.dtype not in _LOW or b.layout != torch.strided or b.is_meta or not b.numel():
+                continue
+            items.append((f"{mod_name}.{b_name}" if mod_name else b_name, b, b._version,
+                          b.detach().reshape(-1)[:OUTSIDE_SAMPLE].clone()))
     return (step, items) if items else None
 
 
+_NORM_STATS = (torch.nn.modules.batchnorm._NormBase,)
+
+
 def outside_compare(m, snap) -> tuple[list[str], torch.Tensor, set] | None:
-    """At the next step's forward: of the parameters written since the snapshot, how many sampled elements are
-    unchanged: `(names, [[unchanged, sampled], ...], by_data)`, read with the step's transfer. An update made outside
-    the optimizer that rounds away (w * 0.9999 + 0.0001 * w' == w in fp16) leaves them all as they were. `by_data`:
-    the names whose version did not move (written through `.data`, as DINO/BYOL/MoCo momentum encoders do, or not
-    written at all): transfer.resolve keeps those only where some element did change."""
+    """At the next step's forward: of the parameters and buffers written since the snapshot, how many sampled
+    elements are unchanged: `(names, [[unchanged, sampled], ...], by_data)`, read with the step's transfer. An update
+    made outside the optimizer that rounds away (w * 0.9999 + 0.0001 * w' == w in fp16) leaves them all as they
+    were. `by_data`: the names whose version did not move (written through `.data`, as DINO/BYOL/MoCo momentum
+    encoders do, or not written at all): transfer.resolve keeps those only where some element did change."""
     names, rows, by_data = [], [], set()
-    for i, version, before in snap[1]:
-        name, p = m.params[i]
+    for name, p, version, before in snap[1]:
         if p._version == version:
             by_data.add(name)
         now = local(p.detach()).reshape(-1)[:before.numel()]
+        if now.shape != before.shape:
+            continue  # (resized in place: not an update to compare)
         names.append(name)
         rows.append(torch.stack([(now == before).sum().double(), torch.tensor(float(before.numel()),
                                                                             dtype=torch.float64, device=now.device)]))
