@@ -54,14 +54,15 @@ to 0 is the root cause) at that module among the first three, at that step, with
 states a phase, and no error at the modules that only passed the value on. Where ampdoctor is wrong the test is a
 strict xfail whose reason says what it reported instead.
 
-What ampdoctor got wrong (strict xfails, 4 of 19 runs left; fixed since: 11, whose critic weights went NaN from the
+What ampdoctor got wrong (strict xfails, 3 of 19 runs left; fixed since: 11, whose critic weights went NaN from the
 clip's NaN: rules/outside.py dates them at the update that wrote them and ranks them after what made the gradients
 non-finite; 3 at every=1, the 0 / 0 in the compression
 Function's backward was `[info] ... as designed`: rules/backoff.py benign_backoff now refuses a streak whose recorded
 backward producer made NaN from a gradient 8 bits or more below the max, `_nan_at_any_scale`):
 - 4 at the default (NaN in the 6th of 8 micro-batches): only `[info] skipped_steps ... a normal rate`; no module
   located, and the replay proves nothing (the capture keeps one call of the model, presumably the healthy last
-  micro-batch). At every=1: `[info] overflow at tdnn.2 step 4 ... as designed`, the wrong module (pool made it), info.
+  micro-batch). Fixed in the thirty-first session: the capture holds the micro-batch whose backward made the
+  gradients non-finite (record/autocapture.py bad_micro). At every=1: `[info] overflow at tdnn.2 step 4 ... as designed`, the wrong module (pool made it), info.
 - 6 at every=1: `[info] overflow at enc.cconv step 4 ... as designed`, the wrong module (enc.amp's second call) and
   info (benign_backoff as in 3); the default report is right.
 - 10 at the default (fixed in the twenty-first session): `[error] nan_origin at (run) step 7: The batch of step 7
@@ -80,7 +81,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from scenarios import alarms, in_top3, lines, no_error_at, one_thread
+from scenarios import alarms, lines, no_error_at, one_thread
 from probe_harness import Producer, error_at as at, healthy, real_bwd as real, xf as _xf
 
 
@@ -148,12 +149,7 @@ _BEN = ("rules/backoff.py benign_backoff takes a lone skip followed by applied u
 
 COMPRESS_EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
 XVEC_EVERY = [
-    pytest.param(None, id="default", marks=_xf(
-        "default: only `[info] skipped_steps at (run) step 4 ... a normal rate` (exit code 0): the NaN is made in "
-        "the 6th of 8 micro-batches; no module is located and the replay of the step's capture proves no error "
-        "(analysis/replaychoice.py unexplained_skip / fold_replay: the capture keeps one call of the model, presumably "
-        "the step's last micro-batch, which is healthy), so the lone skip passes as GradScaler's search "
-        "(rules/backoff.py benign_backoff)")),
+    pytest.param(None, id="default"),  # (wrong when written: see the docstring)
     pytest.param(1, id="every1", marks=_xf(
         "every=1: `[info] overflow at tdnn.2 step 4: The loss-scaled backward overflowed in `tdnn.2` ... as "
         "designed`: the wrong module (the oracle: pool's sqrt backward in micro-batch 6; tdnn.2 only received its "
