@@ -291,8 +291,11 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             bad_weights = {c.module for r in steps if cap_step is None or r.step <= cap_step
                            for c in r.modules if c.par is not None and not c.par.finite}
             if f.module is None or f.module in bad_weights or any(
-                    g.rule in ("overflow", "nan_origin") and g.phase == f.phase for g in findings):
-                continue  # (non-finite weights from an earlier update are not produced by this op)
+                    g.rule in ("overflow", "nan_origin") and g.phase == f.phase and g.severity != "info"
+                    for g in findings):
+                # (non-finite weights from an earlier update are not produced by this op; an info finding, the
+                # scaler's search at another step, stands in for nothing the replay proves)
+                continue
         if not any(g.rule == f.rule and g.module == f.module for g in findings):
             # a constant the replay found feeding the failure (a -1e9 mask, an eps that is 0 in fp16) is the root
             # cause of the inf/NaN a finding names in the same module: ranked before it
