@@ -10,10 +10,9 @@ import functools
 import torch
 
 from .openstep import StepPhase
-from .optsink import _grad_versions
 from .params import grads_after_unscale
 from .monitor import guarded, scaler_stage
-from .optsink import _unscaled_through_another
+from .optsink import _grad_versions, _unscaled_through_another
 from .transfer import found_inf_all, presync, presync_more, stage_rows
 
 __all__ = ["MonitorCallbacks"]
@@ -21,8 +20,6 @@ __all__ = ["MonitorCallbacks"]
 
 def _ran(flag: list, grads):
     flag[0] = True
-
-
 
 
 def _first_grad(opt) -> tuple | None:

@@ -15,14 +15,14 @@ from .openstep import StepPhase
 from .params import norms, update_check_post, update_check_pre
 from .transfer import presync
 
+__all__ = ["OptimizerCallbacks"]
+
 
 def _grad_versions(opt) -> list:
     """Which gradient tensors the optimizer's parameters hold, and their version counters (an in-place
     accumulation bumps it)."""
     return [None if p.grad is None else (id(p.grad), p.grad._version)
             for g in opt.param_groups for p in g["params"]]
-
-__all__ = ["OptimizerCallbacks"]
 
 
 def _unscaled_through_another(opt, unscaled: list) -> bool:
