@@ -110,7 +110,7 @@ class _Step:
     output_finite: bool | None = None
     autocast: str | None = None
     micro: int = 0
-    forwards: int = 0  # top-level forwards that returned (grad or no grad: a frozen teacher's, optsink.foreign_step)
+    forwards: int = 0  # top-level forwards that returned (grad or no grad: a frozen teacher's: optsink._foreign_step)
     exception: dict | None = None
     synced: dict | None = None  # the step's values read back on the host (transfer.resolve)
     bseq: int = 0

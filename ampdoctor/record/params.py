@@ -288,6 +288,9 @@ OUTSIDE_SAMPLE = 4096
 """Elements compared of each frozen low-precision parameter (see outside_snapshot)."""
 
 
+_NORM_STATS = (torch.nn.modules.batchnorm._NormBase,)  # (their running statistics: outside_snapshot leaves them)
+
+
 def outside_snapshot(m, step: int):
     """On a sampled step, as its forward begins: the first elements and version of every fp16/bf16 parameter that
     no gradient updates (requires_grad False) and of every fp16/bf16 buffer but a norm layer's running statistics:
@@ -309,9 +312,6 @@ def outside_snapshot(m, step: int):
             items.append((f"{mod_name}.{b_name}" if mod_name else b_name, b, b._version,
                           b.detach().reshape(-1)[:OUTSIDE_SAMPLE].clone()))
     return (step, items) if items else None
-
-
-_NORM_STATS = (torch.nn.modules.batchnorm._NormBase,)
 
 
 def outside_compare(m, snap) -> tuple[list[str], torch.Tensor, set] | None:

@@ -133,16 +133,11 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
 
     say("replay: traced forward/backward")
     tracer = OpTracer(m)
-
-    def on_backward(root):
-        tracer.phase = "backward"
-        tracer.propagate([root.grad_fn])
-
     forward_error, out, loss, grads = None, None, None, {}
     with tracer:
         try:
             out, loss, grads = modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
-                                                loss_fn=loss_fn, scale=scale, on_backward=on_backward)
+                                                loss_fn=loss_fn, scale=scale, on_backward=tracer.backward_begins)
         except RuntimeError as e:
             if _SHAPES.search(str(e)):  # shapes do not depend on values: a model that does not fit the capture
                 raise BadInput(f"replaying the capture failed in the model (it does not fit the capture's batch): "
@@ -253,14 +248,10 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
 def _backward_events(m, args, kwargs, devtype, dtype, cap, loss_fn) -> list:
     """The op trace's events of the same step at loss scale 1, low-precision first ([] when it raised)."""
     tracer = OpTracer(m)
-
-    def on_backward(root):
-        tracer.phase = "backward"
-        tracer.propagate([root.grad_fn])
     try:
         with tracer:
             modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn, scale=1.0,
-                             on_backward=on_backward)
+                             on_backward=tracer.backward_begins)
     except Exception:
         return []
     return _low_precision_first(tracer.events)

@@ -245,7 +245,7 @@ _UNINITIALIZED = {getattr(torch.ops.aten, n) for n in ("empty", "empty_like", "e
 
 
 class OpTracer:
-    """Context manager: trace one forward (and its backward, via `phase = "backward"`) of `model`."""
+    """Context manager: trace one forward (and its backward, from `backward_begins`) of `model`."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -311,6 +311,11 @@ class OpTracer:
             self.exception_module = self.module()
 
     # backward attribution ---------------------------------------------------------------------------
+    def backward_begins(self, root) -> None:
+        """modelio.run_step's `on_backward`: the ops from here on are the backward of `root` (the scaled loss)."""
+        self.phase = "backward"
+        self.propagate([root.grad_fn])
+
     def propagate(self, roots) -> None:
         """Give every node reachable from `roots` the forward info of its nearest mapped consumer (BFS), so
         nodes created inside composite functions (e.g. F.normalize) are attributed too."""

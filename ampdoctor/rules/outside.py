@@ -156,24 +156,24 @@ def unlocated(run: RunData) -> list[Finding]:
             where = ("loss" if r.loss_finite is False else "model's output" if r.output_finite is False
                      else "gradients")
             inf = inf or (where == "loss" and r.output_finite is not False and _nan_made_by_inf(r))
+            ev = {"loss": r.loss, "capture": r.capture, "unlocated": True, "rank_hint": 11}
             if not r.micro_batches and not r.capture:
                 # no forward of the watched model in the step: the loop ran another module (a deep copy, which
                 # carries none of the watch's hooks: a meta-learning clone), so nothing can be replayed
-                return [Finding(
-                    "overflow" if inf else "nan_origin", "error", "forward", None, None, r.step,
-                    f"The {where} became non-finite at step {r.step}, but the watched model's forward did not run "
-                    "in this step: the loop ran another module (a copy made with copy.deepcopy carries none of "
-                    "ampdoctor's hooks, e.g. a meta-learning clone), so no layer could be named.",
-                    "Watch the module the loop runs (e.g. the clone, with its own `ampdoctor.watch`), or save its "
-                    "failing batch with `ampdoctor.save_batch` and replay it.",
-                    {"loss": r.loss, "capture": None, "unlocated": True, "no_forward": True, "rank_hint": 11})]
-            return [Finding(
-                "overflow" if inf else "nan_origin", "error", "backward" if where == "gradients" else "forward", None,
-                None, r.step, f"The {where} became non-finite at step {r.step}, a step without per-layer statistics; "
-                "replay its capture (`ampdoctor replay`) or watch with every=1 to name the layer.",
-                "Run `w.report()` in the training process (it replays the capture), or `ampdoctor replay "
-                "RUN_DIR/captures/<step> --model pkg.mod:factory`.",
-                {"loss": r.loss, "capture": r.capture, "unlocated": True, "rank_hint": 11})]
+                phase, ev["no_forward"] = "forward", True
+                msg = ("but the watched model's forward did not run in this step: the loop ran another module (a copy "
+                       "made with copy.deepcopy carries none of ampdoctor's hooks, e.g. a meta-learning clone), so no "
+                       "layer could be named.")
+                fix = ("Watch the module the loop runs (e.g. the clone, with its own `ampdoctor.watch`), or save its "
+                       "failing batch with `ampdoctor.save_batch` and replay it.")
+            else:
+                phase = "backward" if where == "gradients" else "forward"
+                msg = "a step without per-layer statistics; replay its capture (`ampdoctor replay`) or watch with " \
+                      "every=1 to name the layer."
+                fix = ("Run `w.report()` in the training process (it replays the capture), or `ampdoctor replay "
+                       "RUN_DIR/captures/<step> --model pkg.mod:factory`.")
+            return [Finding("overflow" if inf else "nan_origin", "error", phase, None, None, r.step,
+                            f"The {where} became non-finite at step {r.step}, {msg}", fix, ev)]
     return []
 
 
