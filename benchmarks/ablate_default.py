@@ -53,10 +53,10 @@ def _patch() -> None:
     S.StepMachine.event = event
 
     store = A.store
-    A.store = lambda m, rec: None if "store" in OFF else store(m, rec)
+    A.store = lambda m, rec, **kw: None if "store" in OFF else store(m, rec, **kw)
 
     rng = MH.rng_state  # (the module hooks' names live in record/modulehooks.py)
-    MH.rng_state = lambda *a: {} if "rng" in OFF else rng(*a)
+    MH.rng_state = lambda *a, **kw: {} if "rng" in OFF else rng(*a, **kw)
 
     flat = MH.flatten_tensors
 

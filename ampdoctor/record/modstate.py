@@ -4,8 +4,8 @@ buffers the forward updates before or after reading them (a lagging observation 
 iteration vectors). A replay of a captured batch must start from that state as the step's forward found it, not
 as it stands when the report runs (replay/modelstate.set_rng sets it, `preserved()` restores the live one after).
 
-Which state a model has is learned on probed steps (steps 1-8 and every sampled one after step 0: `probe` before
-the root's forward and `changed` after it): an int/float/bool attribute whose value changed, a list or deque of
+Which state a model has is learned on probed steps (steps 1-8, then sampled ones at least PROBE_GAP steps apart:
+`probe` before the root's forward and `changed` after it): an int/float/bool attribute whose value changed, a list or deque of
 numbers or tensors appended to, a tensor attribute that was replaced or written in place, a buffer written in
 place (its version counter), a parameter written in place (its version counter or, through `.data`, its norm;
 parameters only on steps 1-2 and sampled ones). A cache that is built once (a rotary table filled on the first
@@ -40,6 +40,7 @@ SNAPSHOT_BYTES = 8 << 20   # per batch: larger state (a MoCo queue of 65536 keys
 MAX_COPIES = 32            # ... and at most this many copies (an EMA teacher updated inside the forward: none of it)
 REF_BYTES = 1 << 20        # a tensor the forward replaces is referenced above this size (a copy below it: the
 #                            forward may also write it in place, e.g. zero a memory that went non-finite)
+PROBE_GAP = 25             # sampled steps closer to the last probed one than this are not probed (`due`)
 MAX_ITEMS = 1024           # a longer list is no state kept per batch (a log of every loss)
 MODULE_KEYS = frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
 """A module's own bookkeeping (hooks, parameters, buffers, children, mode): never state (replay/modelstate.py too)."""
@@ -165,9 +166,11 @@ def changed(before: dict, model: torch.nn.Module) -> tuple[list, dict]:
     return out, was
 
 
-def due(step: int, sampled: bool) -> bool:
-    """Whether a step's forward is probed: the first routine steps (1-8) and every later sampled one."""
-    return 1 <= step <= 8 or sampled and step > 0
+def due(step: int, sampled: bool, last: int = -PROBE_GAP) -> bool:
+    """Whether a step's forward is probed: the first routine steps (1-8), then a sampled one PROBE_GAP steps or more
+    after the last probed step (`last`). With every=1 every step is sampled, and a probe on each cost more than a
+    tenth of a small model's step (every module's attributes walked twice, the parameters' norms compared)."""
+    return 1 <= step <= 8 or sampled and step > 0 and step - last >= PROBE_GAP
 
 
 def params_due(step: int, sampled: bool) -> bool:

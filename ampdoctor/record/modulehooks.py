@@ -61,7 +61,8 @@ class ModuleHookCallbacks:
                 rng = rng_state(self.rng_extra)
                 if self.state_keys:  # the module state this forward reads (a counter, a memory: modstate.py)
                     rng.update(modstate.snapshot(self.state_keys))
-                if st.micro == 1 and not self.compiled and modstate.due(st.step, st.sampled):
+                if st.micro == 1 and not self.compiled and modstate.due(st.step, st.sampled, self.probed_at):
+                    self.probed_at = st.step
                     self.state_probe = modstate.probe(self.w.model, modstate.params_due(st.step, st.sampled))
                 if self.copy_inputs:  # this model writes into its own inputs: keep them as it received them
                     st.batches.append((copy_tensors(args), copy_tensors(kwargs), rng))

@@ -73,6 +73,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         # found on probed steps, snapshotted with each batch from then on
         self.state_keys: list = []
         self.state_probe = None
+        self.probed_at = -(1 << 30)  # the last step whose forward was probed (modstate.due)
         self.exc_at_top = None  # the open step's exception when the top-level forward began (modulehooks.py)
         self.exc_obj = None     # the exception recorded last inside the running top-level forward (modulehooks.py)
         # always-on headroom (ampdoctor/record/headroom.py): one slot per module, in RunMeta.modules order

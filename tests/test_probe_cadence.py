@@ -1,0 +1,80 @@
+"""How often the module-state probe runs (record/modstate.py `due`): steps 1-8, then sampled steps at least
+PROBE_GAP apart. With every=1 each step is sampled, and a probe on each one (every module's attributes walked
+before and after the forward, the parameters' norms compared) cost about 1.5 ms of a 28 ms CPU step
+(benchmarks/RESULTS.md, thirty-second session). The state that starts changing late is still found, at the next
+probe, and a capture of a later bad step holds it.
+
+Real watches on a real CPU fp16 autocast + GradScaler loop; the probe is counted by wrapping the module's own
+function (it still runs)."""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+import ampdoctor
+from ampdoctor.record import modstate
+
+
+class LateCounter(nn.Module):
+    """A two-layer net with a counter that only starts moving at step `start` (a schedule switched on late)."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.start, self.seen, self.phase = start, 0, 0
+
+    def forward(self, x):
+        self.seen += 1
+        if self.seen > self.start:
+            self.phase += 1
+        return self.b(torch.relu(self.a(x))).float().pow(2).mean()
+
+
+def _run(monkeypatch, every, steps, start=10_000):
+    probed = []
+    orig = modstate.probe
+
+    def probe(model, params=True):
+        if sys._getframe(1).f_code.co_name == "_forward_pre":  # (not `changed`'s second look after the forward)
+            probed.append(w.machine.st.step)
+        return orig(model, params)
+    monkeypatch.setattr(modstate, "probe", probe)
+    model = LateCounter(start)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, every=every)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    keys = [k for k, *_ in w.machine.state_keys]
+    w.close()
+    return probed, keys
+
+
+def test_every1_probes_steps_1_to_8_then_every_gap(monkeypatch):
+    probed, _ = _run(monkeypatch, every=1, steps=70)
+    gap = modstate.PROBE_GAP
+    assert probed == list(range(1, 9)) + [8 + gap, 8 + 2 * gap], probed
+
+
+def test_default_probes_its_sampled_steps(monkeypatch):
+    probed, _ = _run(monkeypatch, every=40, steps=90)
+    assert probed == list(range(1, 9)) + [40, 80], probed
+    probed, _ = _run(monkeypatch, every=20, steps=70)
+    assert probed == list(range(1, 9)) + [40], probed  # 20 is within PROBE_GAP of step 8, 60 of step 40
+
+
+def test_state_that_starts_late_is_found_at_the_next_probe(monkeypatch):
+    probed, keys = _run(monkeypatch, every=1, steps=70, start=20)
+    assert "num:phase" in keys and "num:seen" in keys, keys
+    probed, keys = _run(monkeypatch, every=1, steps=30, start=20)
+    assert "num:phase" not in keys and "num:seen" in keys, keys  # no probe between step 9 and 32
