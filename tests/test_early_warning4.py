@@ -61,7 +61,9 @@ What ampdoctor got wrong (strict xfails, WrongAnswer only):
 Seen but passing: layernorm_gain_energy_reward at stride 1 also gets a second headroom_trend at `proj` (step 84).
 
 Result when written: 8 pass, 5 xfail (~19 s on one core); 11 pass, 2 xfail since (the three stride cases:
-record/budget.py `creep` has the series on every step while an fp16 output within 8 bits of the max keeps rising).
+record/budget.py `creep` has the series on every step while an fp16 output within 8 bits of the max keeps rising);
+13 pass since (the two qk cases: rules/headroom.py `_factors`: a weightless producer whose inputs' falls add up to
+its own is named at the first of those weighted inputs, `q`, with `score` as the first to reach the max).
 """
 from __future__ import annotations
 
@@ -307,14 +309,10 @@ FAILING = {
 STRIDES = (1, 16)     # the default watch's series stride, pinned: its budget picks 1..32 on these tiny models
 EXTRA = [("conv_new_block_lr_too_high", 32)]
 FAILING_WRONG: dict[tuple, str] = {
-    ("qk_uncapped_exponential_warmup", 1): (
-        "`headroom_trend at score step 103: 7.3 bits left ... forecast ~154` names `score` (q @ k^T / sqrt(d), no "
-        "weights, both inputs growing 0.064 bits/step) instead of the q/k projections whose weights grow"),
-    ("qk_uncapped_exponential_warmup", 16): (
-        "`headroom_trend at score step 135: 3.1 bits left ... forecast ~196` names `score`, which only multiplies "
-        "the growing outputs of q and k, instead of q or k"),
 }
-# wrong when written, right since (record/budget.py `creep`: an fp16 output within 8 bits of the max that keeps
+# wrong when written, right since: qk_uncapped_exponential_warmup at strides 1 and 16 (named `score`, which has no
+# weights; rules/headroom.py `_factors` names the weighted layers whose falls add up to a weightless product's);
+# (record/budget.py `creep`: an fp16 output within 8 bits of the max that keeps
 # rising has the series on every step for a while, whatever the stride): layernorm_gain_energy_reward at stride 16
 # (no headroom_trend at all), rnn_spectral_radius_creep at stride 16 (warned at step 243 for a first skip at 241),
 # conv_new_block_lr_too_high at stride 32 (warned at step 169 for a first skip at 166)

@@ -81,6 +81,7 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
         return bad_steps()[0].step if bad_steps() else None
     out: list[Finding] = []
     root = next((i for i, m in enumerate(mods) if m[0] == ""), None)
+    owners = {p[1] for p in run.meta.params}  # the modules with weights of their own
     for phase in ("forward", "backward"):
         if phase == "backward" and not run.has_scaler and (run.meta.optimizer or {}).get("masters"):
             continue  # scaled by a loss scaler of the loop's own, which the records do not hold (see above)
@@ -111,9 +112,14 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             if i not in chain:
                 chain.append(i)
             prod = min(chain, key=lambda j: order.get(mods[j][0], 0))
+            first = min(chain, key=lambda j: bits_at(pts[j], w["step"]))
+            if mods[prod][0] not in owners:
+                factors = _factors(pts, mods, order, prod, w, named, owners)
+                if factors:  # a product of growing inputs (q @ k^T): its growth is theirs
+                    chain += factors
+                    prod = min(factors, key=lambda j: order.get(mods[j][0], 0))
             named.update(chain)
             named.update(j for j in warn if any(_inside(mods[j][0], mods[c][0]) or j == c for c in chain))
-            first = min(chain, key=lambda j: bits_at(pts[j], w["step"]))
             names = [mods[j][0] for j in chain] + [mods[first][0]]
             if _failed_by(bad_steps(), names, w["step"], phase):
                 continue  # reached only after these layers had already overflowed: no early warning (that finding says it)
@@ -124,6 +130,29 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
     return [f for f in out if not any(g is not f and g.phase == f.phase and g.step == f.step and g.severity ==
                                       f.severity and g.module is not None and f.module is not None
                                       and _inside(g.module, f.module) for g in out)]
+
+
+FACTOR_SHARE = 0.25
+"""A weightless producer's input layer is a factor of its growth when it falls at this share of its rate or more."""
+
+
+def _factors(pts: dict, mods: list, order: dict, prod: int, w: dict, named: set, owners: set) -> list[int]:
+    """A warned producer with no weights of its own that multiplies its inputs (q @ k^T, a gate times a value): the
+    layers with weights, before it in forward order, whose outputs fall steadily at FACTOR_SHARE of its rate or
+    more, and whose rates add up to about its own (a product's bits fall by the sum of its factors'). Their weights
+    grow; the product only reaches the max first. [] when no such set explains its rate."""
+    name, at = mods[prod][0], order.get(mods[prod][0], 0)
+    out, total = [], 0.0
+    for j, p in pts.items():
+        n = mods[j][0]
+        if j in named or j == prod or n not in owners or order.get(n, at) >= at or _inside(n, name) \
+                or _inside(name, n):
+            continue
+        r = rate_at(p, w["step"])
+        if r is not None and r / w["rate"] >= FACTOR_SHARE:
+            out.append(j)
+            total += r
+    return out if out and 0.5 <= total / w["rate"] <= 1.5 else []
 
 
 CONFIRM_STEPS = 8
