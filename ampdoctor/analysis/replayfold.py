@@ -12,7 +12,7 @@ from ..fixes import module_label, modules_related
 from ..records import StepRecord
 from ..summary import verdict
 from .ranking import rank
-from .replaychoice import alarming, choose_replay
+from .replaychoice import alarming, choose_replay, unexplained_skips
 
 __all__ = ["merge_capture_replay", "merge_replay", "run_replay", "fold_replay"]
 
@@ -153,21 +153,51 @@ def _promoted(f: Finding, g: Finding, cap: str, onset, why: str, **evidence) -> 
                    f.message + why, f.fix, ev)
 
 
+def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap_step: int | None) -> None:
+    """The capture is of a step the scaler skipped at a loss scale that earlier steps had stepped with
+    (replaychoice.unexplained_skips), and its replay finds an fp16/bf16 op overflowing from finite inputs in the
+    forward whose inf the model then dropped (a ReLU after a convolution on an unnormalised image: the output and
+    the loss stayed finite, so the replay alone calls it info). That overflow is the step's failure: the batch drove
+    the layer past the dtype's range, and the values that stayed finite drove the gradients past it."""
+    rec = next((r for r in steps if r.step == cap_step), None)
+    if rec is None or not rec.skipped:
+        return
+    ops = (rr.data.get("replay") or {}).get("ops") or []
+    for i, f in enumerate(rr.findings):
+        ev = f.evidence
+        # (not an op at its singular point, a guarded log(0) in the branch a `torch.where` throws away, nor one whose
+        # inf its own module absorbed: no gradient goes through those, whatever made the skip)
+        op = next((o for o in ops if o.get("module") == f.module and o.get("op") == f.op and o.get("phase") == "forward"
+                   and o.get("kind") == "overflow"), None)
+        if f.rule == "overflow" and f.severity == "info" and f.phase == "forward" and f.module is not None \
+                and ev.get("role") == "origin" and ev.get("out_dtype") in ("float16", "bfloat16") \
+                and not ev.get("scaler_search") and not ev.get("pole_zeros_in") and op is not None \
+                and not op.get("absorbed") and not op.get("in_zeros"):
+            rr.findings[i] = Finding(
+                f.rule, "error", f.phase, f.module, f.op, f.step if f.step is not None else cap_step,
+                f.message + f"; the run skipped step {cap_step} at a loss scale ({rec.scale:g}) that earlier steps had "
+                "stepped with: this overflow, not the scaler's search, is why",
+                f.fix, dict(ev, rank_hint=13, skip_explained=True))
+            return
+
+
 def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> Report:
     """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied).
     Into a report with nothing wrong (the replay of an `unexplained_skip`) only the replay's errors go: a step that
     no loss scale makes finite; a gradient spike the scaler handles leaves the report as it was."""
     rr = Report.from_dict(rr.to_dict())
+    by_step = {r.step: r.capture for r in steps if r.capture}
+    # the replay tells what happened at the capture's step: a finding it confirms there (first seen on a later
+    # sampled step, the capture's own step being a routine one) dates from that step, its onset
+    cap_step = next((s for s, c in by_step.items() if c == cap), None)
+    if cap in unexplained_skips(steps):
+        _skip_explained_by_forward(rr, steps, cap_step)
     if not alarming(rep):
         rr.findings = [f for f in rr.findings if f.severity == "error"]
         if not rr.findings:
             return rep
-    by_step = {r.step: r.capture for r in steps if r.capture}
     findings = list(rep.findings)
     before = [f.module for f in findings]
-    # the replay tells what happened at the capture's step: a finding it confirms there (first seen on a later
-    # sampled step, the capture's own step being a routine one) dates from that step, its onset
-    cap_step = next((s for s, c in by_step.items() if c == cap), None)
 
     def onset(step):
         return cap_step if cap_step is not None and step is not None and cap_step < step else step

@@ -15,8 +15,8 @@ import torch
 
 from . import cpustats
 from . import fused
-from .stats import (EXACT_INTEGERS, PROBE_MAX_NUMEL, compiled, full_stats, integer_probe, light_stats, ref_dtype,
-                    thresholds)
+from .stats import (EXACT_INTEGERS, PROBE_MAX_NUMEL, cast_in, compiled, full_stats, integer_probe, light_stats,
+                    ref_dtype, thresholds)
 from ..tensors import autocast_dtype, dt_name
 
 __all__ = ["StepPhase", "StepPhaseError", "_Call", "_Step"]
@@ -167,9 +167,16 @@ class _Step:
 
     def probe_integers(self, c: _Call, t: torch.Tensor) -> None:
         """Queue `stats.integer_probe` of a small vector-shaped fp16/bf16 input of call `c` (once per tensor per
-        step, on the device of the step's first probe): positions or timesteps held in a dtype too narrow."""
-        if t.dtype not in EXACT_INTEGERS or not 0 < t.numel() <= PROBE_MAX_NUMEL:
+        step, on the device of the step's first probe): positions or timesteps held in a dtype too narrow. An fp32
+        one too when the module computes with it in fp16/bf16 (a Linear under autocast: stats.cast_in)."""
+        if not 0 < t.numel() <= PROBE_MAX_NUMEL:
             return
+        name = None
+        if t.dtype not in EXACT_INTEGERS:
+            low = cast_in(c.type, t.device.type) if t.dtype is torch.float32 else None
+            if low is None:
+                return
+            name = f"float32>{dt_name(low)}"
         if sum(1 for d in t.shape if d > 1) > 1:
             return  # positions and timesteps are vectors ((B,), (T,), (1, T)); activations are not: every bf16
             #         value past 128 is an integer, so a large activation would look like one
@@ -185,7 +192,7 @@ class _Step:
             idx = len(self.probes)
             self.probes.append(integer_probe(t))
             _remember(self.probe_seen, key, t, idx)
-        c.probes.append((idx, dt_name(t.dtype)))
+        c.probes.append((idx, name or dt_name(t.dtype)))
 
     def measure(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None, compile_stats=False) -> None:
         """Queue the statistics of tensor `t` as a row of call `c`'s `slot` (inp, out, gout, gin)."""

@@ -14,7 +14,8 @@ import torch
 from ..records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
 
 __all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT",
-           "integer_probe", "EXACT_INTEGERS", "PROBE_MAX_NUMEL", "integer_valued", "probe_row", "integer_input"]
+           "integer_probe", "EXACT_INTEGERS", "PROBE_MAX_NUMEL", "integer_valued", "probe_row", "integer_input",
+           "CAST_IN", "cast_in"]
 
 NSTAT = len(STAT_FIELDS)
 _F64 = torch.float64
@@ -238,7 +239,10 @@ def integer_valued(row, dtype: str) -> dict | None:
     """From an `integer_probe` row read back: the tensor held only integers, past the point where the dtype rounds
     what is computed from them, with smaller nonzero magnitudes too (a position or timestep ramp, not a mask of 0
     and -1e4). bf16 holds every integer only up to 256; fp16 up to 2048, but past 512 any product with a fraction
-    (a sinusoidal embedding's t * freq) lands on a grid 0.5 apart (`rounds_products_from`). None otherwise."""
+    (a sinusoidal embedding's t * freq) lands on a grid 0.5 apart (`rounds_products_from`). `dtype` "float32>bfloat16":
+    an fp32 input that the module computes with in bf16 (a Linear under autocast casts it: `CAST_IN`); the result
+    then says `held_as` float32. None otherwise."""
+    held, _, dtype = dtype.rpartition(">")
     limit = {"float16": 2048.0, "bfloat16": 256.0}.get(dtype)
     if limit is None or row is None or len(row) < 4:
         return None
@@ -246,7 +250,24 @@ def integer_valued(row, dtype: str) -> dict | None:
     amax, nonfinite, nonint, amin = row[:4]
     if nonfinite or nonint or not (products < amax <= 2.0 ** 24) or not (amin < amax and amin <= products):
         return None
-    return {"dtype": dtype, "max": amax, "exact_up_to": limit, "rounds_products_from": products}
+    out = {"dtype": dtype, "max": amax, "exact_up_to": limit, "rounds_products_from": products}
+    if held:
+        out["held_as"] = held
+    return out
+
+
+CAST_IN = frozenset({"Linear", "Bilinear", "LazyLinear", "NonDynamicallyQuantizableLinear"})
+"""Module types whose forward casts an fp32 input to autocast's dtype before computing with it (a timestep fed to
+`nn.Linear(1, d)` under bf16 autocast is rounded there): their small fp32 inputs are probed for integers too."""
+
+
+def cast_in(module_type: str, device_type: str) -> torch.dtype | None:
+    """The low dtype a module of `module_type` computes its fp32 inputs in right now (autocast on `device_type`
+    with fp16/bf16, and a CAST_IN module), else None."""
+    if module_type not in CAST_IN or not torch.is_autocast_enabled(device_type):
+        return None
+    dt = torch.get_autocast_dtype(device_type)
+    return dt if dt in EXACT_INTEGERS else None
 
 
 def probe_row(probes: list, idx: int) -> list | None:

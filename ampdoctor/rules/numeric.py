@@ -211,22 +211,29 @@ def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue  # (a record from disk that says nothing usable)
             seen.add(module)
             spacing = 2.0 ** max(math.floor(math.log2(mx)) - math.log2(lim) + 1, 1) if mx > lim else 1.0
+            held = info.get("held_as") if isinstance(info.get("held_as"), str) else None
+            # (an fp32 input that the module casts to the low dtype itself: a Linear under autocast)
+            takes = (f"takes a {held} input that holds only integers and computes with it in {dt} (autocast casts "
+                     f"it there), up to" if held else f"takes a {dt} input that holds only integers, up to")
             if mx > lim:
-                msg = (f"`{module or '(root)'}` ({typ}) takes a {dt} input that holds only integers, up to "
+                msg = (f"`{module or '(root)'}` ({typ}) {takes} "
                        f"{mx:g}: {dt} holds every integer only up to {lim:g}, so above it neighbouring values "
-                       f"(positions, timesteps, labels) are already rounded together, {spacing:g} apart near the "
-                       f"top (e.g. {lim + 1:g} becomes {lim:g}).")
+                       f"(positions, timesteps, labels) are {'rounded' if held else 'already rounded'} together, "
+                       f"{spacing:g} apart near the top (e.g. {lim + 1:g} becomes {lim:g}).")
             else:  # exact integers, but what is computed from them in this dtype is not
                 frm = float(info.get("rounds_products_from", lim))
                 grid = 2.0 ** (math.floor(math.log2(mx)) - 10)
-                msg = (f"`{module or '(root)'}` ({typ}) takes a {dt} input that holds only integers, up to "
+                msg = (f"`{module or '(root)'}` ({typ}) {takes} "
                        f"{mx:g} (positions or timesteps): exact in {dt}, but anything computed from them in {dt} "
                        f"past {frm:g} lands on a grid {grid:g} apart — a sinusoidal embedding's phases t * freq "
                        f"are off by {grid / 2:g} rad or more, and its sin/cos with them, if the module computes them "
                        f"in {dt} (not after `.float()`, and not if it only casts the values to an integer type).")
             fix = ("Keep positions and timesteps in fp32 (or int64) until the embedding has used them, and cast "
                    "the embedding's output, not its input, to the model's dtype:\n"
-                   "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))")
+                   "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))") if not held else (
+                "Autocast casts this module's input to the low dtype, which keeps the same few significant bits at "
+                "any scale (t / 1000 collides just as t does): keep the module in fp32:\n"
+                + fp32_snippet(module, autocast_device(run)))
             # (exact integers are lost only where the module multiplies them by a fraction in that dtype, which the
             # watch cannot see: ids it only casts to long lose nothing; a risk, not a finding of harm)
             out.append(Finding("precision_loss", "warning" if mx > lim else "info", "forward", module, None, r.step,

@@ -175,6 +175,7 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
     away, a parameter of it) over the checked updates (see update_underflow)."""
     worst: dict[str, tuple] = {}
     small: dict[str, list] = {}  # a module with fewer than _MIN_SAMPLED elements in all: [n, k, checks, first, ps]
+    by_check: dict[str, list] = {}  # module -> [(step, params, sampled, rounded away, past the share, big params past)]
     for r in run.steps:
         by_module: dict[str, list] = {}
         for p in r.params:
@@ -195,13 +196,27 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
                     acc[3] = r.step
                 acc[4] = ps
                 continue
-            if n < _MIN_SAMPLED or k < cfg.rounded_away_share * n:
+            # (or one parameter holding most of the module's weights, whose own updates round away while a
+            # smaller one's still move: a GRU's weight_hh beside its weight_ih)
+            total = sum(p.numel for p in ps)
+            big = [p for p in ps if p.update_sampled >= _MIN_SAMPLED and p.numel >= _BIG_PARAM * total
+                   and p.update_rounded_away >= cfg.rounded_away_share * p.update_sampled]
+            if n >= _MIN_SAMPLED:
+                by_check.setdefault(module, []).append((r.step, ps, n, k, k >= cfg.rounded_away_share * n, big))
+    for module, cs in by_check.items():
+        for i, (step, ps, n, k, past, big) in enumerate(cs):
+            # a parameter alone counts when it rounds away at one of the module's next two checks too: a one-off (the
+            # first update, before an optimizer's momentum builds up) is no stop
+            if not past and not (big and any(c[4] or c[5] for c in cs[i + 1:i + 3])):
                 continue
+            if not past:
+                p = max(big, key=lambda p: p.update_rounded_away / p.update_sampled)
+                n, k = p.update_sampled, p.update_rounded_away
             share = k / n
             names = [p.name for p in ps if p.update_rounded_away >= cfg.rounded_away_share * p.update_sampled]
             if module not in worst or share > worst[module][0]:
                 # the step is where it began (the first step past the share), the numbers the worst seen
-                first = worst[module][1] if module in worst else r.step
+                first = worst[module][1] if module in worst else step
                 worst[module] = (share, first, names or [p.name for p in ps], n, k,
                                  max(ps, key=lambda p: p.update_sampled))
     for module, (n, k, checks, first, ps) in small.items():
@@ -210,6 +225,7 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
     return worst
 
 
+_BIG_PARAM = 0.5        # a parameter with this share of its module's elements is judged on its own too (_rounded)
 _MIN_CHECKS_SMALL = 4   # checked updates of a module too small for one check to say anything (see _rounded) ...
 _SMALL_SHARE = 0.75     # ... of which at least this share of its sampled elements rounded away
 
