@@ -4,11 +4,11 @@ buffers the forward updates before or after reading them (a lagging observation 
 iteration vectors). A replay of a captured batch must start from that state as the step's forward found it, not
 as it stands when the report runs (replay/modelstate.set_rng sets it, `preserved()` restores the live one after).
 
-Which state a model has is learned on probed steps (steps 1-8, then sampled ones at least PROBE_GAP steps apart:
-`probe` before the root's forward and `changed` after it): an int/float/bool attribute whose value changed, a list or deque of
-numbers or tensors appended to, a tensor attribute that was replaced or written in place, a buffer written in
-place (its version counter), a parameter written in place (its version counter or, through `.data`, its norm;
-parameters only on steps 1-2 and sampled ones). A cache that is built once (a rotary table filled on the first
+Which state a model has is learned on probed steps (steps 1-8, then sampled ones at least PROBE_GAP steps
+apart: `probe` before the root's forward and `changed` after it): an int/float/bool attribute whose value changed,
+a list or deque of numbers or tensors appended to, a tensor attribute that was replaced or written in place, a
+buffer written in place (its version counter), a parameter written in place (its version counter or, through
+`.data`, its norm; parameters only on steps 1-2 and probed sampled ones). A cache that is built once (a rotary table filled on the first
 forward) changes on step 0 only, which is not probed. From then on each batch keeps a `snapshot` of those keys
 (numbers and lists as they are; a tensor copied, or referenced when the forward replaces it and it is large;
 within SNAPSHOT_BYTES and MAX_COPIES); the probed step that finds a number or a list changing keeps its value
