@@ -407,3 +407,16 @@ def test_fix_does_not_suggest_rescaling():
     assert f.rule == "precision_loss" and f.severity == "warning" and f.module == "t_in"
     assert "float32 input" in f.message and "scale the integers" not in f.fix and "collides" in f.fix
     assert "fp32" in f.fix and "enabled=False" in f.fix
+
+
+def test_cast_in_only_for_linear_under_low_autocast_and_never_raises():
+    """stats.cast_in: the dtype a Linear computes its fp32 inputs in under fp16/bf16 autocast; None for other module
+    types, without autocast, and on a device type autocast does not know (`meta`: torch raises there, and an error
+    in a hook would switch the watch off)."""
+    from ampdoctor.record.stats import cast_in
+    assert cast_in("Linear", "cpu") is None and cast_in("Linear", "meta") is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cast_in("Linear", "cpu") is torch.bfloat16 and cast_in("Conv2d", "cpu") is None
+        assert cast_in("Linear", "meta") is None
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert cast_in("Bilinear", "cpu") is torch.float16

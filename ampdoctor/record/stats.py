@@ -264,9 +264,14 @@ CAST_IN = frozenset({"Linear", "Bilinear", "LazyLinear", "NonDynamicallyQuantiza
 def cast_in(module_type: str, device_type: str) -> torch.dtype | None:
     """The low dtype a module of `module_type` computes its fp32 inputs in right now (autocast on `device_type`
     with fp16/bf16, and a CAST_IN module), else None."""
-    if module_type not in CAST_IN or not torch.is_autocast_enabled(device_type):
+    if module_type not in CAST_IN:
         return None
-    dt = torch.get_autocast_dtype(device_type)
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        dt = torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
     return dt if dt in EXACT_INTEGERS else None
 
 
