@@ -29,7 +29,8 @@ Result when written: 30 pass, 2 strict xfail (WrongAnswer) — ampdoctor is wron
    right; the fix ['proj'] holds and is minimal).
  - dict_kwargs (minimal): fix [''] (whole model, 5 modules) where ['num', 'head'] suffice by README's rule (finite
    at scale 1 after backoffs); the greedy search, with `num` in fp32 and only the backward overflowing, steps out to
-   the root. (The root fix does hold.)
+   the root. (The root fix does hold.) Fixed since: a trial whose backward no loss scale makes finite tries the
+   backward's producer at scale 1 next (replay._fix): ['num', 'head'], finite at scale 1.
 Seen, not wrong: convbn's fix ['bn2'] holds only at finite_at_scale 1.0 (10 backoffs from 1024); dropout's fix
 ['ff.down', 'head'] at finite_at_scale 1.0 (ff.down in fp32 pushes the residual past 65504 into head's cast).
 """
@@ -493,13 +494,9 @@ def _real(r: Run):
     assert not rerun(r).finite                          # our unwatched rerun of the step is broken too
 
 
-XF = {    # name -> {test: reason}: what ampdoctor got wrong (strict xfails, WrongAnswer only)
-    "dict_kwargs": {"minimal": (
-        "the fix search answers [''] (the whole model, 5 modules in fp32) where ['num', 'head'] suffice by README's "
-        "own rule (forward finite, backward finite after GradScaler backoffs: at scale 1): with `num` in fp32 the "
-        "forward is finite and only the backward overflows, the greedy search gets no next forward producer and "
-        "steps out to the root without trying the head")},
-}
+XF: dict = {}  # name -> {test: reason}: what ampdoctor gets wrong (strict xfails, WrongAnswer only)
+# wrong when written, right since: dict_kwargs (minimal): the search answered [''] where ['num', 'head'] suffice
+# (replay._fix: a trial whose backward no loss scale makes finite tries that backward's producer at scale 1 next)
 
 
 def params(test):

@@ -312,6 +312,11 @@ def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> di
                                   if _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, s)), None)
                     finite = lower is not None
                     backed_off[tuple(mods)] = lower
+                    if not finite:
+                        # no loss scale makes the backward finite: its producer at scale 1 is the next to try
+                        # (else the search would step out to the root without trying it)
+                        over = [e.module for e in _backward_events(m, args, kwargs, devtype, dtype, cap, loss_fn)
+                                if e.phase == "backward" and e.module is not None][:1]
             except Exception as e:   # a crash of this configuration, reported as such (not "not finite")
                 return False, None, f"{type(e).__name__}: {_first_line(e)}"
         return finite, (over[0] if over else None), None
