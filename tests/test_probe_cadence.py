@@ -2,7 +2,7 @@
 PROBE_GAP apart. With every=1 each step is sampled, and a probe on each one (every module's attributes walked
 before and after the forward, the parameters' norms compared) cost about 1.5 ms of a 28 ms CPU step
 (benchmarks/RESULTS.md, thirty-second session). The state that starts changing late is still found, at the next
-probe, and a capture of a later bad step holds it.
+probe.
 
 Real watches on a real CPU fp16 autocast + GradScaler loop; the probe is counted by wrapping the module's own
 function (it still runs)."""
