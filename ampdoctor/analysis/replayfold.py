@@ -153,14 +153,14 @@ def _promoted(f: Finding, g: Finding, cap: str, onset, why: str, **evidence) -> 
                    f.message + why, f.fix, ev)
 
 
-def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap_step: int | None) -> None:
+def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap: str, cap_step: int | None) -> None:
     """The capture is of a step the scaler skipped at a loss scale that earlier steps had stepped with
     (replaychoice.unexplained_skips), and its replay finds an fp16/bf16 op overflowing from finite inputs in the
     forward whose inf the model then dropped (a ReLU after a convolution on an unnormalised image: the output and
     the loss stayed finite, so the replay alone calls it info). That overflow is the step's failure: the batch drove
     the layer past the dtype's range, and the values that stayed finite drove the gradients past it."""
-    rec = next((r for r in steps if r.step == cap_step), None)
-    if rec is None or not rec.skipped:
+    rec = next((r for r in steps if r.capture == cap), None)  # (by its capture: a resumed run repeats step numbers)
+    if rec is None or not rec.skipped or rec.scale is None:
         return
     ops = (rr.data.get("replay") or {}).get("ops") or []
     for i, f in enumerate(rr.findings):
@@ -191,7 +191,7 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
     # sampled step, the capture's own step being a routine one) dates from that step, its onset
     cap_step = next((s for s, c in by_step.items() if c == cap), None)
     if cap in unexplained_skips(steps):
-        _skip_explained_by_forward(rr, steps, cap_step)
+        _skip_explained_by_forward(rr, steps, cap, cap_step)
     if not alarming(rep):
         rr.findings = [f for f in rr.findings if f.severity == "error"]
         if not rr.findings:
@@ -320,7 +320,10 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             # holds the step's own weights, so an op the replay saw make inf/NaN from them is the producer)
             bad_weights = {c.module for r in steps if cap_step is None or r.step <= cap_step
                            for c in r.modules if c.par is not None and not c.par.finite}
-            if f.module is None or f.module in bad_weights or any(
+            # (a finding of no module is the replay's account of the loss computation outside the model: the
+            # gradient it gave the model's output was already non-finite; replay._outside_loss_finding)
+            outside = f.module is None and bool(f.evidence.get("grad_out_nonfinite"))
+            if f.module is None and not outside or f.module in bad_weights or any(
                     g.rule in ("overflow", "nan_origin") and g.phase == f.phase and g.severity != "info"
                     for g in findings):
                 # (non-finite weights from an earlier update are not produced by this op; an info finding, the
