@@ -320,10 +320,7 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             # holds the step's own weights, so an op the replay saw make inf/NaN from them is the producer)
             bad_weights = {c.module for r in steps if cap_step is None or r.step <= cap_step
                            for c in r.modules if c.par is not None and not c.par.finite}
-            # (a finding of no module is the replay's account of the loss computation outside the model: the
-            # gradient it gave the model's output was already non-finite; replay._outside_loss_finding)
-            outside = f.module is None and bool(f.evidence.get("grad_out_nonfinite"))
-            if f.module is None and not outside or f.module in bad_weights or any(
+            if f.module is None or f.module in bad_weights or any(
                     g.rule in ("overflow", "nan_origin") and g.phase == f.phase and g.severity != "info"
                     for g in findings):
                 # (non-finite weights from an earlier update are not produced by this op; an info finding, the

@@ -121,11 +121,11 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     # the step's own backward, from the gradient its outputs received (a non-finite one came from the loss
     # computation outside the model: what the model's backward does with it is a consequence)
     grad_out = [g if g is not None and bool(torch.isfinite(g).all()) else None for g in cap.grad_out or ()]
-    # (a finite loss whose scaled gradient overflowed at the output is the loss scale's doing, not the loss's: inf;
-    # NaN there is the loss's own backward, e.g. a focal loss's (1 - p) ** 0.5 at p = 1, whatever the loss value)
+    # (a finite loss whose scaled gradient overflowed at the output is the loss scale's doing, not the loss's)
     cap_loss_finite = ((cap.manifest or {}).get("extra") or {}).get("loss_finite")
     outside_bad = [g for g in cap.grad_out or () if g is not None and not bool(torch.isfinite(g).all())
-                   and (cap_loss_finite is False or bool(torch.isnan(g).any()))] if loss_fn is None else []
+                   and (cap_loss_finite is False or cap_loss_finite is None and bool(torch.isnan(g).any()))] \
+        if loss_fn is None else []
     # the step's loss was non-finite (as the watch saw it; the replay runs the outputs' captured gradient, not the loss)
     cap_loss_bad = loss_fn is None and cap_loss_finite is False
     if loss_fn is None and any(g is not None for g in grad_out):
