@@ -153,7 +153,7 @@ def _promoted(f: Finding, g: Finding, cap: str, onset, why: str, **evidence) -> 
                    f.message + why, f.fix, ev)
 
 
-def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap: str, cap_step: int | None) -> None:
+def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap: str) -> None:
     """The capture is of a step the scaler skipped at a loss scale that earlier steps had stepped with
     (replaychoice.unexplained_skips), and its replay finds an fp16/bf16 op overflowing from finite inputs in the
     forward whose inf the model then dropped (a ReLU after a convolution on an unnormalised image: the output and
@@ -171,11 +171,11 @@ def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap: str, ca
                    and o.get("kind") == "overflow"), None)
         if f.rule == "overflow" and f.severity == "info" and f.phase == "forward" and f.module is not None \
                 and ev.get("role") == "origin" and ev.get("out_dtype") in ("float16", "bfloat16") \
-                and not ev.get("scaler_search") and not ev.get("pole_zeros_in") and op is not None \
+                and not ev.get("scaler_search") and op is not None \
                 and not op.get("absorbed") and not op.get("in_zeros"):
             rr.findings[i] = Finding(
-                f.rule, "error", f.phase, f.module, f.op, f.step if f.step is not None else cap_step,
-                f.message + f"; the run skipped step {cap_step} at a loss scale ({rec.scale:g}) that earlier steps had "
+                f.rule, "error", f.phase, f.module, f.op, f.step if f.step is not None else rec.step,
+                f.message + f"; the run skipped step {rec.step} at a loss scale ({rec.scale:g}) that earlier steps had "
                 "stepped with: this overflow, not the scaler's search, is why",
                 f.fix, dict(ev, rank_hint=13, skip_explained=True))
             return
@@ -191,7 +191,7 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
     # sampled step, the capture's own step being a routine one) dates from that step, its onset
     cap_step = next((s for s, c in by_step.items() if c == cap), None)
     if cap in unexplained_skips(steps):
-        _skip_explained_by_forward(rr, steps, cap, cap_step)
+        _skip_explained_by_forward(rr, steps, cap)
     if not alarming(rep):
         rr.findings = [f for f in rr.findings if f.severity == "error"]
         if not rr.findings:
