@@ -16,6 +16,12 @@ Pieces (each a variant "<watch>-<piece>"):
     pending  the step's one transfer (concatenation, copy, event) and its read-back
     fwd      both root forward hooks
     clip     the clipping functions' wrappers
+every=1's own pieces (with --watch every1):
+    cpass    the C pass of each CPU tensor's statistics (cpustats.stats answers a constant row)
+    measure  queueing a tensor's statistics at all (openstep._Step.measure returns at once)
+    exits    the walk for each module's gradient exits and their node hooks (gradexits.gradient_exits finds none)
+    pnorms   the parameters' norms (params.norms answers zeros)
+    rows     turning the step's rows into TensorStats at finalize (assemble._stats_for answers None)
 A piece "spinN" is the plain step with N us of busy host time first (a calibration). A piece "a+b" switches several off together; "all" switches off every one (the skeleton that is left).
 """
 from __future__ import annotations
@@ -35,6 +41,7 @@ from benchmarks.overhead import Variant, build  # noqa: E402
 OFF: set = set()  # the pieces switched off for the variant now stepping
 SWITCHES: list = []  # called when OFF changes (pieces that are module constants)
 PIECES = ("loc", "event", "store", "rng", "sums", "keepgrad", "pending", "fwd", "clip")
+EVERY1_PIECES = ("cpass", "measure", "exits", "pnorms", "rows")
 
 
 def _patch() -> None:
@@ -90,13 +97,32 @@ def _patch() -> None:
         return fan(cls, kind, parameters, orig, args, kwargs, norm_arg)
     monitor.ClipPatch._fan_out = classmethod(fan_out)
 
+    from ampdoctor.record import cpustats, openstep, params
+    cst = cpustats.stats
+    row = torch.tensor([0.0, 0, 0, 0, 0, 0.0, float("inf"), 0, 0, 0], dtype=torch.float64)
+    cpustats.stats = lambda x, ref: row.clone() if "cpass" in OFF else cst(x, ref)
+    meas = openstep._Step.measure
+    openstep._Step.measure = lambda self, *a, **k: None if "measure" in OFF else meas(self, *a, **k)
+    ge = MH.gradient_exits
+    MH.gradient_exits = lambda *a, **k: [] if "exits" in OFF else ge(*a, **k)
+    nrm = params.norms
+
+    def norms(ts, o):
+        return torch.zeros(len(ts), dtype=torch.float64) if "pnorms" in OFF else nrm(ts, o)
+    from ampdoctor.record import buffers, optsink
+    for mod in (params, buffers, MH, optsink, S, T):  # (each imported the name)
+        if getattr(mod, "norms", None) is nrm:
+            mod.norms = norms
+    sf = A._stats_for
+    A._stats_for = lambda c, slot, rows: None if "rows" in OFF else sf(c, slot, rows)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="nanogpt")
     p.add_argument("--device", default="cuda")
     p.add_argument("--amp", default="fp16", choices=["fp16", "bf16", "off"])
-    p.add_argument("--watch", default="hroff", choices=["hroff", "default"])
+    p.add_argument("--watch", default="hroff", choices=["hroff", "default", "every1"])
     p.add_argument("--pieces", default=",".join(PIECES))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--copies", type=int, default=1,
@@ -114,7 +140,8 @@ def main() -> None:
     # a known host cost where the device is idle, to calibrate what the method resolves
     runs = [("plain", "plain", ()), (a.watch, a.watch, ())] + [
         (f"plain+{x}", "plain", (x,)) if x.startswith("spin") else
-        (f"{a.watch}-{x}", a.watch, tuple(PIECES) if x == "all" else tuple(x.split("+"))) for x in pieces]
+        (f"{a.watch}-{x}", a.watch, tuple(PIECES + EVERY1_PIECES) if x == "all" else tuple(x.split("+")))
+        for x in pieces]
     vs = []
     for _ in range(a.copies):
         for label, name, off in runs:

@@ -275,9 +275,11 @@ def output_sum(t: torch.Tensor) -> torch.Tensor:
     other values). A sum is non-finite when any value is (inf - inf = NaN); in a wider dtype it cannot overflow,
     and unlike isfinite(t).all() it allocates nothing the size of the output (e.g. the logits).
     - a one-value fp32/fp64 output (e.g. the loss) is its own sum: no kernel;
-    - fp16/bf16 sum in fp32: asked for float64, CUDA's bf16 reduction first makes a copy the size of the output
-      (+785 MiB on GPT-2's logits); a finite bf16 output whose fp32 sum overflows needs values near 1e34, already
-      broken;
+    - fp16 sum in fp32: asked for float64, CUDA's reduction first makes a copy the size of the output (+785 MiB on
+      GPT-2's logits); a finite fp16 output cannot overflow an fp32 sum;
+    - bf16: its range is fp32's, so two finite values (a mask filled with `finfo(bfloat16).min`) overflow an fp32
+      sum. Its min and max instead (one pass, no copy), summed in float64: finite iff every value is, -inf iff the
+      only non-finite values are -inf (a mask), as the sum would be;
     - fp32 on the CPU: summed in fp32 first (a CPU's fp64 sum of fp32 values is ~10x slower: 414 vs 43 us on
       8x64x1024 logits: it converts each value), and that sum is read at once (free on the CPU). torch's CPU sum
       of fp32 accumulates in fp64 and rounds once, so it is finite iff every value is and their total is within
@@ -286,8 +288,10 @@ def output_sum(t: torch.Tensor) -> torch.Tensor:
     - anything else in fp64 (on CUDA without a read: the step's values go to the host in one transfer)."""
     d = t.detach()
     dt = t.dtype
-    if dt in _HALF:
+    if dt is torch.float16:
         return d.sum(dtype=torch.float32).reshape(1)
+    if dt is torch.bfloat16:
+        return torch.stack(torch.aminmax(d)).sum(dtype=torch.float64).reshape(1)
     if dt in _WIDE and t.numel() == 1:
         return d.reshape(1)
     if dt is torch.float32 and type(d) is torch.Tensor and d.device.type == "cpu":
@@ -299,5 +303,4 @@ def output_sum(t: torch.Tensor) -> torch.Tensor:
 
 INPUT_JUMP = 8
 """How many times more input values than any earlier batch make a step sampled (modulehooks._input_jump)."""
-_HALF = (torch.float16, torch.bfloat16)
 _WIDE = (torch.float32, torch.float64)
