@@ -420,7 +420,8 @@ class StepRecord:
     """Every step, every module (ampdoctor/record/series.py `encode`): `{"fwd": [...], "bwd": [...], "dtype": "hhf-"}`,
     lists aligned with `RunMeta.modules`: the forward output's abs-max and the abs-max of the gradient into it
     (scaled, as autograd saw it), 3 significant digits, Infinity/NaN when not finite, null when not measured;
-    `dtype` one character per module (h float16, b bfloat16, f float32, d float64, - none)."""
+    `dtype` one character per module (h float16, b bfloat16, f float32, d float64, - none); `first_bad` (a routine
+    step's, only when set): the slot of the module whose output was the first of the forward to hold inf/NaN."""
 
     def headroom_of(self, slot: int) -> tuple[float | None, float | None, str]:
         """(forward abs-max, backward abs-max, dtype code) of the module at `slot` in RunMeta.modules."""

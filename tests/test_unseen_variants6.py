@@ -527,18 +527,14 @@ class TanhMlp(Mlp):
         return self.head(torch.tanh(self.fc2(self.act(self.fc1(x)))))  # tanh(inf) = 1: the inf is swallowed
 
 
-@pytest.mark.parametrize("every", [
-    pytest.param(None, marks=pytest.mark.xfail(strict=True, reason=(
-        "default sampling: reports nothing at all; fc2 overflows on one sample at (unsampled) step 3 and the tanh "
-        "after it swallows the inf (loss, outputs and gradients finite, nothing skipped), so only a full recording "
-        "sees it: at every=1 the report is '[info] overflow at fc2 step 3 (absorbed)'; expected overflow at fc2, "
-        "forward, step 3 at the default sampling too"))),
-    1], ids=["default", "every1"])
+@pytest.mark.parametrize("every", [None, 1], ids=["default", "every1"])
 def test_one_extreme_sample_overflow_swallowed_by_a_tanh(tmp_path, every):
     """The same extreme sample at step 3, but a tanh follows fc2: tanh(+-inf) = +-1, the loss and every gradient
     stay finite (tanh's backward is 0 there), nothing is skipped, and that sample silently trains nothing. fc2
     still turned finite inputs into inf: overflow at fc2, step 3 (every layer's headroom is tracked on every
-    step)."""
+    step). The default was wrong when written (a strict xfail: nothing reported, only a full recording saw it);
+    fixed since: the always-on headroom series names the first module whose output held the inf
+    (rules/outside.py absorbed_unsampled)."""
     torch.manual_seed(0)
     m, x = TanhMlp(), randn(16, 8)
     with torch.no_grad():

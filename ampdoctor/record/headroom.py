@@ -309,6 +309,7 @@ class Headroom:
         fwd: list = [None] * self.n
         bwd: list = [None] * self.n
         dtypes = ["-"] * self.n
+        first = None  # the first value of the forward, in the order the hooks read them, that was not finite
         for phase, code, slots, where in self.done:
             k = at[where]
             at[where] = k + len(slots)
@@ -320,12 +321,14 @@ class Headroom:
                 dst[s] = merge(dst[s], v)
                 if dtypes[s] == "-":
                     dtypes[s] = code
+                if first is None and phase == "f" and (v != v or v == _INF or v == -_INF):
+                    first = s
         for slot, src in self.alias + self.static_alias:
             fwd[slot] = merge(fwd[slot], fwd[src])
             bwd[slot] = merge(bwd[slot], bwd[src])
             if dtypes[slot] == "-":
                 dtypes[slot] = dtypes[src]
-        out = encode(fwd, bwd, "".join(dtypes))
+        out = encode(fwd, bwd, "".join(dtypes), first)
         self.reset()
         self.spent += _now() - t
         return out

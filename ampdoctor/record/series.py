@@ -28,12 +28,17 @@ def _round(v):
     return float(f"{v:.3g}")
 
 
-def encode(fwd: list, bwd: list, dtype: str) -> dict:
+def encode(fwd: list, bwd: list, dtype: str, first_bad: int | None = None) -> dict:
     """The compact per-step record (StepRecord.headroom): per module, in `RunMeta.modules` order, the forward
     output's abs-max and the abs-max of the gradient into it (as autograd saw it: scaled by the step's loss
     scale), 3 significant digits; `Infinity`/`NaN` when the values were not finite; null when not measured.
-    `dtype`: one character per module, the output's dtype (h float16, b bfloat16, f float32, d float64, - none)."""
-    return {"fwd": [_round(v) for v in fwd], "bwd": [_round(v) for v in bwd], "dtype": dtype}
+    `dtype`: one character per module, the output's dtype (h float16, b bfloat16, f float32, d float64, - none).
+    `first_bad` (key "first_bad", only when set): the module whose forward output was the first, in the order the
+    forward made them, that held inf/NaN (a routine step's series: where the forward first went non-finite)."""
+    out = {"fwd": [_round(v) for v in fwd], "bwd": [_round(v) for v in bwd], "dtype": dtype}
+    if first_bad is not None:
+        out["first_bad"] = first_bad
+    return out
 
 
 def from_calls(calls, slots: dict[str, int], n: int, skip=frozenset()) -> dict | None:

@@ -9,7 +9,8 @@ from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .backoff import benign_backoff, loop_opening_search
 from .steps import absorbed, first_unlocated_skip, onset_step
-from .outside import bad_buffers, bad_data, bad_weights, output_grad_nonfinite, outside_model, unlocated
+from .outside import absorbed_unsampled, bad_buffers, bad_data, bad_weights, output_grad_nonfinite, outside_model, \
+    unlocated
 
 
 def autocast_device(run: RunData) -> str:
@@ -199,6 +200,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # a buffer turned non-finite before any error above (or with none: silent) is where it began
     first = _first_error(out)
     out.extend(f for f in bad_buffers(run) if first is None or f.step < first)
+    out.extend(absorbed_unsampled(run, {k[1] for k in groups if k[0] == "forward"}, dev))
     return out
 
 

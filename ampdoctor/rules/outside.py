@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 
 from ..findings import Finding
+from ..fixes import fp32_snippet
 from ..records import StepRecord
 from .registry import RunData
 from .backoff import benign_backoff
 from .steps import onset_step
 
 __all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "weights_found_bad", "output_grad_nonfinite",
-           "outside_model", "unlocated"]
+           "outside_model", "unlocated", "absorbed_unsampled"]
 
 
 def bad_buffers(run: RunData) -> list[Finding]:
@@ -175,6 +176,57 @@ def unlocated(run: RunData) -> list[Finding]:
             return [Finding("overflow" if inf else "nan_origin", "error", phase, None, None, r.step,
                             f"The {where} became non-finite at step {r.step}, {msg}", fix, ev)]
     return []
+
+
+def _clean(r: StepRecord) -> bool:
+    """Nothing of the step went non-finite where the loop sees it: loss, outputs, gradients, no skip, no crash."""
+    return r.loss_finite is not False and r.output_finite is not False and not r.exception and not r.skipped \
+        and r.grad_finite is not False
+
+
+def absorbed_unsampled(run: RunData, located: set, device: str) -> list[Finding]:
+    """A step without per-layer statistics whose always-on headroom series saw a module's fp16/bf16 output hold
+    inf/NaN while the loss, the outputs and the gradients stayed finite and the update was applied: later ops
+    absorbed it (a tanh soft-cap, a clamp). Named at the module whose output was the first of the forward to hold it
+    (`first_bad` of StepRecord.headroom), once per module at its first such step; `info`, as the same event on a
+    sampled step is (rules/origins.py). Not for a module whose output was never finite before (a mask module's
+    -inf), nor one a sampled step already located (`located`)."""
+    mods = run.meta.modules or []
+    finite_before: set[int] = set()
+    firsts: dict[int, list[StepRecord]] = {}
+    for r in run.steps:
+        h = r.headroom or {}
+        fwd = h.get("fwd") or ()
+        slot = h.get("first_bad")
+        if isinstance(slot, int) and 0 <= slot < min(len(fwd), len(mods)) and not r.modules and _clean(r) \
+                and (slot in finite_before or slot in firsts):
+            firsts.setdefault(slot, []).append(r)
+        for i, v in enumerate(fwd):
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                finite_before.add(i)
+    out = []
+    for slot, recs in firsts.items():
+        module, typ = mods[slot][0], mods[slot][1] if len(mods[slot]) > 1 else "?"
+        if module in located:
+            continue
+        r = recs[0]
+        v = r.headroom["fwd"][slot]
+        nan = v != v
+        dt = {"h": "float16", "b": "bfloat16"}.get((r.headroom.get("dtype") or "")[slot:slot + 1], "float16")
+        at = f"`{module}`" if module else "`(root)`"
+        out.append(Finding(
+            "nan_origin" if nan else "overflow", "info", "forward", module, None, r.step,
+            f"{at} ({typ}) was the first module whose {dt} output held {'NaN' if nan else '±inf'} at step {r.step}"
+            f"{f' (and on {len(recs) - 1} later step(s))' if len(recs) > 1 else ''}, but later ops absorbed it: "
+            "the loss, the outputs and the gradients stayed finite and the update was applied. The always-on "
+            "headroom saw it; the step took no per-layer statistics.",
+            "Nothing breaks while the loss stays finite, but the values past the dtype's max carry no gradient "
+            "(a tanh or clamp after them saturates). To keep them, run the module in fp32 or rescale its input:\n"
+            + fp32_snippet(module, device) + "\nTo see the exact op, save such a batch (`ampdoctor.save_batch`) "
+            "and replay it, or watch with every=1.",
+            {"absorbed": True, "source": "headroom", "steps": [x.step for x in recs][:50],
+             "occurrences": len(recs), "type": typ, "dtype_out": dt, "rank_hint": 40}))
+    return out
 
 
 def _only_neginf(s) -> bool:
