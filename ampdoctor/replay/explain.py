@@ -81,7 +81,7 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
                    "input or weights (a weight or activation that grew: check the learning rate and warmup); HF T5 "
                    "clamps such outputs (`x = torch.clamp(x, -65504 + 1000, 65504 - 1000)`):\n" + snip)
         return msg, fix
-    if ev.kind == "overflow" and short == "pow":
+    if ev.kind == "overflow" and short == "pow" and not _at_pole(ev):  # (x ** -0.5 at 0: the pole text below)
         sq = "in bf16 x**2 is inf for |x| > 1.8e19" if str(ev.out_dtype) == "bfloat16" else \
             "in fp16 x**2 is inf for |x| > 255.9"
         msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; {sq}) — a variance or "
