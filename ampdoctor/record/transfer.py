@@ -193,8 +193,10 @@ def resolve(m) -> None:
                 rows[i] = vals[k * NSTAT:(k + 1) * NSTAT]
     st.vecs = []  # release device memory
     st.headroom = m.hr.host_series(host)
-    if st.headroom is not None and m.hr_hooks.budget is not None:
-        m.hr_hooks.budget.creep(st.headroom["fwd"], st.headroom["dtype"])
+    if st.headroom is not None:
+        m.policy.collapse(st.headroom["fwd"], st.headroom["dtype"])  # (a norm flushed to zero: sample the next)
+        if m.hr_hooks.budget is not None:
+            m.hr_hooks.budget.creep(st.headroom["fwd"], st.headroom["dtype"])
     for j, (ev, _) in enumerate(st.norms):
         if f"norm{j}" in host:
             ev.total_norm = host[f"norm{j}"][0]

@@ -173,19 +173,61 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
         if hits:
             c = max(hits, key=lambda c: (c.depth, -c.seq))
             how = _flushed(c, before.get(c.module))
+            prev = before.get(c.module)
+            onset = r.step
+            if how == "bias" and prev:  # collapsed below a sixteenth of what it was
+                onset = _series_onset(run, c.module, r.step, lambda v: v <= prev[0] / 16)
+            feeder = _feeder(r, c)  # (a norm whose output is fp32, not in the series: dated by its input's range)
+            if onset == r.step and feeder is not None:
+                onset = _series_onset(run, feeder, r.step, lambda v: v >= 256.0)
             shown = (f"returned {c.out.zeros / c.out.numel:.0%} exact zeros" if how == "zeros" else
                      f"returned values no larger than {c.out.absmax:.3g} (up to {before[c.module][0]:.3g} on earlier "
                      "steps: only its bias is left)")
+            ev = {"absmax_in": c.inp.absmax, "zeros_out": c.out.zeros, "numel_out": c.out.numel,
+                  "zeros_in": c.inp.zeros, "absmax_out": c.out.absmax, "flushed": how, "rank_hint": 15}
+            since = ""
+            if onset < r.step:
+                ev["observed_step"] = r.step
+                since = f" (seen on sampled step {r.step}; the always-on series shows its output collapsed from here)"
             return [Finding(
-                "overflow", "error", "forward", c.module, None, r.step,
+                "overflow", "error", "forward", c.module, None, onset,
                 f"`{c.module}` ({c.type}) {shown} from nonzero inputs "
-                f"up to {c.inp.absmax:.4g}: an intermediate overflowed in fp16 (e.g. x² > 65504 in a variance, "
-                "then x * rsqrt(inf) = 0) and was silently flushed to zero.",
+                f"up to {c.inp.absmax:.4g} at step {onset}{since}: an intermediate overflowed in fp16 (e.g. x² > "
+                "65504 in a variance, then x * rsqrt(inf) = 0) and was silently flushed to zero.",
                 "Compute the statistics in fp32 (`x.float().pow(2).mean(...)`, as HF's RMSNorm/T5LayerNorm do) or "
-                "keep the norm in fp32:\n" + fp32_snippet(c.module, autocast_device(run)),
-                {"absmax_in": c.inp.absmax, "zeros_out": c.out.zeros, "numel_out": c.out.numel,
-                 "zeros_in": c.inp.zeros, "absmax_out": c.out.absmax, "flushed": how, "rank_hint": 15})]
+                "keep the norm in fp32:\n" + fp32_snippet(c.module, autocast_device(run)), ev)]
     return []
+
+
+def _feeder(r, c):
+    """The module whose output was call `c`'s input on step `r` (same size and abs-max, called before it): the
+    innermost, latest such call; None when none matches."""
+    i = c.inp
+    cands = [d for d in r.modules if d.seq < c.seq and d.out is not None and d.out.numel == i.numel
+             and d.out.absmax == i.absmax and d.module != c.module and not c.module.startswith(d.module + ".")
+             and d.module != ""]
+    return max(cands, key=lambda d: (d.seq, d.depth)).module if cands else None
+
+
+def _series_onset(run: RunData, module: str, step: int, holds) -> int:
+    """The first step of the run of steps just before `step` whose always-on series (StepRecord.headroom) shows
+    `module`'s forward abs-max where `holds(value)` (as on `step`: collapsed, or in the overflow range); steps that
+    did not record it are passed over. `step` itself when the step before it did not hold, when none recorded it,
+    or when it held on every recorded point (no change to date)."""
+    slot = next((i for i, mm in enumerate(run.meta.modules or []) if mm and mm[0] == module), None)
+    if slot is None:
+        return step
+    onset = step
+    for r in reversed(run.steps):
+        if r.step >= step:
+            continue
+        v = r.headroom_of(slot)[0]
+        if v is None:
+            continue
+        if not (isinstance(v, (int, float)) and 0 <= v < math.inf and holds(v)):
+            return onset  # the change: it did not hold here, and did from the next recorded point on
+        onset = r.step
+    return step  # it held on every recorded point: no change seen, nothing to date it by
 
 
 @register("integer_precision", emits=("precision_loss",))
