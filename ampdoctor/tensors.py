@@ -233,9 +233,10 @@ def shallow(x):
 def nonfinite_input(args, kwargs) -> dict | None:
     """The first floating-point tensor among a model call's arguments that holds inf/NaN, counted:
     `{"arg": position or keyword, "nan": n, "posinf": n, "neginf": n, "numel": n, "dtype": name}`, else None.
-    A tensor whose only non-finite values are -inf is an additive mask (BERT's `(1 - mask) * finfo.min`, cast
-    to fp16, is -inf where padded; a causal mask filled with -inf), not bad data: what a module makes of it (a
-    softmax over a row of -inf only) is that module's."""
+    A tensor whose only non-finite values are -inf and whose finite values are none above 0 is an additive mask
+    or bias (BERT's `(1 - mask) * finfo.min`, cast to fp16, is -inf where padded; a causal mask filled with -inf),
+    not bad data: what a module makes of it (a softmax over a row of -inf only) is that module's. With positive
+    values beside the -inf (a generator's overflowed sample fed to a critic) it is data."""
     named = [(i, a) for i, a in enumerate(args or ())] + [(k, v) for k, v in (kwargs or {}).items()]
     for key, obj in named:
         for t in flatten_tensors(obj, []):
@@ -247,9 +248,10 @@ def nonfinite_input(args, kwargs) -> dict | None:
                     if bool(torch.isfinite(t).all()):
                         continue
                     nan, pinf, ninf = int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()), int(torch.isneginf(t).sum())
+                    mask = not nan and not pinf and not bool((torch.where(torch.isneginf(t), 0, t) > 0).any())
             except RuntimeError:  # a tensor subclass or device that cannot answer: not this check's business
                 continue
-            if not nan and not pinf:
+            if mask:
                 continue
             return {"arg": key, "nan": nan, "posinf": pinf, "neginf": ninf, "numel": t.numel(),
                     "dtype": str(t.dtype).replace("torch.", "")}

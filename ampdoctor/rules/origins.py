@@ -110,6 +110,8 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     benign |= by_loop
     dev = autocast_device(run)
     for (phase, module, kind), recs in groups.items():
+        if phase == "forward" and all(r.bad_input and _fed_nonfinite(r, r.forward_producer) for r in recs):
+            continue  # the batch brought the inf (bad_data says so): this module only made NaN of it (inf - inf)
         if phase == "backward":
             # the same module's overflow during GradScaler's search (the opening backoffs) and again later, after
             # the run had trained cleanly for a while, where no search explains it: the failure is dated, described
@@ -202,6 +204,13 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out.extend(f for f in bad_buffers(run) if first is None or f.step < first)
     out.extend(absorbed_unsampled(run, {k[1] for k in groups if k[0] == "forward"}, dev))
     return out
+
+
+def _fed_nonfinite(r: StepRecord, p) -> bool:
+    """The producer's call received ±inf (or NaN) in its input on step `r`; True when the step has no call to tell
+    by (a routine step)."""
+    c = _call(r, p.module, p.call) if p is not None else None
+    return c is None or c.inp is None or not c.inp.finite
 
 
 def _first_error(findings: list[Finding]) -> int | None:
