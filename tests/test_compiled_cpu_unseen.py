@@ -502,6 +502,10 @@ def test_9_loss_outside_the_compiled_model_goes_nan(tmp_path):
     blamed = [f.one_line() for f in r["rep"].findings if f.severity in ("warning", "error") and f.module in names]
     check(not blamed, ("a model module blamed for the loss's own NaN", lines(r["rep"])))
     named_in_top3(r["rep"], "nan_origin", None, 4)               # module null: no module applies (CONTRACT.md)
+    # the skip's words follow what went non-finite: the loss, not the forward pass (wrong when written: "the forward
+    # pass itself was non-finite" for a finite output)
+    skips = [f.message for f in r["rep"].findings if f.rule == "skipped_steps" and f.severity == "error"]
+    assert all("the loss itself was non-finite" in m for m in skips), skips
 
 
 # ------------------------------------------------------------------------------------------------ 10 mid report

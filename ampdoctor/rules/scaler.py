@@ -171,10 +171,14 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
         return out
     if forward_bad:
         fp = next((r.forward_producer for r in steps if r.forward_bad and r.forward_producer), None)
+        # (the model's output finite and only the loss non-finite: the loss computation, not the forward pass)
+        what = "the loss itself" if all(r.output_finite is not False and r.forward_producer is None
+                                        and not r.exception for r in steps if r.step in set(forward_bad)) \
+            else "the forward pass itself"
         out.append(Finding(
             "skipped_steps", "error", "scaler", fp.module if fp else None, None, forward_bad[0],
-            f"GradScaler skipped {len(skipped)} of {len(steps)} steps; on {len(forward_bad)} of them the forward "
-            "pass itself was non-finite, which no loss scale can fix.",
+            f"GradScaler skipped {len(skipped)} of {len(steps)} steps; on {len(forward_bad)} of them {what} was "
+            "non-finite, which no loss scale can fix.",
             "Fix the forward inf/NaN (see the overflow/nan_origin finding); those steps train nothing.",
             dict(ev, rank_hint=70)))
         return out
