@@ -66,6 +66,9 @@ def _descent(steps: list[StepRecord], first_good: int | None, settle_min: int = 
 LATER_SKIPS_MAX = 0.2
 """The share of the steps after the first applied update that skipped steps may take and still be GradScaler's
 ordinary searches and probes (benign_backoff): a growth_interval of 10 at the default growth_factor skips ~9%."""
+LATER_SKIPS_SHORT = 0.4
+"""... and in a run too short for `later_min` skips, three or more that take this share of the steps after the first
+applied update (a growth_interval of 1: every good step grows the scale into the next overflow)."""
 PROBE_SHARE = 0.125
 """GradScaler's probes of a scale it just grew (one skip per growth at most, the scale back where it was) are the
 design's price, paid at most once per `growth_interval` + 1 steps: benign up to this share of the steps (a
@@ -237,8 +240,9 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     # search's price (a growth_factor of 16 every 3 steps: four backoffs per growth, half the run skipped)
     n_skips = sum(1 for r in steps if r.skipped and first_good is not None and r.step > first_good
                   and r.step not in failed)
-    if n_skips >= later_min and n_skips / max(after, 1) >= LATER_SKIPS_MAX:
-        later_ok = False
+    if n_skips >= later_min and n_skips / max(after, 1) >= LATER_SKIPS_MAX or \
+            n_skips >= 3 and n_skips / max(after, 1) >= LATER_SKIPS_SHORT:
+        later_ok = False  # (a short run: fewer skips, but most of what came after the first update)
     for s in _streaks(steps):
         first_search = first_good is not None and s[-1].step < first_good
         # skips before a forward failure in the same streak can still be the search (a first-step backoff, then
