@@ -192,7 +192,7 @@ def wrong(reason):
 
 def probe_run(m, batch, loss_fn, steps, run_dir, *, oracle=lambda m: Producer(m, with_kwargs=True), inject=None,
               before=None, after=None, params=None, call=None, lr=1e-3, watch=True, mid_report=None, export=None,
-              snap_at=None):
+              snap_at=None, watch_kw=None):
     """The probe files' user loop (test_unseen_variants34-40) under ampdoctor.watch(m, optimizer=AdamW(params or
     m.parameters()), scaler=GradScaler("cpu"), run_dir=...) at the default settings, inside a warnings recorder:
     [inject(i, m) under no_grad] [before(i, m)] -> zero_grad -> fp16 autocast forward (`call`, default m) ->
@@ -202,7 +202,8 @@ def probe_run(m, batch, loss_fn, steps, run_dir, *, oracle=lambda m: Producer(m,
     `oracle`: m -> an oracle (Producer-like: step, first, first_bwd, calls, remove), or None. `watch=False`: the same
     loop without a watch or an oracle (the losses-identical twin). Returns the oracle's first producers and calls,
     the steps with a non-finite loss, the skipped steps, the losses, the final weights, (snap_at) the state dict the
-    forward of that step ran with, ampdoctor's RuntimeWarnings and the reports."""
+    forward of that step ran with, ampdoctor's RuntimeWarnings and the reports. `watch_kw`: more keyword arguments
+    of the watch (a case that needs a setting other than the default says why)."""
     opt = torch.optim.AdamW(m.parameters() if params is None else params, lr=lr)
     sc = torch.amp.GradScaler("cpu")
     orc = oracle(m) if watch and oracle is not None else None
@@ -210,7 +211,7 @@ def probe_run(m, batch, loss_fn, steps, run_dir, *, oracle=lambda m: Producer(m,
     r = dict(skipped=[], bad_loss=[], losses=[], rep=None, mid=None, warns=[], sd=None)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir) if watch else None
+        w = ampdoctor.watch(m, optimizer=opt, scaler=sc, run_dir=run_dir, **(watch_kw or {})) if watch else None
         for i in range(steps):
             if orc is not None:
                 orc.step = i

@@ -15,7 +15,7 @@ import torch
 
 from ..records import BACKOFF_MAX_STREAK, LOSS_JUMP
 
-__all__ = ["CapturePolicy", "maybe_capture", "bad_micro", "RECUR_CLEAN", "COLLAPSE", "COLLAPSE_SAMPLES"]
+__all__ = ["CapturePolicy", "maybe_capture", "bad_micro", "RECUR_CLEAN", "COLLAPSE", "COLLAPSE_GAP", "COLLAPSE_SAMPLES"]
 
 RECUR_CLEAN = 5
 """Clean steps after which a `backward` skip at a working scale is captured again (CapturePolicy.observe)."""
@@ -23,6 +23,8 @@ COLLAPSE = 16.0
 """How many times smaller an fp16 output's abs-max must become between two series points to have a step sampled."""
 SQUARE_OVERFLOW = 256.0
 """fp16 values from which x**2 overflows (sqrt(65504) = 255.9)."""
+COLLAPSE_GAP = 4
+"""Steps between two series points within which a COLLAPSE-fold change counts (CapturePolicy.collapse)."""
 COLLAPSE_SAMPLES = 2
 """Steps sampled per module for a collapse of its output (CapturePolicy.collapse)."""
 
@@ -54,7 +56,7 @@ class CapturePolicy:
         self.clean = 0              # steps since the last bad one (neither forward nor gradients non-finite)
         self.worked = None          # the largest loss scale a clean step has used
         self.recurred = False       # the one extra `backward` capture was taken
-        self.series_last: dict[int, float] = {}  # slot -> its forward abs-max at the last routine series point
+        self.series_last: dict[int, tuple] = {}  # slot -> (forward abs-max, step) at its last routine series point
         self.collapses: dict[int, int] = {}      # slot -> the steps sampled for its collapse (collapse)
 
     def sampled(self, step: int) -> bool:
@@ -122,20 +124,21 @@ class CapturePolicy:
         if r >= LOSS_JUMP or r <= 1.0 / LOSS_JUMP:
             self.followup = max(self.followup, 1)
 
-    def collapse(self, fwd: list, dtype: str) -> None:
+    def collapse(self, fwd: list, dtype: str, step: int) -> None:
         """A routine step's headroom series (its forward abs-maxes, `dtype` one code per slot): an fp16 output whose
         abs-max fell COLLAPSE-fold or more since the slot's last recorded point, from at least 1 (a hand-written
         norm whose variance overflowed: x * rsqrt(inf) = 0, finite, silent), or rose COLLAPSE-fold into the range
         where its square overflows fp16 (the input of such a norm, whose own output may be fp32), has the next step
-        sampled, so that its full statistics judge it (rules/numeric.py silent_zeros) and the series dates it. At
-        most COLLAPSE_SAMPLES such steps per slot. Host numbers only."""
+        sampled, so that its full statistics judge it (rules/numeric.py silent_zeros) and the series dates it. Only
+        a change within COLLAPSE_GAP steps (a sudden one: healthy outputs that grow into the hundreds over a run
+        are not it), at most COLLAPSE_SAMPLES such steps per slot. Host numbers only."""
         last = self.series_last
         for s, v in enumerate(fwd):
             if v is None or dtype[s:s + 1] != "h":
                 continue
-            p = last.get(s)
-            last[s] = v
-            if p is None or not (0 <= p < math.inf and 0 <= v < math.inf):
+            p, at = last.get(s, (None, None))
+            last[s] = (v, step)
+            if p is None or step - at > COLLAPSE_GAP or not (0 <= p < math.inf and 0 <= v < math.inf):
                 continue
             if (p >= 1.0 and v <= p / COLLAPSE or v >= SQUARE_OVERFLOW and v >= p * COLLAPSE) \
                     and self.collapses.get(s, 0) < COLLAPSE_SAMPLES:

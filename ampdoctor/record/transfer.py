@@ -194,7 +194,7 @@ def resolve(m) -> None:
     st.vecs = []  # release device memory
     st.headroom = m.hr.host_series(host)
     if st.headroom is not None:
-        m.policy.collapse(st.headroom["fwd"], st.headroom["dtype"])  # (a norm flushed to zero: sample the next)
+        m.policy.collapse(st.headroom["fwd"], st.headroom["dtype"], st.step)  # (a norm flushed: sample the next)
         if m.hr_hooks.budget is not None:
             m.hr_hooks.budget.creep(st.headroom["fwd"], st.headroom["dtype"])
     for j, (ev, _) in enumerate(st.norms):
