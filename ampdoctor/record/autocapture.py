@@ -19,6 +19,7 @@ __all__ = ["CapturePolicy", "maybe_capture", "bad_micro", "RECUR_CLEAN", "COLLAP
 
 RECUR_CLEAN = 5
 """Clean steps after which a `backward` skip at a working scale is captured again (CapturePolicy.observe)."""
+_INF = math.inf
 COLLAPSE = 16.0
 """How many times smaller an fp16 output's abs-max must become between two series points to have a step sampled."""
 SQUARE_OVERFLOW = 256.0
@@ -56,7 +57,9 @@ class CapturePolicy:
         self.clean = 0              # steps since the last bad one (neither forward nor gradients non-finite)
         self.worked = None          # the largest loss scale a clean step has used
         self.recurred = False       # the one extra `backward` capture was taken
-        self.series_last: dict[int, tuple] = {}  # slot -> (forward abs-max, step) at its last routine series point
+        self.series_prev: list = []  # per slot: its forward abs-max at its last routine series point (collapse)
+        self.series_at: list = []    # ... and that point's step
+        self.series_dtype, self.series_h = None, []  # the last dtype codes seen, and their fp16 slots
         self.collapses: dict[int, int] = {}      # slot -> the steps sampled for its collapse (collapse)
 
     def sampled(self, step: int) -> bool:
@@ -132,13 +135,19 @@ class CapturePolicy:
         sampled, so that its full statistics judge it (rules/numeric.py silent_zeros) and the series dates it. Only
         a change within COLLAPSE_GAP steps (a sudden one: healthy outputs that grow into the hundreds over a run
         are not it), at most COLLAPSE_SAMPLES such steps per slot. Host numbers only."""
-        last = self.series_last
-        for s, v in enumerate(fwd):
-            if v is None or dtype[s:s + 1] != "h":
+        prev, at = self.series_prev, self.series_at
+        if len(prev) != len(fwd):  # (per slot: the abs-max at its last routine series point, and that step)
+            prev[:], at[:] = [None] * len(fwd), [step] * len(fwd)
+        if dtype != self.series_dtype:  # (the fp16 slots, found again only when the step's dtypes change)
+            self.series_dtype, self.series_h = dtype, [i for i, c in enumerate(dtype) if c == "h" and i < len(fwd)]
+        for s in self.series_h:
+            v = fwd[s]
+            if v is None:
                 continue
-            p, at = last.get(s, (None, None))
-            last[s] = (v, step)
-            if p is None or step - at > COLLAPSE_GAP or not (0 <= p < math.inf and 0 <= v < math.inf):
+            p, a = prev[s], at[s]
+            prev[s] = v
+            at[s] = step
+            if p is None or step - a > COLLAPSE_GAP or not (0 <= p < _INF and 0 <= v < _INF):
                 continue
             if (p >= 1.0 and v <= p / COLLAPSE or v >= SQUARE_OVERFLOW and v >= p * COLLAPSE) \
                     and self.collapses.get(s, 0) < COLLAPSE_SAMPLES:
