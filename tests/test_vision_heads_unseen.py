@@ -70,9 +70,9 @@ first findings (abridged):
  3. PASS [error] overflow at softargmax aten::exp step 5 (input up to 50.1; propagates to aten::div);
     [error] skipped_steps.
  4. PASS [error] eps_underflow at loss aten::clamp step 5 (the bound 0.9999 rounds to 1 in fp16: "the guard does
-    nothing"); [error] overflow at loss.crit aten::log step 5 (-inf); [error] skipped_steps. (Its message gives
-    fp16's spacing near 1 as 0.000977, the spacing above 1; below 1, where 0.9999 lies, it is 0.000488 - the
-    conclusion is right either way; not checked.)
+    nothing"); [error] overflow at loss.crit aten::log step 5 (-inf); [error] skipped_steps. (Its message gave
+    fp16's spacing near 1 as 0.000977, the spacing above 1; below 1, where 0.9999 lies, it is 0.000488 - fixed
+    since, and checked.)
  5. PASS [error] overflow at (run) step 5: "The loss became inf outside the watched model ..." (module null).
  6. PASS [error] overflow at head aten::convolution step 5 (max |x| 88.8 -> +inf); [error] skipped_steps.
  7. PASS [error] eps_underflow at reid aten::clamp_min step 5 (eps 1e-12 rounds to 0); [error] nan_origin at reid
@@ -573,6 +573,10 @@ def test_4_centernet_clamp_vanishes_log_one_minus_p(tmp_path):
     real(r, "loss.crit")
     fp32_ok(ModelWithLoss, r, ctdet_batch)
     named(r["rep"], FWD + ("eps_underflow",), "loss.crit", also=(("eps_underflow", "loss"),))
+    # the words: fp16's spacing just below 1 (where 0.9999 lies) is 2**-11, not finfo.eps = 2**-10 (the spacing
+    # above 1; wrong when written, fixed since in replay/constants.py)
+    eps = [f.message for f in r["rep"].findings if f.rule == "eps_underflow" and "rounds to exactly 1" in f.message]
+    assert eps and all("below 1 is 0.000488" in m for m in eps), eps
 
 
 def test_12_healthy_centernet_sigmoid_in_fp32(tmp_path):

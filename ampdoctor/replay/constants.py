@@ -128,9 +128,11 @@ def check_op(tr, func, args, kwargs) -> None:
         elif short in EPS_OPS and abs(v) != 1.0 and abs(abs(v) - 1.0) < 1e-2:  # (±1 itself is exact)
             r = torch.tensor(v, dtype=dtype).item()
             if abs(r) == 1.0:
+                # (the spacing on v's side of 1: below 1 it is half of finfo.eps, the spacing above 1)
+                gap = fi.eps / 2 if abs(v) < 1.0 else fi.eps
                 _record(tr, "eps_underflow", func, dtype, name, v, r,
-                        f"{v!r} rounds to exactly {r:g} in {dname} (its spacing near 1 is {fi.eps:g})",
-                        _reached(short, args, True, r))
+                        f"{v!r} rounds to exactly {r:g} in {dname} (its spacing just {'below' if abs(v) < 1 else 'above'}"
+                        f" 1 is {gap:g})", _reached(short, args, True, r))
         elif short in EPS_OPS and abs(v) < 1e-3:
             r = torch.tensor(v, dtype=dtype).item()
             if r == 0.0:
