@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ..records import BACKOFF_MAX_STREAK, DTYPE_LIMITS, StepRecord
 
-__all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "LATER_SKIPS_MAX", "PROBE_SHARE", "SCALED_LOSS_MIN_SCALE",
-           "benign_backoff", "scale_restarts", "scaled_loss_steps"]
+__all__ = ["BACKOFF_MAX_STREAK", "BACKOFF_MIN_SCALE", "LATER_SKIPS_MAX", "LATER_SKIPS_SHORT", "PROBE_SHARE", "SCALED_LOSS_MIN_SCALE",
+           "benign_backoff", "recurring", "scale_restarts", "scaled_loss_steps"]
 
 BACKOFF_MIN_SCALE = 1.0
 """Below this loss scale a skipped step is no longer the scaler searching: gradients overflow unscaled."""
@@ -67,8 +67,15 @@ LATER_SKIPS_MAX = 0.2
 """The share of the steps after the first applied update that skipped steps may take and still be GradScaler's
 ordinary searches and probes (benign_backoff): a growth_interval of 10 at the default growth_factor skips ~9%."""
 LATER_SKIPS_SHORT = 0.4
-"""... and in a run too short for `later_min` skips, three or more that take this share of the steps after the first
-applied update (a growth_interval of 1: every good step grows the scale into the next overflow)."""
+"""... and in a run too short for `later_min` skips, three or more skips in two or more separate streaks (`recurring`:
+the run recovered and skipped again) that take this share of the steps after the first applied update (a
+growth_interval of 1: every good step grows the scale into the next overflow; one streak is a search for a lower
+scale, however long)."""
+
+
+def recurring(skipped: list[int]) -> int:
+    """How many separate streaks (runs of consecutive steps) the skipped steps `skipped` (sorted) make."""
+    return sum(1 for i, s in enumerate(skipped) if i == 0 or skipped[i - 1] != s - 1)
 PROBE_SHARE = 0.125
 """GradScaler's probes of a scale it just grew (one skip per growth at most, the scale back where it was) are the
 design's price, paid at most once per `growth_interval` + 1 steps: benign up to this share of the steps (a
@@ -240,9 +247,11 @@ def benign_backoff(steps: list[StepRecord], has_scaler: bool, *, max_streak: int
     # search's price (a growth_factor of 16 every 3 steps: four backoffs per growth, half the run skipped)
     n_skips = sum(1 for r in steps if r.skipped and first_good is not None and r.step > first_good
                   and r.step not in failed)
+    later_skips = [r.step for r in steps if r.skipped and first_good is not None and r.step > first_good
+                   and r.step not in failed]
     if n_skips >= later_min and n_skips / max(after, 1) >= LATER_SKIPS_MAX or \
-            n_skips >= 3 and n_skips / max(after, 1) >= LATER_SKIPS_SHORT:
-        later_ok = False  # (a short run: fewer skips, but most of what came after the first update)
+            n_skips >= 3 and recurring(later_skips) >= 2 and n_skips / max(after, 1) >= LATER_SKIPS_SHORT:
+        later_ok = False  # (a short run: fewer skips, but most of what came after the first update, again and again)
     for s in _streaks(steps):
         first_search = first_good is not None and s[-1].step < first_good
         # skips before a forward failure in the same streak can still be the search (a first-step backoff, then

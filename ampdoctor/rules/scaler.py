@@ -9,7 +9,7 @@ from ..findings import Finding
 from ..records import CallEvent, StepRecord
 from .registry import RuleConfig, RunData, register
 from .outside import output_grad_nonfinite
-from .backoff import BACKOFF_MIN_SCALE, LATER_SKIPS_SHORT, benign_backoff, scale_restarts
+from .backoff import BACKOFF_MIN_SCALE, LATER_SKIPS_SHORT, benign_backoff, recurring, scale_restarts
 
 ORDER = ("scaler.scale(loss).backward()\n"
          "scaler.unscale_(optimizer)                      # before anything reads the gradients\n"
@@ -225,7 +225,8 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
         return out
     n_later = len(later)
     share = n_later / max(len(steps) - len(initial), 1)
-    if n_later >= cfg.skipped_min and share >= cfg.skipped_share or n_later >= 3 and share >= LATER_SKIPS_SHORT:
+    if n_later >= cfg.skipped_min and share >= cfg.skipped_share or \
+            n_later >= 3 and recurring(later) >= 2 and share >= LATER_SKIPS_SHORT:
         # (a run too short for skipped_min later skips: three or more that take most of it)
         out.append(Finding(
             "skipped_steps", "error" if share >= 0.5 else "warning", "scaler", None, None, later[0],
