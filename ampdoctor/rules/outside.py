@@ -1,6 +1,7 @@
 """Origins of an inf/NaN that are not a module's forward or backward: the loss computed outside the model (or the
-model's own loss, backward), a batch that already held inf/NaN, weights an earlier update wrote, and a bad step
-without per-layer statistics (the `producers` rule, ampdoctor/rules/origins.py, calls these)."""
+model's own loss, backward), a batch that already held inf/NaN, weights an earlier update wrote, a bad step
+without per-layer statistics, and an inf that later ops absorbed on such a step, seen only by the always-on series
+(the `producers` rule, ampdoctor/rules/origins.py, calls these)."""
 from __future__ import annotations
 
 import math
