@@ -86,7 +86,7 @@ def first_warning(pts, cfg: RuleConfig, fitting=None):
             continue
         slope, steady = t
         if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope) \
-                or _settling(pts, k, slope):
+                or _settling(pts, k, slope) or _jump(pts, k):
             continue
         # the level the window's trend line gives at this step (the median of its points carried along the
         # slope): one batch of outliers — heavy-tailed inputs — dips a single point, not the line
@@ -108,6 +108,22 @@ def first_warning(pts, cfg: RuleConfig, fitting=None):
         return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
                 "dtype": pts[k][2]}
     return None
+
+
+JUMP_BITS = 1.0
+"""A single change between two points of a window that falls at least this far, and as far as the rest of the
+window's fall together, is a step change (see _jump)."""
+
+
+def _jump(pts, k: int) -> bool:
+    """Whether the window's fall is one step change, not a trend: a single change between consecutive points of at
+    least JUMP_BITS that is half the window's fall or more (a layer's scale that jumped once, by an injected or
+    restored weight or a curriculum stage's inputs, and then stayed: the points before and after it make a steep
+    Theil-Sen slope; a layer running out of range falls point after point)."""
+    w = pts[k + 1 - WINDOW:k + 1]
+    total = w[0][1] - w[-1][1]
+    drop = max((a[1] - b[1] for a, b in zip(w, w[1:])), default=0.0)
+    return drop >= JUMP_BITS and drop >= 0.5 * total
 
 
 REFUTED_BITS = 2.0
