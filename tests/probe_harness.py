@@ -190,6 +190,16 @@ def wrong(reason):
     return xf(reason).with_args(raises=WrongAnswer)
 
 
+def named_top3(rep, rules, module, step, severities=("warning", "error")):
+    """The probe files' report check (test_llm_blocks_unseen, test_domain_models_unseen, ...): one of `rules` at
+    `module`, at `step`, among the first three findings, of one of `severities`; returns it, else WrongAnswer."""
+    rules = (rules,) if isinstance(rules, str) else rules
+    for f in rep.findings[:3]:
+        if f.rule in rules and f.severity in severities and f.module == module and f.step == step:
+            return f
+    raise WrongAnswer(f"wanted {rules} at {module!r} step {step}; top 3: {lines(rep)[:3]}")
+
+
 def probe_run(m, batch, loss_fn, steps, run_dir, *, oracle=lambda m: Producer(m, with_kwargs=True), inject=None,
               before=None, after=None, params=None, call=None, lr=1e-3, watch=True, mid_report=None, export=None,
               snap_at=None, watch_kw=None):

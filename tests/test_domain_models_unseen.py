@@ -92,7 +92,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from probe_harness import Producer, WrongAnswer, probe_run
+from probe_harness import Producer, probe_run, named_top3, quiet_twin
 from scenarios import alarms, gen, lines, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -125,23 +125,12 @@ def real(r, module, step=K, hidden=False):
 
 
 def named(rep, rules, module, step=K):
-    """One of `rules` at `module`, at `step`, among the first three findings, warning or error; else WrongAnswer."""
-    rules = (rules,) if isinstance(rules, str) else rules
-    for f in rep.findings[:3]:
-        if f.rule in rules and f.severity in ALARM and f.module == module and f.step == step:
-            return f
-    raise WrongAnswer(f"wanted {rules} at {module!r} step {step}; top 3: {lines(rep)[:3]}")
+    """One of `rules` at `module`, at `step` (default K), warning or error, among the first three findings
+    (probe_harness.named_top3)."""
+    return named_top3(rep, rules, module, step)
 
 
-def quiet(r):
-    """A healthy twin: every loss finite, no producer, no skip after the first backoffs, the loss fell, no
-    warning or error in the report."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and r["first"] is None, r
-    assert [s for s in r["skipped"] if s >= 3] == [], r
-    assert sum(ls[-2:]) < sum(ls[:2]), ls
-    rep = r["rep"]
-    assert alarms(rep.findings) == [], lines(rep)
+quiet = quiet_twin  # (probe_harness.quiet_twin: the healthy twin's checks)
 
 
 def run(m, batch, tmp_path, loss_fn=own_loss, lr=1e-3):

@@ -77,8 +77,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import WrongAnswer, probe_run
-from scenarios import alarms, gen, lines, one_thread
+from probe_harness import probe_run, named_top3, quiet_twin
+from scenarios import gen, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -352,24 +352,11 @@ def real(r, module, step=K, silent=False):
 
 
 def named(rep, rules, module, step=K, severities=ALARM):
-    """One of `rules` at `module`, at `step`, among the first three findings, of one of `severities` (warning or
-    error); else WrongAnswer."""
-    rules = (rules,) if isinstance(rules, str) else rules
-    for f in rep.findings[:3]:
-        if f.rule in rules and f.severity in severities and f.module == module and f.step == step:
-            return f
-    raise WrongAnswer(f"wanted {rules} at {module!r} step {step}; top 3: {lines(rep)[:3]}")
+    """One of `rules` at `module`, at `step` (default K), among the first three findings (probe_harness.named_top3)."""
+    return named_top3(rep, rules, module, step, severities)
 
 
-def quiet(r):
-    """A healthy twin: every loss finite, no producer, no skip after the first backoffs, the loss fell, no
-    warning or error in the report."""
-    ls = r["losses"]
-    assert all(map(math.isfinite, ls)) and r["first"] is None, r
-    assert [s for s in r["skipped"] if s >= 3] == [], r
-    assert sum(ls[-2:]) < sum(ls[:2]), ls
-    rep = r["rep"]
-    assert alarms(rep.findings) == [], lines(rep)
+quiet = quiet_twin  # (probe_harness.quiet_twin: the healthy twin's checks)
 
 
 def run(m, batch, loss_fn, tmp_path, lr=1e-2):
