@@ -172,8 +172,8 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 hits.append(c)
         if hits:
             c = max(hits, key=lambda c: (c.depth, -c.seq))
-            how = _flushed(c, before.get(c.module))
             prev = before.get(c.module)
+            how = _flushed(c, prev)
             onset = r.step
             if how == "bias" and prev:  # collapsed below a sixteenth of what it was
                 onset = _series_onset(run, c.module, r.step, lambda v: v <= prev[0] / 16)

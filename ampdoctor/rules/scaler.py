@@ -172,8 +172,9 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if forward_bad:
         fp = next((r.forward_producer for r in steps if r.forward_bad and r.forward_producer), None)
         # (the model's output finite and only the loss non-finite: the loss computation, not the forward pass)
+        bad = set(forward_bad)
         what = "the loss itself" if all(r.output_finite is not False and r.forward_producer is None
-                                        and not r.exception for r in steps if r.step in set(forward_bad)) \
+                                        and not r.exception for r in steps if r.step in bad) \
             else "the forward pass itself"
         out.append(Finding(
             "skipped_steps", "error", "scaler", fp.module if fp else None, None, forward_bad[0],
