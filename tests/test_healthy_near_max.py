@@ -404,7 +404,9 @@ def check_stride(w, stride):
 # Wrong reports found while writing this file: (scenario, mode) -> the reason (the exact false finding).
 XFAIL: dict[tuple[str, str], str] = {}
 
-MODES = ["default", "1", "8", "32"]
+MODES = ["default", "1", "4", "8", "32"]
+# stride 4: CI's two-core machine chose it by budget, and staircase then got `[warning] headroom_trend at gain
+# step 174` (3.3 bits left; the climb after the x4 target stopped 1.2 bits closer and stayed there 55 steps)
 
 
 def _params():

@@ -134,11 +134,16 @@ REFUTED_SPAN = 20
 """Steps of series after a warning over which a fall that stopped refutes it (with WINDOW // 2 points at least)."""
 
 
+PLATEAU_BITS = 1.0
+"""A fall that stopped at this much headroom (2x) or more, and stayed stopped, refutes its warning (see _refuted)."""
+
+
 def _refuted(pts, k: int, forecast: int, bits: float, rate: float) -> bool:
     """What the run did after the warning shows the fall it extrapolated stopped or slowed (a fit reaching its
     targets, a one-time jump in the inputs' scale, sampled sparsely): the run went past the forecast step with
     `REFUTED_BITS` left or never came a bit closer to the max; or, over at least `REFUTED_SPAN` steps and half a
-    window of points, it fell at under a quarter of the warned rate and never came a bit closer. A layer that did
+    window of points, it fell at under a quarter of the warned rate and never came a bit closer; or it came closer,
+    stopped at `PLATEAU_BITS` or more and stayed there as long. A layer that did
     run out keeps falling to its overflow, where its series ends; a warning at the end of a run stays."""
     later = pts[k + 1:]
     if not later:
@@ -147,8 +152,14 @@ def _refuted(pts, k: int, forecast: int, bits: float, rate: float) -> bool:
     if later[-1][0] >= forecast:
         at = next(p[1] for p in later if p[0] >= forecast)
         return closest >= bits - 1.0 or at >= REFUTED_BITS
-    if len(later) < WINDOW // 2 or later[-1][0] - later[0][0] < REFUTED_SPAN or closest < bits - 1.0:
+    if len(later) < WINDOW // 2 or later[-1][0] - later[0][0] < REFUTED_SPAN:
         return False
+    if closest < bits - 1.0:
+        # it came closer than warned, then stopped: refuted when the run went on `REFUTED_SPAN` steps and half a
+        # window of points past its closest approach, at PLATEAU_BITS or more, without coming closer (a fit
+        # reaching a new target's scale); a layer running out keeps falling, and its closest point is its last
+        after = later[min(range(len(later)), key=lambda j: later[j][1]):]
+        return closest >= PLATEAU_BITS and len(after) > WINDOW // 2 and after[-1][0] - after[0][0] >= REFUTED_SPAN
     slopes = [(b[1] - a[1]) / max(b[0] - a[0], 1) for i, a in enumerate(later) for b in later[i + 1:]]
     return median(slopes) > rate / 4
 
