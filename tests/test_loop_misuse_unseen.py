@@ -62,10 +62,11 @@ Healthy (no warning, no error at all; each checked to train):
      loaded back into the same objects) and an EMA AveragedModel updated after every update().
  H5. one `torch.autograd.backward(scaler.scale([main, aux]))` on the list GradScaler.scale returns.
 
-Result when written: 13 pass, 4 xfail (strict; each reason gives what ampdoctor reported instead); U12 fixed since
-(14 pass, 3 xfail):
+Result when written: 13 pass, 4 xfail (strict; each reason gives what ampdoctor reported instead); U12 and U8 fixed since
+(15 pass, 2 xfail):
  - U7 (tensor-hook clamp): empty report. Should be clip_before_unscale, error, step 0.
- - U8 (clip_grad_value_ bound at import): empty report. The same loop calling `torch.nn.utils.clip_grad_value_`
+ - U8 (clip_grad_value_ bound at import; fixed since: record/monitor.py sees it where it groups the gradients,
+   tests/test_clip_value_early_bound.py): empty report. The same loop calling `torch.nn.utils.clip_grad_value_`
    through the module attribute gives '[error] clip_before_unscale ... step 0' at the right line, so the early
    binding is what hides it (clip_grad_value_ has no inner clipping function that a watch could see instead).
  - U11 (gradient penalty on scaled gradients): only '[info] skipped_steps at (run) step 0: GradScaler skipped 2 of 8
@@ -390,8 +391,6 @@ def test_u7_tensor_hook_clamp_during_scaled_backward():
 # ======================================================================================================================
 # U8. clip_grad_value_ bound at import, right after the scaled backward, no unscale_
 # ======================================================================================================================
-@wrong("empty report: clip_grad_value_ bound at import (before watch()) is not seen; the same loop through "
-       "`torch.nn.utils.clip_grad_value_` gives clip_before_unscale, error, step 0")
 def test_u8_import_bound_clip_grad_value_before_unscale():
     m = net()
     opt = torch.optim.SGD(m.parameters(), lr=0.05)

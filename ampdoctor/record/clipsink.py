@@ -19,8 +19,9 @@ class ClipCallbacks:
     """Mixin of StepMachine (with OptimizerCallbacks, whose `_model_param_ids` it uses): the clipping calls."""
 
     @guarded
-    def clip_before(self, kind, parameters, limit=None):
-        ev = self._clip_event(kind, parameters)
+    def clip_before(self, kind, parameters, limit=None, grads=False):
+        """`grads`: `parameters` are the gradients themselves (an early-bound clip_grad_value_, monitor.ClipPatch)."""
+        ev = self._clip_event(kind, parameters, grads)
         if ev is None:
             return None
         if isinstance(limit, (int, float)) and math.isinf(limit):
@@ -30,10 +31,13 @@ class ClipCallbacks:
             self.st.full_clip = ev  # its total norm is finite iff every gradient of the model is (presync)
         return ev
 
-    def _clip_event(self, kind, parameters):
+    def _clip_event(self, kind, parameters, grads=False):
         if self.disabled:
             return None
         ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if grads:  # the parameters these gradients are this model's
+            gids = set(map(id, ps))
+            ps = [p for _, p in self.params if p.grad is not None and id(p.grad) in gids]
         mine = self._model_param_ids()
         if mine.isdisjoint(map(id, ps)):
             # get_total_norm takes the gradients themselves (a norm read for the logs): are they this model's?

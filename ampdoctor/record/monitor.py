@@ -262,6 +262,8 @@ _CLIP_FUNCS = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_gr
 # what torch's clip_grad_norm_ calls through its module's globals (torch >= 2.6): a clip_grad_norm_ the user's
 # script bound before the watch began (`from torch.nn.utils import clip_grad_norm_` at its top) is seen there
 _INNER_CLIP = "_clip_grads_with_norm_"
+# ... and what clip_grad_value_ calls there, before it clamps: one bound early is seen there (it has no inner clip)
+_GROUPER = "_group_tensors_by_device_and_dtype"
 
 
 class ClipPatch:
@@ -306,6 +308,10 @@ class ClipPatch:
         if callable(fn):
             cls._saved.append((C, _INNER_CLIP, fn))
             setattr(C, _INNER_CLIP, cls._inner(getattr(fn, "__wrapped_by_ampdoctor__", fn)))
+        fn = getattr(C, _GROUPER, None)
+        if callable(fn):
+            cls._saved.append((C, _GROUPER, fn))
+            setattr(C, _GROUPER, cls._grouper(getattr(fn, "__wrapped_by_ampdoctor__", fn)))
 
     @classmethod
     def _fan_out(cls, kind: str, parameters, orig: Callable, args, kwargs, norm_arg: int | None = None):
@@ -346,6 +352,30 @@ class ClipPatch:
         inner.__name__ = getattr(orig, "__name__", _INNER_CLIP)
         inner.__doc__ = getattr(orig, "__doc__", None)
         return inner
+
+    @classmethod
+    def _grouper(cls, orig: Callable) -> Callable:
+        """torch's own `_group_tensors_by_device_and_dtype` in the clipping module, as a clip_grad_value_ bound
+        before the watch began calls it with the gradients it is about to clamp: recorded then (only then: no
+        wrapper of ours on the way, called from clip_grad_value_ itself) as that clip_grad_value_, over those
+        gradients. It returns nothing to read, so there is nothing to record after it."""
+        def grouper(tensorlistlist, *args, **kwargs):
+            if not getattr(cls._depth, "n", 0) and cls._sinks:
+                try:
+                    f = sys._getframe(1)
+                    if f.f_code.co_name == "clip_grad_value_" and f.f_globals.get(_GROUPER) is grouper:
+                        grads = list(tensorlistlist[0]) if tensorlistlist else []
+                        limit = f.f_locals.get("clip_value")
+                        del f
+                        for s in list(cls._sinks):
+                            s.clip_before("clip_grad_value_", grads, limit, True)
+                except Exception:  # (the sinks' own errors are theirs to handle; a frame we cannot read: nothing)
+                    pass
+            return orig(tensorlistlist, *args, **kwargs)
+        grouper.__wrapped_by_ampdoctor__ = orig
+        grouper.__wrapped__ = orig
+        grouper.__name__ = getattr(orig, "__name__", _GROUPER)
+        return grouper
 
     @classmethod
     def _wrapper(cls, kind: str, orig: Callable) -> Callable:
