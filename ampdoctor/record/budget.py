@@ -96,7 +96,8 @@ class HeadroomBudget:
 
     def creep(self, fwd: list, dtype: str) -> None:
         """A step's series (its forward abs-maxes, `dtype` one code per slot): an fp16 output within 8 bits of the max
-        that rose at each of its last ALERT_POINTS points, by ALERT_RISE bits in all, has the series on every routine
+        (now, or at the next point at the rate of its last ones) that rose at each of its last ALERT_POINTS points,
+        by ALERT_RISE bits in all, has the series on every routine
         step for ALERT_STEPS steps, so that its trend (rules/headroomseries.py: WINDOW points) is judged over a few
         steps, not over WINDOW strides: a layer running out of range is warned in time whatever stride the budget
         chose. Those steps are not timed (the budget's measurement stays the routine one's)."""
@@ -107,11 +108,18 @@ class HeadroomBudget:
             return
         first = hist[0]
         for s, v in enumerate(fwd):
-            if v is None or not ALERT_ABSMAX <= v < math.inf or dtype[s:s + 1] != "h":
+            if v is None or not 0 < v < math.inf or dtype[s:s + 1] != "h":
+                continue
+            f = first[s] if s < len(first) else None
+            if f is None or not 0 < f <= v:
+                continue
+            rise = math.log2(v / f)
+            # in the alert range now, or at the next point at the rate of the last ones (a coarse stride: a layer
+            # rising bits per point is there before its trend window fills)
+            if v < ALERT_ABSMAX and v * 2.0 ** (rise / (ALERT_POINTS - 1)) < ALERT_ABSMAX:
                 continue
             pts = [h[s] if s < len(h) else None for h in hist]
-            if all(a is not None and b is not None and a < b for a, b in zip(pts, pts[1:])) and first[s] > 0 \
-                    and math.log2(v / first[s]) >= ALERT_RISE:
+            if all(a is not None and b is not None and a < b for a, b in zip(pts, pts[1:])) and rise >= ALERT_RISE:
                 if not self.alert_left:
                     self.alerts += 1
                 self.alert_left = ALERT_STEPS

@@ -117,13 +117,24 @@ window's fall together, is a step change (see _jump)."""
 
 def _jump(pts, k: int) -> bool:
     """Whether the window's fall is one step change, not a trend: a single change between consecutive points of at
-    least JUMP_BITS that is half the window's fall or more (a layer's scale that jumped once, by an injected or
-    restored weight or a curriculum stage's inputs, and then stayed: the points before and after it make a steep
-    Theil-Sen slope; a layer running out of range falls point after point)."""
+    least JUMP_BITS beyond what the rest of the window's rate gives over its steps, and half the window's fall or
+    more (a layer's scale that jumped once, by an injected or restored weight or a curriculum stage's inputs, and
+    then stayed: the points before and after it make a steep Theil-Sen slope; a layer running out of range falls
+    point after point, and across a gap in the series — sparse points, then every step — by its rate times the
+    gap)."""
     w = pts[k + 1 - WINDOW:k + 1]
     total = w[0][1] - w[-1][1]
-    drop = max((a[1] - b[1] for a, b in zip(w, w[1:])), default=0.0)
-    return drop >= JUMP_BITS and drop >= 0.5 * total
+    pairs = list(zip(w, w[1:]))
+    rates = [(a[1] - b[1]) / max(b[0] - a[0], 1) for a, b in pairs]  # falls per step
+    for j, (a, b) in enumerate(pairs):
+        drop = a[1] - b[1]
+        if drop < JUMP_BITS or drop < 0.5 * total:
+            continue
+        rest = median(rates[:j] + rates[j + 1:])
+        excess = drop - max(rest, 0.0) * (b[0] - a[0] - 1)
+        if excess >= JUMP_BITS and excess >= 0.5 * total:
+            return True
+    return False
 
 
 REFUTED_BITS = 2.0
@@ -235,8 +246,33 @@ def fitting_predicate(run: RunData, root: list) -> Callable[[list], bool]:
         half = max((s1 - s0 + 1) // 2, 1)
         before = [v for s in range(s0 - half, s0 + half) if (v := losses.get(s)) is not None]
         recent = [v for s in range(s1 - half + 1, s1 + 1) if (v := losses.get(s)) is not None]
-        return len(before) >= half and len(recent) >= half and median(recent) < median(before)
+        return len(before) >= half and len(recent) >= half and median(recent) < median(before) \
+            and not _fit_beyond(window, losses)
     return fitting
+
+
+BEYOND = 2.0
+"""A fit whose loss, carried along its fall against the output's magnitude, reaches zero only past this many times
+the dtype's max is a fit towards targets the dtype cannot hold (see _fit_beyond)."""
+
+
+def _fit_beyond(window, losses: dict) -> bool:
+    """Whether the output grows towards targets beyond the dtype's range (raw units nobody normalised): the loss,
+    as a line in the output's abs-max over the window (Theil-Sen), reaches zero only past BEYOND x the dtype's max.
+    A loss that falls faster than linearly as the output nears its targets (a squared error) reaches zero on that
+    line before the targets do, and a loss floor after it: a fit within range stays a fit."""
+    xy = [(_MAX[dt] / 2.0 ** b, v) for s, b, dt in window if (v := losses.get(s)) is not None]
+    if len(xy) < WINDOW // 2 or not all(math.isfinite(x) and x > 0 for x, _ in xy):
+        return False
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(xy) for b in xy[i + 1:] if b[0] != a[0]]
+    if not slopes:
+        return False
+    slope = median(slopes)  # loss per unit of output
+    if not slope < 0:
+        return False
+    x1 = xy[-1][0]
+    level = median([y + slope * (x1 - x) for x, y in xy])  # the line's loss at the window's last output
+    return level > 0 and x1 + level / -slope >= BEYOND * _MAX[window[-1][2]]
 
 
 def median(v: list[float]) -> float:
