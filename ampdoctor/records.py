@@ -45,6 +45,14 @@ gradient) did not change in ROUNDED_AWAY_SHARE of them or more is rounding its u
 recorder (which ends its extra rounding checks when it sees this: record/params.py) and the rule (rules/weights.py;
 RuleConfig.rounded_away_share defaults to the same share)."""
 
+COLLAPSE = 16.0
+SQUARE_OVERFLOW = 256.0
+"""An fp16 norm flushed by an overflow inside it (x**2 > 65504 from |x| >= SQUARE_OVERFLOW, sqrt(65504) = 255.9): its
+output's abs-max falls COLLAPSE-fold (to zeros or only its bias), or the input that feeds it rises COLLAPSE-fold
+past SQUARE_OVERFLOW. One definition for the recorder (which samples the step after such a change:
+record/autocapture.CapturePolicy.collapse) and the rule (rules/numeric.silent_zeros, which dates the finding by
+it)."""
+
 BACKOFF_MAX_STREAK = 10
 """A streak of this many skipped steps in a row is a collapse, never GradScaler's normal search for a loss scale:
 one definition for the recorder (which bad steps get a capture) and the rules (rules/backoff.benign_backoff; the
@@ -53,7 +61,8 @@ one definition for the recorder (which bad steps get a capture) and the rules (r
 
 _STEP_INTS = ("step", "micro_batches")
 _STEP_FLOATS = ("loss", "scale", "next_scale", "grad_norm")
-_STEP_BOOLS = ("sampled", "loss_finite", "found_inf", "skipped", "grad_finite", "output_finite", "loss_in_model")
+_STEP_BOOLS = ("sampled", "loss_finite", "found_inf", "skipped", "grad_finite", "output_finite", "loss_in_model",
+               "loss_low")
 _STEP_STRS = ("autocast", "capture")
 
 
@@ -396,6 +405,9 @@ class StepRecord:
     loss_ops: list | None = None
     """On a step whose loss went non-finite: the autograd ops between the loss and the model's outputs (the loss
     computation outside the model), by name without the trailing number (e.g. "MulBackward", "ExpBackward")."""
+    loss_low: bool | None = None
+    """With `loss_ops`: whether one of those ops made an fp16/bf16 value (False: the loss was computed in fp32 or
+    wider from the model's outputs; None: not known)."""
     loss_in_model: bool | None = None
     """The loss given to `scaler.scale` was computed inside the watched model's forward (a Hugging Face model's
     `.loss`): the loss computation's backward is the root module's own. None: not known (no scaler, older runs)."""

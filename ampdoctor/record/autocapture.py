@@ -13,17 +13,13 @@ import warnings
 
 import torch
 
-from ..records import BACKOFF_MAX_STREAK, LOSS_JUMP
+from ..records import BACKOFF_MAX_STREAK, COLLAPSE, LOSS_JUMP, SQUARE_OVERFLOW
 
-__all__ = ["CapturePolicy", "maybe_capture", "bad_micro", "RECUR_CLEAN", "COLLAPSE", "COLLAPSE_GAP", "COLLAPSE_SAMPLES"]
+__all__ = ["CapturePolicy", "maybe_capture", "bad_micro", "RECUR_CLEAN", "COLLAPSE_GAP", "COLLAPSE_SAMPLES"]
 
 RECUR_CLEAN = 5
 """Clean steps after which a `backward` skip at a working scale is captured again (CapturePolicy.observe)."""
 _INF = math.inf
-COLLAPSE = 16.0
-"""How many times smaller an fp16 output's abs-max must become between two series points to have a step sampled."""
-SQUARE_OVERFLOW = 256.0
-"""fp16 values from which x**2 overflows (sqrt(65504) = 255.9)."""
 COLLAPSE_GAP = 4
 """Steps between two series points within which a COLLAPSE-fold change counts (CapturePolicy.collapse)."""
 COLLAPSE_SAMPLES = 2

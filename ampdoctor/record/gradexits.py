@@ -14,6 +14,8 @@ import torch
 __all__ = ["in_backward", "sequence_nr", "probe_sequence_nr", "input_nodes", "gradient_exits", "EntryHook", "ExitHook",
            "Regions", "loss_ops"]
 
+_LOW = (torch.float16, torch.bfloat16)
+
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -181,24 +183,31 @@ class ExitHook:
         return None
 
 
-def loss_ops(node, first_seq: int | None, limit: int = 256) -> list | None:
+def loss_ops(node, first_seq: int | None, limit: int = 256) -> tuple[list | None, bool | None]:
     """The names (trailing number dropped) of the autograd nodes from the loss's node down to where the model's
     forward ended (nodes numbered below `first_seq`, autograd's next number when the root's forward returned;
-    nothing of the graph is held for this) and not into the leaves: the loss computation outside the model. None
-    without a node or a number, or past `limit` nodes."""
+    nothing of the graph is held for this) and not into the leaves: the loss computation outside the model; and
+    whether one of them made an fp16/bf16 value (None when autograd does not say). (None, None) without a node or
+    a number, or past `limit` nodes."""
     if node is None or first_seq is None:
-        return None
+        return None, None
     seen, names, todo = {}, set(), [node]  # the visited nodes are held: their ids stay theirs (torch 2.11)
+    low: bool | None = False
     while todo:
         n = todo.pop()
         if id(n) in seen:
             continue
         seen[id(n)] = n
         if len(seen) > limit:
-            return None
+            return None, None
         name = type(n).__name__
         if name == "AccumulateGrad" or n._sequence_nr() < first_seq:
             continue  # a leaf, or a node the model's forward (or anything before it) made
         names.add(name.rstrip("0123456789"))
+        if low is False:
+            try:  # the dtypes of what the op made (its gradient's inputs)
+                low = any(getattr(md, "dtype", None) in _LOW for md in n._input_metadata)
+            except (AttributeError, RuntimeError):
+                low = None
         todo.extend(nx for nx, _ in n.next_functions if nx is not None)
-    return sorted(names)
+    return sorted(names), low

@@ -122,6 +122,7 @@ class _Step:
     clip_pending: list = field(default_factory=list)  # (clip event, ids of its gradients still scaled)
     capture: str | None = None
     loss_ops: list | None = None                       # see StepRecord.loss_ops
+    loss_low: bool | None = None                       # see StepRecord.loss_low
     loss_node: object = None                           # the scaled loss's autograd node (loss_ops, bad steps only)
     out_seq: int | None = None                         # autograd's next node number when the root's forward returned
     vec_order: dict = field(default_factory=dict)

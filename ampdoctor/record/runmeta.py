@@ -85,6 +85,8 @@ def groups(optimizer, model) -> list[dict]:
         eps = g.get("eps")
         if isinstance(eps, (tuple, list)) and all(e is None or isinstance(e, (int, float)) for e in eps):
             d["eps"] = list(eps)  # (Adafactor's pair: eps1 for the squared gradient, eps2 for the update's scale)
+        if g.get("fused") is True:
+            d["fused"] = True  # (torch's fused Adam/AdamW/SGD: the update's arithmetic in fp32 whatever the dtype)
         d["params"] = [[names.get(id(p), "?"), str(p.dtype).replace("torch.", "")] for p in g["params"]][:2000]
         out.append(d)
     return out

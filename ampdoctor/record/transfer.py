@@ -237,7 +237,7 @@ def resolve(m) -> None:
         st.bad_batch = st.out_ok[out_ok.index(False)][1]
     st.out_ok = []
     if losses and not loss_ok and st.output_finite is not False:
-        st.loss_ops = loss_ops(st.loss_node, st.out_seq)
+        st.loss_ops, st.loss_low = loss_ops(st.loss_node, st.out_seq)
     st.loss_node = None
     bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
     if bad_fwd and st.batches:  # did the batch itself hold inf/NaN? (bad steps only)

@@ -9,7 +9,7 @@ import math
 import re
 
 from ..findings import Finding
-from ..records import DTYPE_LIMITS
+from ..records import COLLAPSE, DTYPE_LIMITS, SQUARE_OVERFLOW
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .origins import autocast_device
@@ -141,7 +141,7 @@ def _flushed(c, before: tuple[float, float] | None) -> str | None:
     # cancellation in x - mean, which is not an overflow.)
     if zout >= max(0.01, 2 * zin, 4 * before[1]):
         return "zeros"
-    return "bias" if before[0] and o.absmax < before[0] / 16 else None
+    return "bias" if before[0] and o.absmax < before[0] / COLLAPSE else None
 
 
 @register("silent_zeros", emits=("overflow",))
@@ -156,9 +156,9 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
             i, o = c.inp, c.out
             if i is None or o is None or o.ref != "float16" or not o.finite or o.numel < 8 or c.depth == 0:
                 continue
-            if i.absmax < 256.0 and ("Norm" in c.type or c.par is None) and o.absmax:
+            if i.absmax < SQUARE_OVERFLOW and ("Norm" in c.type or c.par is None) and o.absmax:
                 before.setdefault(c.module, (o.absmax, o.zeros / o.numel))
-            if any(k in c.type for k in _ZERO_OK) or i.absmax < 256.0 or i.zeros < 0:
+            if any(k in c.type for k in _ZERO_OK) or i.absmax < SQUARE_OVERFLOW or i.zeros < 0:
                 continue
             if _ACTIVATION.search(c.type) and "Norm" not in c.type:
                 continue  # an activation (SiLU/GELU of large negatives is 0)
@@ -176,10 +176,10 @@ def silent_zeros(run: RunData, cfg: RuleConfig) -> list[Finding]:
             how = _flushed(c, prev)
             onset = r.step
             if how == "bias" and prev:  # collapsed below a sixteenth of what it was
-                onset = _series_onset(run, c.module, r.step, lambda v: v <= prev[0] / 16)
+                onset = _series_onset(run, c.module, r.step, lambda v: v <= prev[0] / COLLAPSE)
             feeder = _feeder(r, c)  # (a norm whose output is fp32, not in the series: dated by its input's range)
             if onset == r.step and feeder is not None:
-                onset = _series_onset(run, feeder, r.step, lambda v: v >= 256.0)
+                onset = _series_onset(run, feeder, r.step, lambda v: v >= SQUARE_OVERFLOW)
             shown = (f"returned {c.out.zeros / c.out.numel:.0%} exact zeros" if how == "zeros" else
                      f"returned values no larger than {c.out.absmax:.3g} (up to {before[c.module][0]:.3g} on earlier "
                      "steps: only its bias is left)")
@@ -214,7 +214,7 @@ def _series_onset(run: RunData, module: str, step: int, holds) -> int:
     `module`'s forward abs-max where `holds(value)` (as on `step`: collapsed, or in the overflow range); steps that
     did not record it are passed over. `step` itself when the step before it did not hold, when none recorded it,
     or when it held on every recorded point (no change to date)."""
-    slot = next((i for i, mm in enumerate(run.meta.modules or []) if mm and mm[0] == module), None)
+    slot = run.slot_of(module)
     if slot is None:
         return step
     onset = step

@@ -285,6 +285,22 @@ def _nan_from_operand(r: StepRecord) -> bool:
             and not any(op in _INF_FROM_FINITE for op in r.loss_ops))
 
 
+_EXP = frozenset({"ExpBackward", "Exp2Backward", "Expm1Backward"})
+
+
+def _inf_from_operand(r: StepRecord) -> bool:
+    """An inf loss from finite outputs through ops computed in fp32 or wider that make no inf from finite values of
+    an fp16/bf16 model's range (a cast, F.mse_loss, F.l1_loss, a mean: no exp): an operand from outside the model
+    (a target, a loss weight) held inf — a log of 0 or a division by zero in the data pipeline."""
+    return (r.loss is not None and math.isinf(r.loss) and r.loss_low is False and bool(r.loss_ops)
+            and all(op in _NO_NAN_FROM_FINITE and op not in _EXP for op in r.loss_ops))
+
+
+_OPERAND_FIX = ("Check the targets and loss weights for inf/NaN before the loss (a log of 0, a division by a zero "
+                "count or std in the data pipeline): `assert torch.isfinite(y).all(), idx`, and filter or repair "
+                "the sample.")
+
+
 def outside_model(run: RunData) -> list[Finding]:
     """The loss computation outside the watched model as the producer: the loss went non-finite although every
     module's output was finite (forward), or the gradient reaching the model's output was already non-finite
@@ -310,6 +326,9 @@ def outside_model(run: RunData) -> list[Finding]:
                 ev["loss_ops"] = r.loss_ops[:30]
             if step != r.step:
                 ev["observed_step"] = r.step
+            operand = _nan_from_operand(r) or _inf_from_operand(r)
+            if operand:
+                ev["operand"] = True
             return [Finding("overflow" if inf or via_inf else "nan_origin", "error", "forward", None, None, step,
                             f"The loss became {'inf' if inf else 'NaN'} outside the watched model (in the loss "
                             "computation) while the model's outputs were finite" + (
@@ -317,7 +336,11 @@ def outside_model(run: RunData) -> list[Finding]:
                                 "first (then inf - inf or 0 * inf made the NaN)." if via_inf else
                                 f" ({', '.join(r.loss_ops[:3])}); these ops make neither NaN nor inf from finite "
                                 "values, so an operand from outside the model — the target or a loss weight — held "
-                                "NaN/inf." if _nan_from_operand(r) else "."),
+                                "NaN/inf." if _nan_from_operand(r) else
+                                f" ({', '.join(r.loss_ops[:3])}); computed in fp32, these ops make no inf from "
+                                "finite values of the model's range, so an operand from outside the model — the "
+                                "target or a loss weight — held inf." if operand else "."),
+                            _OPERAND_FIX if operand else
                             "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
                             "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.", ev)]
         if output_grad_nonfinite(r) and not benign:

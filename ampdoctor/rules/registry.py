@@ -39,6 +39,10 @@ class RunData:
             cached = self.__dict__["_has_scale"] = (key, any(r.scale is not None for r in self.steps))
         return cached[1]
 
+    def slot_of(self, module: str) -> int | None:
+        """`module`'s index in the run's module table (its slot in each step's headroom series), or None."""
+        return next((i for i, m in enumerate(self.meta.modules or []) if m and m[0] == module), None)
+
     @property
     def growth_factor(self) -> float | None:
         """The GradScaler's growth_factor where the run recorded it (rules/backoff.benign_backoff)."""

@@ -33,7 +33,7 @@ def _cleared(run: RunData, module: str, after: int) -> int | None:
     the last value alone says where the module ended. A layer whose outputs start subnormal at initialisation (a
     tiny model's sublayer under a norm's eps) and grow out of it within a few updates did not lose them for the
     run."""
-    slot = next((i for i, m in enumerate(run.meta.modules) if m and m[0] == module), None)
+    slot = run.slot_of(module)
     pts: dict[int, float] = {}
     for r in run.steps:
         if r.step <= after:

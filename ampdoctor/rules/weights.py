@@ -323,16 +323,21 @@ def _vanished_state_eps(run: RunData) -> list[tuple]:
 
 def _vanished_eps(run: RunData) -> list[tuple]:
     """(group index, eps, its trained fp16 parameters, the step whose update the eps broke or None) per optimizer
-    group whose eps rounds to 0 in fp16."""
+    group whose eps rounds to 0 in fp16. Not a fused optimizer's: its kernel adds eps in fp32 (torch's fused
+    Adam/AdamW compute in float whatever the parameters' dtype), so eps does not vanish there."""
     trained = _trained(run)
-    return _eps_groups(run, lambda name, dtype: dtype == "float16" and (name in trained or name == "?"))
+    return _eps_groups(run, lambda name, dtype: dtype == "float16" and (name in trained or name == "?"),
+                       fused=False)
 
 
-def _eps_groups(run: RunData, low) -> list[tuple]:
+def _eps_groups(run: RunData, low, fused: bool = True) -> list[tuple]:
     """(group index, eps, the group's parameters `low(name, dtype)` picks, the step whose update the eps broke or
-    None) per optimizer group whose eps rounds to 0 in fp16 and that holds such parameters."""
+    None) per optimizer group whose eps rounds to 0 in fp16 and that holds such parameters (`fused=False`: not a
+    fused optimizer's group)."""
     out = []
     for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
+        if not fused and g.get("fused") is True:
+            continue
         eps = g.get("eps")
         if isinstance(eps, list):  # a pair (Adafactor): the smallest one given
             eps = min((e for e in eps if isinstance(e, (int, float)) and e > 0), default=None)
