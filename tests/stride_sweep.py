@@ -99,6 +99,30 @@ def install(k: int, patch=None):
     patch(Watch, "__init__", __init__)
 
 
+def series_gaps(w) -> set:
+    """The gaps between routine steps of watch `w` that carried the series with only routine steps between them,
+    after the calibration (stride 2 up to step 7): a sampled or bad step records everything and restarts the count."""
+    gaps, prev = set(), None
+    for r in w.steps:
+        if r.modules or r.skipped or r.found_inf:
+            prev = None
+            continue
+        if r.headroom:
+            if prev is not None and prev >= 7:
+                gaps.add(r.step - prev)
+            prev = r.step
+    return gaps
+
+
+def check_stride(w, stride: int) -> None:
+    """At a pinned stride k, the series ran k apart (and, with `creep` putting it on every step for a while, 1 apart
+    too): no gap above k, and k among them when k > 1."""
+    gaps = series_gaps(w)
+    assert gaps and max(gaps) <= stride, (stride, sorted(gaps))
+    if stride > 1:
+        assert stride in gaps, (stride, sorted(gaps))
+
+
 def pytest_configure(config):
     k = forced_stride()
     if k is not None:

@@ -47,15 +47,7 @@ def quiet(w):
 def check_stride(w, stride):
     """After the calibration (stride 2 up to step 7), two routine steps carrying the series with only routine
     steps between them are `stride` apart (a sampled or bad step records everything and restarts the count)."""
-    gaps, prev = set(), None
-    for r in w.steps:
-        if r.modules or r.skipped or r.found_inf:
-            prev = None
-            continue
-        if r.headroom:
-            if prev is not None and prev >= 7:
-                gaps.add(r.step - prev)
-            prev = r.step
+    gaps = stride_sweep.series_gaps(w)
     assert gaps and max(gaps) <= stride and stride in gaps, (stride, [r.step for r in w.steps if r.headroom])
 
 

@@ -613,21 +613,7 @@ def twin(name):
     return r
 
 
-def check_stride(w, stride):
-    """(as test_healthy_near_max.py) at a pinned stride k > 1, routine steps carrying the series come k apart after
-    the calibration (`creep` may put it on every step for a while: gaps of 1 too)."""
-    gaps, prev = set(), None
-    for r in w.steps:
-        if r.modules or r.skipped or r.found_inf:
-            prev = None
-            continue
-        if r.headroom:
-            if prev is not None and prev >= 7:
-                gaps.add(r.step - prev)
-            prev = r.step
-    assert gaps and max(gaps) <= stride, (stride, sorted(gaps))
-    if stride > 1:
-        assert stride in gaps, (stride, sorted(gaps))
+check_stride = stride_sweep.check_stride
 
 
 def _same(r, ref):

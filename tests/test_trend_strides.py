@@ -35,6 +35,7 @@ from ampdoctor.config import WatchConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from scenarios import TinyGPT, alarms, gen, one_thread, randn  # noqa: E402
+import stride_sweep  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -122,17 +123,8 @@ def check_stride(w, stride):
     """The series really ran at `stride`: after the calibration (stride 2 up to step 7), two routine steps
     carrying it with only routine steps between them are `stride` apart (a sampled or bad step records everything
     and restarts the count; the routine step after it always carries the series)."""
-    recs = list(w.steps)
-    gaps, prev = set(), None
-    for r in recs:
-        if r.modules or r.skipped or r.found_inf:
-            prev = None
-            continue
-        if r.headroom:
-            if prev is not None and prev >= 7:
-                gaps.add(r.step - prev)
-            prev = r.step
-    on = [r.step for r in recs if r.headroom]
+    gaps = stride_sweep.series_gaps(w)
+    on = [r.step for r in w.steps if r.headroom]
     if stride == 1:
         assert gaps <= {1}, on
     else:  # (or every step while an fp16 output near the max kept rising: record/budget.py `creep`)
