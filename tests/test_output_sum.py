@@ -104,3 +104,18 @@ def test_a_nan_in_an_fp32_output_is_still_seen(tmp_path):
     _, records = _fit(model, tmp_path, 5, batch, lambda out: out[1:].pow(2).mean())
     bad = [r.step for r in records if r.output_finite is False]
     assert bad == [3], bad
+
+
+def test_a_bf16_output_under_an_fp16_autocast_is_summed():
+    """A model that runs itself under a bf16 autocast, called inside the loop's fp16 one: its bf16 output reaches
+    the root's hook under the fp16 autocast, where a stack of bf16 values raises (autocast cannot promote bf16 for
+    fp16); the trip-wire must answer as outside any autocast (tests/test_dtype_islands_unseen.py found it)."""
+    vals = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([1.0, float("-inf")]), torch.tensor([float("nan"), 1.0]),
+            torch.tensor([float("inf"), float("-inf")]), torch.full((4,), torch.finfo(torch.bfloat16).min)]
+    for v in vals:
+        t = v.to(torch.bfloat16)
+        want = output_sum(t).item()
+        with torch.autocast("cpu", dtype=torch.float16):
+            got = output_sum(t).item()
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (v, got, want)
+        assert math.isfinite(got) == bool(torch.isfinite(v).all()), (v, got)

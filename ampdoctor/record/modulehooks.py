@@ -290,8 +290,9 @@ def output_sum(t: torch.Tensor) -> torch.Tensor:
     dt = t.dtype
     if dt is torch.float16:
         return d.sum(dtype=torch.float32).reshape(1)
-    if dt is torch.bfloat16:
-        return torch.stack(torch.aminmax(d)).sum(dtype=torch.float64).reshape(1)
+    if dt is torch.bfloat16:  # (no stack: under an fp16 autocast that a bf16 one nested in ended, it cannot
+        mn, mx = torch.aminmax(d)  # promote bf16 and raises; an add of float64 values is not autocast's)
+        return (mn.to(torch.float64) + mx.to(torch.float64)).reshape(1)
     if dt in _WIDE and t.numel() == 1:
         return d.reshape(1)
     if dt is torch.float32 and type(d) is torch.Tensor and d.device.type == "cpu":
