@@ -326,7 +326,8 @@ def outside_model(run: RunData) -> list[Finding]:
                 ev["loss_ops"] = r.loss_ops[:30]
             if step != r.step:
                 ev["observed_step"] = r.step
-            operand = _nan_from_operand(r) or _inf_from_operand(r)
+            nan_op = _nan_from_operand(r)
+            operand = nan_op or _inf_from_operand(r)
             if operand:
                 ev["operand"] = True
             return [Finding("overflow" if inf or via_inf else "nan_origin", "error", "forward", None, None, step,
@@ -336,7 +337,7 @@ def outside_model(run: RunData) -> list[Finding]:
                                 "first (then inf - inf or 0 * inf made the NaN)." if via_inf else
                                 f" ({', '.join(r.loss_ops[:3])}); these ops make neither NaN nor inf from finite "
                                 "values, so an operand from outside the model — the target or a loss weight — held "
-                                "NaN/inf." if _nan_from_operand(r) else
+                                "NaN/inf." if nan_op else
                                 f" ({', '.join(r.loss_ops[:3])}); computed in fp32, these ops make no inf from "
                                 "finite values of the model's range, so an operand from outside the model — the "
                                 "target or a loss weight — held inf." if operand else "."),

@@ -327,16 +327,16 @@ def _vanished_eps(run: RunData) -> list[tuple]:
     Adam/AdamW compute in float whatever the parameters' dtype), so eps does not vanish there."""
     trained = _trained(run)
     return _eps_groups(run, lambda name, dtype: dtype == "float16" and (name in trained or name == "?"),
-                       fused=False)
+                       skip_fused=True)
 
 
-def _eps_groups(run: RunData, low, fused: bool = True) -> list[tuple]:
+def _eps_groups(run: RunData, low, skip_fused: bool = False) -> list[tuple]:
     """(group index, eps, the group's parameters `low(name, dtype)` picks, the step whose update the eps broke or
-    None) per optimizer group whose eps rounds to 0 in fp16 and that holds such parameters (`fused=False`: not a
+    None) per optimizer group whose eps rounds to 0 in fp16 and that holds such parameters (`skip_fused`: not a
     fused optimizer's group)."""
     out = []
     for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
-        if not fused and g.get("fused") is True:
+        if skip_fused and g.get("fused") is True:
             continue
         eps = g.get("eps")
         if isinstance(eps, list):  # a pair (Adafactor): the smallest one given
