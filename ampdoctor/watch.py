@@ -20,7 +20,8 @@ from .errors import WatchError
 from .exits import OPEN, hook_exit
 from .integrations import deepspeed as _deepspeed
 from .record.hooks import ModuleHook, hookable
-from .record.monitor import ClipPatch, OptimizerPatch, ScalerFinder, ScalerPatch, caller_location
+from .record.clippatch import ClipPatch
+from .record.monitor import OptimizerPatch, ScalerFinder, ScalerPatch, caller_location
 from .record.runmeta import build_meta, masters_of, optimizer_meta, scaler_meta
 from .record.step import StepMachine
 

@@ -45,7 +45,7 @@ EVERY1_PIECES = ("cpass", "measure", "exits", "pnorms", "rows")
 
 
 def _patch() -> None:
-    from ampdoctor.record import assemble as A, hostcopy, modulehooks as MH, monitor, step as S, transfer as T
+    from ampdoctor.record import assemble as A, clippatch, hostcopy, modulehooks as MH, step as S, transfer as T
     from ampdoctor.records import CallEvent
 
     loc = S.caller_location
@@ -89,13 +89,13 @@ def _patch() -> None:
     S.StepMachine.forward_pre = lambda self, *a: None if "fwd" in OFF else fpre(self, *a)
     S.StepMachine.forward_post = lambda self, *a: None if "fwd" in OFF else fpost(self, *a)
 
-    fan = monitor.ClipPatch._fan_out.__func__
+    fan = clippatch.ClipPatch._fan_out.__func__
 
     def fan_out(cls, kind, parameters, orig, args, kwargs, norm_arg=None):
         if "clip" in OFF:
             return orig(parameters, *args, **kwargs)
         return fan(cls, kind, parameters, orig, args, kwargs, norm_arg)
-    monitor.ClipPatch._fan_out = classmethod(fan_out)
+    clippatch.ClipPatch._fan_out = classmethod(fan_out)
 
     from ampdoctor.record import cpustats, openstep, params
     cst = cpustats.stats

@@ -68,7 +68,7 @@ def user(fn):
 
 
 def patch() -> None:
-    from ampdoctor.record import gradexits, hooks, intwatch, monitor, monitorsink, step
+    from ampdoctor.record import clippatch, gradexits, hooks, intwatch, monitor, monitorsink, step
     for cls, label in ((hooks.ModuleHook, "module hook (root pre/post)"), (hooks.GradTap, "headroom grad tap"),
                        (hooks.PassHook, "headroom pass hook"), (hooks.HeadroomHook, "headroom fwd hook"),
                        (gradexits.EntryHook, "node pre-hook (grad kept)"), (gradexits.ExitHook, "node exit hook")):
@@ -83,11 +83,11 @@ def patch() -> None:
     def make(kind, orig, sink):
         return timed(f"scaler.{kind} wrapper", mk(kind, user(orig), sink))
     monitor.ScalerPatch._make = staticmethod(make)
-    fan = monitor.ClipPatch._fan_out.__func__
+    fan = clippatch.ClipPatch._fan_out.__func__
 
     def fan_out(cls, kind, parameters, orig, args, kwargs, norm_arg=None):
         return timed(f"clip wrapper ({kind})", fan)(cls, kind, parameters, user(orig), args, kwargs, norm_arg)
-    monitor.ClipPatch._fan_out = classmethod(fan_out)
+    clippatch.ClipPatch._fan_out = classmethod(fan_out)
     _ = monitorsink
     # the big pieces inside those entries, as entries of their own (their time leaves the caller's)
     for modname, attr in INNER:

@@ -1,5 +1,5 @@
 """A `clip_grad_value_` the script bound before the watch began (`from torch.nn.utils import clip_grad_value_` at its
-top) is still one of the step's calls: record/monitor.py's ClipPatch sees it where torch's clip_grad_value_ groups
+top) is still one of the step's calls: record/clippatch.py's ClipPatch sees it where torch's clip_grad_value_ groups
 the gradients it is about to clamp (clip_grad_value_ has no inner clipping function, as clip_grad_norm_ has).
 
 - before unscale_ (the scaled gradients clamped: every update ~1/scale too small): clip_before_unscale, error,

@@ -1,5 +1,5 @@
 """The clipping functions' side of the step machine: a call of `clip_grad_norm_` / `clip_grad_value_` /
-`get_total_norm` over this model's parameters (monitor.ClipPatch fans the calls out) becomes a CallEvent that
+`get_total_norm` over this model's parameters (clippatch.ClipPatch fans the calls out) becomes a CallEvent that
 says whether the gradients it read were still multiplied by the loss scale (rules/scaler.py: clipping before
 unscale_), and its returned norm is read with the step's one transfer. An error of ampdoctor's own switches the
 watch off (StepMachine.fail) and never reaches the training loop."""
@@ -20,7 +20,7 @@ class ClipCallbacks:
 
     @guarded
     def clip_before(self, kind, parameters, limit=None, grads=False):
-        """`grads`: `parameters` are the gradients themselves (an early-bound clip_grad_value_, monitor.ClipPatch)."""
+        """`grads`: `parameters` are the gradients themselves (an early-bound clip_grad_value_, clippatch.ClipPatch)."""
         ev = self._clip_event(kind, parameters, grads)
         if ev is None:
             return None
