@@ -62,7 +62,7 @@ one definition for the recorder (which bad steps get a capture) and the rules (r
 _STEP_INTS = ("step", "micro_batches")
 _STEP_FLOATS = ("loss", "scale", "next_scale", "grad_norm")
 _STEP_BOOLS = ("sampled", "loss_finite", "found_inf", "skipped", "grad_finite", "output_finite", "loss_in_model",
-               "loss_low")
+               "loss_low", "loss_consts")
 _STEP_STRS = ("autocast", "capture")
 
 
@@ -408,6 +408,9 @@ class StepRecord:
     loss_low: bool | None = None
     """With `loss_ops`: whether one of those ops made an fp16/bf16 value (False: the loss was computed in fp32 or
     wider from the model's outputs; None: not known)."""
+    loss_consts: bool | None = None
+    """With `loss_ops`: whether one of those ops (a product, a quotient, a sum) took a tensor that needs no gradient
+    (an advantage, a target, a weight computed from the data): a value whose own making the graph does not show."""
     loss_in_model: bool | None = None
     """The loss given to `scaler.scale` was computed inside the watched model's forward (a Hugging Face model's
     `.loss`): the loss computation's backward is the root module's own. None: not known (no scaler, older runs)."""
@@ -424,6 +427,11 @@ class StepRecord:
     outside_updates: dict | None = None
     """Frozen fp16/bf16 parameters (no gradient) that the user's code wrote in place since the last sampled step (an
     EMA teacher, a momentum encoder): `{name: [unchanged, sampled]}` over their first elements."""
+    masters_back: dict | None = None
+    """With an optimizer stepping copies of an fp16/bf16 model's weights (a hand-rolled master-weight loop), on the
+    forwards after a sampled step: `{"since": step, "moved": n, "stuck": k}`: of the sampled master elements whose value
+    in the weight's dtype moved since that step's forward, `k` whose model element did not (ampdoctor/record/params.py
+    masters_compare). All stuck: the updated masters never reach the model."""
     int_inputs: list | None = None
     """On a routine step: the watched modules' small fp16/bf16 inputs that held only integers past the dtype's exact
     range (`[{"module", "type", "dtype", "max", "exact_up_to", ...}]`, ampdoctor/record/intwatch.py; a sampled step

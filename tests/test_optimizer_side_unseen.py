@@ -36,13 +36,15 @@ Healthy twins (quiet, losses and weights bitwise identical with and without the 
 autocast, GradScaler, Adam), 2 (fused AdamW on fp32 weights under autocast + GradScaler), 4 (fp32 weights, autocast,
 GradScaler, mean loss / 64), 5 (both optimizers through the scaler), 6 (one lr), 7 (fp32 weights under bf16 autocast).
 
-Result when written: 12 pass, 2 xfail (stable over three runs, ~4 s); 3 fixed since (13 pass, 1 xfail).
+Result when written: 12 pass, 2 xfail (stable over three runs, ~4 s); 3 and 8 fixed since (14 pass).
  3. XFAIL when written (wrong; fixed since: the run's meta records a fused group, whose eps rules/weights.py no
     longer calls vanished): `[error] eps_underflow at (root) optimizer.step: AdamW uses eps=1e-08 on fp16 parameters: it
     rounds to 0 in fp16, so the update divides by sqrt(v) + 0 and any parameter with v == 0 gets inf/NaN.` and
     fp16_master_weights's "Its eps rounds to 0 in fp16 too, which is how the updates went non-finite": the fused
     AdamW kernel computes in fp32 (zero-gradient elements stay 0), and no weight ever went non-finite.
- 8. XFAIL (wrong): the report is empty; the fp16 model never changed while its optimizer stepped fp32 copies.
+ 8. XFAIL when written (wrong; fixed since: the forwards after a sampled step compare the model's weights with its
+    masters, record/params.py masters_compare, and update_underflow says the masters are never copied back):
+    the report was empty; the fp16 model never changed while its optimizer stepped fp32 copies.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from probe_harness import Producer, WrongAnswer, wrong
+from probe_harness import Producer, WrongAnswer
 from scenarios import alarms, lines, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -436,7 +438,6 @@ def test_healthy_twin_fp32_weights_under_bf16_autocast_and_cosine_is_quiet(tmp_p
 # ======================================================================================================================
 # 8. a hand-rolled master-weight loop that never copies back
 # ======================================================================================================================
-@wrong("the report is empty: the .half() model never changed while its optimizer stepped fp32 copies")
 def test_hand_rolled_masters_never_copied_back_leave_the_half_model_frozen(tmp_path):
     m = Net().half()
     master = [p.detach().float().clone().requires_grad_() for p in m.parameters()]

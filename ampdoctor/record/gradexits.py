@@ -183,31 +183,42 @@ class ExitHook:
         return None
 
 
-def loss_ops(node, first_seq: int | None, limit: int = 256) -> tuple[list | None, bool | None]:
+def loss_ops(node, first_seq: int | None, limit: int = 256) -> tuple[list | None, bool | None, bool | None]:
     """The names (trailing number dropped) of the autograd nodes from the loss's node down to where the model's
     forward ended (nodes numbered below `first_seq`, autograd's next number when the root's forward returned;
-    nothing of the graph is held for this) and not into the leaves: the loss computation outside the model; and
-    whether one of them made an fp16/bf16 value (None when autograd does not say). (None, None) without a node or
-    a number, or past `limit` nodes."""
+    nothing of the graph is held for this) and not into the leaves: the loss computation outside the model; whether
+    one of them made an fp16/bf16 value (None when autograd does not say); and whether one of its arithmetic ops
+    (`_TAKES_CONST`) took a tensor that needs no gradient (an advantage, a target, a weight computed from the data:
+    a value the graph does not see being made). (None, None, None) without a node or a number, or past `limit`
+    nodes."""
     if node is None or first_seq is None:
-        return None, None
+        return None, None, None
     seen, names, todo = {}, set(), [node]  # the visited nodes are held: their ids stay theirs (torch 2.11)
     low: bool | None = False
+    consts = False
     while todo:
         n = todo.pop()
         if id(n) in seen:
             continue
         seen[id(n)] = n
         if len(seen) > limit:
-            return None, None
+            return None, None, None
         name = type(n).__name__
         if name == "AccumulateGrad" or n._sequence_nr() < first_seq:
             continue  # a leaf, or a node the model's forward (or anything before it) made
         names.add(name.rstrip("0123456789"))
+        if not consts and name in _TAKES_CONST and any(nx is None for nx, _ in n.next_functions):
+            consts = True
         if low is False:
             try:  # the dtypes of what the op made (its gradient's inputs)
                 low = any(getattr(md, "dtype", None) in _LOW for md in n._input_metadata)
             except (AttributeError, RuntimeError):
                 low = None
         todo.extend(nx for nx, _ in n.next_functions if nx is not None)
-    return sorted(names), low
+    return sorted(names), low, consts
+
+
+# the binary arithmetic nodes whose second tensor operand, when it needs no gradient, shows as a None next function
+# (a Python number gives the one-input variant, MulBackward1 ...: no operand to speak of)
+_TAKES_CONST = frozenset({"MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0", "RsubBackward0",
+                          "WhereBackward0", "MaximumBackward0", "MinimumBackward0", "PowBackward1"})

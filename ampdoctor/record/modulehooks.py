@@ -16,7 +16,8 @@ from . import modstate
 from .gradexits import EntryHook, ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import GRAD_OUT_BYTES, in_compiled_frame, keep_grad
 from .openstep import _Call
-from .params import checked_weights, model_grads, norms, outside_compare, outside_snapshot, weight_amax
+from .params import (MASTERS_STEPS, checked_weights, masters_compare, masters_snapshot, model_grads, norms,
+                     outside_compare, outside_snapshot, weight_amax)
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
                        input_writes, loss_of, module_type, rng_state, shallow, tb_location, tb_module)
@@ -79,8 +80,15 @@ class ModuleHookCallbacks:
                 if st.micro == 1 and self.outside_snap is not None and st.step > self.outside_snap[0]:
                     st.outside = outside_compare(self, self.outside_snap)  # frozen fp16 weights written since?
                     self.outside_snap = None
+                if st.micro == 1 and self.masters_snap is not None and st.step > self.masters_snap[0]:
+                    st.masters = (self.masters_snap[0], masters_compare(self.masters_snap))  # masters copied back?
+                    self.masters_snap = None
                 if st.sampled and st.micro == 1 and self.params:
                     self.outside_snap = outside_snapshot(self, st.step)
+                    self.masters_left = MASTERS_STEPS if (self.w.meta.optimizer or {}).get("masters") else 0
+                if st.micro == 1 and self.masters_left:  # (a hand-rolled master-weight loop: params.masters_snapshot)
+                    self.masters_left -= 1
+                    self.masters_snap = masters_snapshot(self, st.step)
                     # the weights as the step found them: a forward that writes its own weights (an in-place
                     # renorm, an EMA codebook) is their producer, not an earlier update (transfer.resolve)
                     st.pw_index = checked_weights(self)

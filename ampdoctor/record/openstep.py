@@ -105,6 +105,7 @@ class _Step:
     w_start: object = None                             # their abs-max when the step's forward began (sampled)
     bad_buffer: dict | None = None                     # a written buffer that turned non-finite (buffers.py)
     outside: tuple | None = None                       # frozen fp16 weights written since the last sampled step
+    masters: tuple | None = None                       # (snapshot step, [stuck, moved]): params.masters_compare
     w_deferred: bool = False                           # CPU: weights checked in resolve, on bad steps only
     out_ok: list = field(default_factory=list)
     output_finite: bool | None = None
@@ -123,6 +124,7 @@ class _Step:
     capture: str | None = None
     loss_ops: list | None = None                       # see StepRecord.loss_ops
     loss_low: bool | None = None                       # see StepRecord.loss_low
+    loss_consts: bool | None = None                    # see StepRecord.loss_consts
     loss_node: object = None                           # the scaled loss's autograd node (loss_ops, bad steps only)
     out_seq: int | None = None                         # autograd's next node number when the root's forward returned
     vec_order: dict = field(default_factory=dict)

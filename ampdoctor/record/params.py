@@ -331,3 +331,53 @@ def outside_compare(m, snap) -> tuple[list[str], torch.Tensor, set] | None:
         rows.append(torch.stack([(now == before).sum().double(), torch.tensor(float(before.numel()),
                                                                             dtype=torch.float64, device=now.device)]))
     return (names, torch.stack(rows), by_data) if rows else None
+
+
+MASTERS_STEPS = 4
+"""Steps from each sampled one whose forward snapshots the masters and the model (masters_snapshot): a step whose
+update was skipped (the scaler's first backoff) moves nothing, so the next ones look again."""
+
+
+def masters_snapshot(m, step: int):
+    """When the optimizer steps copies of an fp16/bf16 model's weights (RunMeta.optimizer["masters"]: the hand-rolled
+    master-weight loop), as a forward begins: for each weight and its master, matched one for one in order, the first
+    elements of the weight and of the master rounded to the weight's dtype. None when they cannot be matched (one flat
+    master, another order) or there is nothing to compare."""
+    opt = m.w.optimizer
+    if opt is None or not (m.w.meta.optimizer or {}).get("masters"):
+        return None
+    mine = [p for _, p in m.params if p.requires_grad]
+    held = [q for g in opt.param_groups for q in g["params"]]
+    if len(mine) != len(held) or any(p.shape != q.shape for p, q in zip(mine, held)):
+        return None
+    items, dev = [], None
+    for p, q in zip(mine, held):
+        if p.dtype not in _LOW or p.layout != torch.strided or q.layout != torch.strided or not p.numel():
+            continue
+        if dev is None:
+            dev = p.device
+        if p.device != dev or q.device != dev:
+            continue
+        w = local(p.detach()).reshape(-1)[:OUTSIDE_SAMPLE]
+        mq = local(q.detach()).reshape(-1)[:OUTSIDE_SAMPLE]
+        items.append((p, q, w.clone(), mq.to(p.dtype, copy=True)))
+    return (step, items) if items else None
+
+
+def masters_compare(snap) -> torch.Tensor | None:
+    """At the next step's forward: of the snapshot's master elements whose value in the weight's dtype moved since,
+    how many of the model's elements stayed exactly as they were: a device vector [stuck, moved], read with the step's
+    transfer. A loop that copies the masters back leaves none stuck (the weight is then its master rounded); one that
+    forgets trains its masters while the forward runs the first weights for ever."""
+    stuck, moved = [], []
+    for p, q, w0, q0 in snap[1]:
+        w = local(p.detach()).reshape(-1)[:w0.numel()]
+        mq = local(q.detach()).reshape(-1)[:q0.numel()].to(p.dtype)
+        if w.shape != w0.shape or mq.shape != q0.shape:
+            continue  # (resized in place)
+        mv = mq != q0
+        stuck.append((mv & (w == w0)).sum())
+        moved.append(mv.sum())
+    if not moved:
+        return None
+    return torch.stack([torch.stack(stuck).sum(), torch.stack(moved).sum()]).double()

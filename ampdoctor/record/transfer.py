@@ -93,6 +93,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
                 parts.append(("w_start", st.w_start))
     if st.outside is not None:
         parts.append(("outside", st.outside[1]))
+    if st.masters is not None and st.masters[1] is not None:
+        parts.append(("masters", st.masters[1]))
     if st.sampled:
         m.buffers.refresh()  # which buffers the training writes (after this step's forward)
     b_amax = m.buffers.part()
@@ -237,7 +239,7 @@ def resolve(m) -> None:
         st.bad_batch = st.out_ok[out_ok.index(False)][1]
     st.out_ok = []
     if losses and not loss_ok and st.output_finite is not False:
-        st.loss_ops, st.loss_low = loss_ops(st.loss_node, st.out_seq)
+        st.loss_ops, st.loss_low, st.loss_consts = loss_ops(st.loss_node, st.out_seq)
     st.loss_node = None
     bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
     if bad_fwd and st.batches:  # did the batch itself hold inf/NaN? (bad steps only)
@@ -273,6 +275,9 @@ def resolve(m) -> None:
         by_data = st.outside[2]  # (all unchanged without a version move: a frozen weight, not one written)
         st.outside = {n: [int(got[2 * k]), int(got[2 * k + 1])] for k, n in enumerate(st.outside[0])
                       if 2 * k + 1 < len(got) and not (n in by_data and got[2 * k] >= got[2 * k + 1])} or None
+    if st.masters is not None:
+        got = host.get("masters") or []
+        st.masters = {"since": st.masters[0], "stuck": int(got[0]), "moved": int(got[1])} if len(got) == 2 else None
     st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
                  "w_bad": w_bad,
                  "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite,

@@ -272,9 +272,24 @@ _INF_FROM_FINITE = frozenset(
 def _nan_made_by_inf(r: StepRecord) -> bool:
     """A NaN loss computed outside the model, from finite outputs, by ops none of which makes NaN from finite
     values (StepRecord.loss_ops), one of which can make inf: an inf came first — the loss computation overflowed."""
-    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops)
+    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops) and r.loss_consts is not True
             and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops)
             and any(op in _INF_FROM_FINITE for op in r.loss_ops))
+
+
+def _nan_inf_or_operand(r: StepRecord) -> bool:
+    """As `_nan_made_by_inf`, but one of the ops took a tensor that needs no gradient (StepRecord.loss_consts): that
+    value may have brought the NaN (an advantage normalised by a std of 0 whose eps vanished in fp16: 0 / 0), or
+    an op overflowed first; the graph cannot tell which."""
+    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops) and r.loss_consts is True
+            and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops)
+            and any(op in _INF_FROM_FINITE for op in r.loss_ops))
+
+
+_CONST_FIX = ("Compute the values the loss takes from the data in fp32 — advantages, normalisations, weights: "
+              "`a = g.float(); adv = (a - a.mean()) / (a.std() + 1e-8)` (an eps of 1e-8 is 0 in fp16, and a std of 0 "
+              "then gives 0 / 0) — check them with `torch.isfinite(adv).all()`, and compute the loss from "
+              "`out.float()`.")
 
 
 def _nan_from_operand(r: StepRecord) -> bool:
@@ -328,8 +343,9 @@ def outside_model(run: RunData) -> list[Finding]:
                 ev["observed_step"] = r.step
             nan_op = _nan_from_operand(r)
             operand = nan_op or _inf_from_operand(r)
-            if operand:
-                ev["operand"] = True
+            hidden = not operand and _nan_inf_or_operand(r)
+            if operand or hidden:
+                ev["operand"] = True if operand else "possible"
             return [Finding("overflow" if inf or via_inf else "nan_origin", "error", "forward", None, None, step,
                             f"The loss became {'inf' if inf else 'NaN'} outside the watched model (in the loss "
                             "computation) while the model's outputs were finite" + (
@@ -340,8 +356,13 @@ def outside_model(run: RunData) -> list[Finding]:
                                 "NaN/inf." if nan_op else
                                 f" ({', '.join(r.loss_ops[:3])}); computed in fp32, these ops make no inf from "
                                 "finite values of the model's range, so an operand from outside the model — the "
-                                "target or a loss weight — held inf." if operand else "."),
-                            _OPERAND_FIX if operand else
+                                "target or a loss weight — held inf." if operand else
+                                f" ({', '.join(r.loss_ops[:3])}); these ops make NaN from finite values only through "
+                                "an inf, and one of them takes a tensor that needs no gradient (an advantage, a target "
+                                "or a weight computed outside the model): that value may have held the NaN itself "
+                                "(a 0 / 0 in its own computation, e.g. a std of 0 plus an eps that vanishes in fp16), "
+                                "or an op overflowed to inf first." if hidden else "."),
+                            _OPERAND_FIX if operand else _CONST_FIX if hidden else
                             "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
                             "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.", ev)]
         if output_grad_nonfinite(r) and not benign:

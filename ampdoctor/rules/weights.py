@@ -131,7 +131,7 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
     elements alone (a 4-element bias whose update rounds in two of them while its layer's weight moves) say nothing
     about the layer's training."""
     worst = _rounded(run, cfg)
-    out = _outside_updates(run, cfg)
+    out = _outside_updates(run, cfg) + _masters_not_copied(run)
     order = {m[0]: i for i, m in enumerate(run.meta.modules or []) if isinstance(m, (list, tuple)) and m}
     by_step: dict[int, list[str]] = {}
     for module, v in worst.items():
@@ -265,6 +265,43 @@ def _outside_updates(run: RunData, cfg: RuleConfig) -> list[Finding]:
             {"params": names[:20], "share": same / n, "sampled": n, "rounded_away": same, "dtype": dt,
              "outside_optimizer": True, "rank_hint": 7}))
     return out
+
+
+MASTERS_MIN_MOVED = 16
+"""Sampled master elements that must have moved (in the weight's dtype) before a model that did not follow is judged."""
+
+
+def _masters_not_copied(run: RunData) -> list[Finding]:
+    """A hand-rolled master-weight loop that never copies the masters back: after a step, the optimizer's fp32 copies
+    moved where the model's fp16/bf16 weights could show it, and not one of those weights changed (StepRecord
+    masters_back). One look that saw a copy back (any weight followed) clears the run."""
+    looks = []
+    for r in run.steps:
+        mb = r.masters_back
+        if not isinstance(mb, dict):
+            continue
+        moved, stuck, since = mb.get("moved"), mb.get("stuck"), mb.get("since")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (moved, stuck, since)) or moved <= 0:
+            continue
+        if stuck < moved:
+            return []
+        looks.append((since, moved))
+    if not looks or max(n for _, n in looks) < MASTERS_MIN_MOVED:
+        return []
+    since, moved = looks[0]
+    dt = next((p[2] for p in run.meta.params if p[2] in ("float16", "bfloat16")), "float16")
+    return [Finding(
+        "update_underflow", "error", "optimizer", None, None, since,
+        f"The optimizer steps fp32 master copies of the model's {dt} weights, but the updates never reach the model: "
+        f"after step {since}, {moved} sampled master values moved far enough to change the {dt} weights, and not one "
+        "of the model's weights changed. The forward keeps running the weights it started with, so the model does not "
+        "learn (the masters are never copied back).",
+        "After each optimizer step copy the masters back into the model:\n"
+        "with torch.no_grad():\n"
+        "    for p, master in zip(model.parameters(), masters):\n"
+        "        p.copy_(master)",
+        {"masters": True, "copied_back": False, "moved": moved, "stuck": moved, "looks": len(looks), "dtype": dt,
+         "rank_hint": 6})]
 
 
 _FP16_TINY = 2.0 ** -24  # smallest fp16 subnormal: anything below half of it rounds to 0
