@@ -286,6 +286,24 @@ def _nan_inf_or_operand(r: StepRecord) -> bool:
             and any(op in _INF_FROM_FINITE for op in r.loss_ops))
 
 
+_OP_HINTS = (("ExpBackward", "exp (past 11.09)"), ("PowBackward", "a power (a square past 255.9)"),
+             ("LogBackward", "log (of a value that rounded to 0)"), ("DivBackward", "a division (by one that rounded "
+                                                                                   "to 0)"),
+             ("SumBackward", "sum (of many values)"))
+
+
+def _ops_hint(r: StepRecord) -> str:
+    """The loss computation's own ops, as autograd recorded them on this step (StepRecord.loss_ops), and those of
+    them that make inf from finite fp16 values, unless the record says they all ran in fp32: where to look in the
+    user's loss code."""
+    if not r.loss_ops:
+        return ""
+    shown = r.loss_ops[:10]
+    risky = [t for k, t in _OP_HINTS if k in shown] if r.loss_low is not False else []
+    return (f" (its ops: {', '.join(o.removesuffix('Backward') for o in shown)}"
+            + ("; of those, in fp16: " + ", ".join(risky) if risky else "") + ")")
+
+
 _CONST_FIX = ("Compute the values the loss takes from the data in fp32 — advantages, normalisations, weights: "
               "`a = g.float(); adv = (a - a.mean()) / (a.std() + 1e-8)` (an eps of 1e-8 is 0 in fp16, and a std of 0 "
               "then gives 0 / 0) — check them with `torch.isfinite(adv).all()`, and compute the loss from "
@@ -361,7 +379,7 @@ def outside_model(run: RunData) -> list[Finding]:
                                 "an inf, and one of them takes a tensor that needs no gradient (an advantage, a target "
                                 "or a weight computed outside the model): that value may have held the NaN itself "
                                 "(a 0 / 0 in its own computation, e.g. a std of 0 plus an eps that vanishes in fp16), "
-                                "or an op overflowed to inf first." if hidden else "."),
+                                "or an op overflowed to inf first." if hidden else _ops_hint(r) + "."),
                             _OPERAND_FIX if operand else _CONST_FIX if hidden else
                             "Compute the loss in fp32 (`loss_fn(out.float(), y)`) and use the stable form "
                             "(logsumexp, log_softmax, BCEWithLogits); sums of many fp16 values overflow.", ev)]
