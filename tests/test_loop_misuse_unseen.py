@@ -62,15 +62,18 @@ Healthy (no warning, no error at all; each checked to train):
      loaded back into the same objects) and an EMA AveragedModel updated after every update().
  H5. one `torch.autograd.backward(scaler.scale([main, aux]))` on the list GradScaler.scale returns.
 
-Result when written: 13 pass, 4 xfail (strict; each reason gives what ampdoctor reported instead); U12 and U8 fixed since
-(15 pass, 2 xfail):
+Result when written: 13 pass, 4 xfail (strict; each reason gives what ampdoctor reported instead); U12, U8 and U11
+fixed since (16 pass, 1 xfail):
  - U7 (tensor-hook clamp): empty report. Should be clip_before_unscale, error, step 0.
  - U8 (clip_grad_value_ bound at import; fixed since: record/monitor.py sees it where it groups the gradients,
    tests/test_clip_value_early_bound.py): empty report. The same loop calling `torch.nn.utils.clip_grad_value_`
    through the module attribute gives '[error] clip_before_unscale ... step 0' at the right line, so the early
    binding is what hides it (clip_grad_value_ has no inner clipping function that a watch could see instead).
- - U11 (gradient penalty on scaled gradients): only '[info] skipped_steps at (run) step 0: GradScaler skipped 2 of 8
-   steps; a normal rate'. Should be clip_before_unscale (norm read while scaled) or scaler_misorder.
+ - U11 (gradient penalty on scaled gradients; fixed since: the scaled loss's node hook sees a backward with
+   create_graph and ScalerPatch counts get_scale() reads, so a loss built from those gradients and scaled again with
+   no read between is clip_before_unscale, tests/test_gradient_penalty_scaled.py): only '[info] skipped_steps at (run)
+   step 0: GradScaler skipped 2 of 8 steps; a normal rate'. Should be clip_before_unscale (norm read while scaled) or
+   scaler_misorder.
   - U12 (growth_interval=1; fixed since): '[info] overflow at head step 1 ... GradScaler skipped them and lowered the scale, as
    designed' and '[info] skipped_steps at (run) step 0: GradScaler skipped 8 of 12 steps; a normal rate'. 4 of the
    8 steps after the opening search skipped is not a normal rate (the mean-reduced loss, whose search is shorter,
@@ -462,8 +465,6 @@ def test_u10_model_built_under_fp16_default_dtype():
 # ======================================================================================================================
 # U11. a gradient penalty from the scaled loss's gradients, not divided by the scale
 # ======================================================================================================================
-@wrong("only '[info] skipped_steps step 0: 2 of 8 steps; a normal rate': a gradient penalty on the scaled "
-       "loss's gradients (scale^2 x the true penalty) is not named; should be clip_before_unscale/scaler_misorder")
 def test_u11_gradient_penalty_on_scaled_gradients():
     m = net()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)

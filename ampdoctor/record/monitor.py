@@ -151,6 +151,16 @@ class ScalerPatch(_InstancePatch):
         super().__init__(scaler)
         for kind in ("scale", "unscale_", "step", "update"):
             self.wrap(kind, lambda orig, kind=kind: self._make(kind, orig, sink))
+        if callable(getattr(scaler, "get_scale", None)):  # only counted: the loop read the scale (an unscale by hand)
+            self.wrap("get_scale", lambda orig: self._read(orig, sink))
+
+    @staticmethod
+    def _read(orig: Callable, sink) -> Callable:
+        def get_scale(*args, **kwargs):
+            sink.scale_read()
+            return orig(*args, **kwargs)
+        get_scale.__wrapped__ = orig
+        return get_scale
 
     @staticmethod
     def _make(kind: str, orig: Callable, sink) -> Callable:

@@ -19,7 +19,11 @@ __all__ = ["MonitorCallbacks"]
 
 
 def _ran(flag: list, grads):
+    """A backward reached the scaled loss: [ran, with create_graph (autograd's grad mode is on inside a backward that
+    builds a graph of the gradients: a gradient penalty's), scale reads when it was scaled]."""
     flag[0] = True
+    if torch.is_grad_enabled():
+        flag[1] = True
 
 
 def _first_grad(opt) -> tuple | None:
@@ -116,6 +120,11 @@ class MonitorCallbacks:
                 st.unscaled_opts.append(opt)
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
+            if st.scaled_outs and any(r[1] and r[2] == st.scale_reads for _, r, _, _ in st.scaled_outs):
+                # the gradients of a scaled loss were taken with create_graph (torch.autograd.grad: a gradient
+                # penalty) and the loop never read the scale since to divide them: a loss made from them is about
+                # to be scaled again (rules/scaler.py clip_before_unscale)
+                ev.extra["penalty_scaled"] = True
             out = args[0] if args else kwargs.get("outputs")
             if isinstance(out, torch.Tensor) and out.grad_fn is not None and st.scaled_node is not None and \
                     _reaches(out.grad_fn, st.scaled_node):
@@ -166,6 +175,12 @@ class MonitorCallbacks:
                 self.w.adopt_optimizer(opt)
         return (ev, opt)
 
+    @guarded
+    def scale_read(self):
+        """`scaler.get_scale()` ran (the loop reads the scale, e.g. to unscale a penalty's gradients by hand)."""
+        if not self.disabled:
+            self.st.scale_reads += 1
+
     def _found_inf_of(self, opt):
         """What `unscale_(opt)` found this iteration, as a 1-value tensor (None when it has not run)."""
         try:
@@ -195,7 +210,7 @@ class MonitorCallbacks:
             # does the backward go through the scaled loss? (`scaler.scale(loss)` as a statement, then
             # loss.backward(): unscale_ divides gradients that were never scaled) A node pre-hook only notes it;
             # every step, as a branch that begins doing so on a later step repeats the calls of the step before
-            ran = [False]
+            ran = [False, False, st.scale_reads]
             out.grad_fn.register_prehook(functools.partial(_ran, ran))
             node = getattr(loss, "grad_fn", None)
             st.scaled_outs.append((ev, ran, None if node is None else id(node), st.micro))

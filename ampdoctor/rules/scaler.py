@@ -249,7 +249,7 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
     hits = [(r, e) for r in run.steps for e in r.events if e.kind.startswith(("clip_grad", "get_total_norm"))
             and e.scaled]
     if not hits:
-        return []
+        return _penalty_scaled(run)
     r, e = hits[0]
     # the first call on scaled gradients is where unscale_ belongs; a clip in the same step makes it an error
     # (get_total_norm, then clip_grads_with_norm_ with that norm)
@@ -266,6 +266,32 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
           "sequence": _seq(r.events), "rank_hint": 3}
     return [Finding("clip_before_unscale", "error" if clipping else "warning", "optimizer", None, None, r.step, msg,
                     "Call `scaler.unscale_(optimizer)` before clipping:\n" + ORDER, ev)]
+
+
+def _penalty_scaled(run: RunData) -> list[Finding]:
+    """A gradient penalty from the scaled loss's gradients (`torch.autograd.grad(scaler.scale(loss), ...,
+    create_graph=True)`) never divided by the scale: the loss built from them was scaled again with no
+    `scaler.get_scale()` read between (monitorsink: `penalty_scaled`)."""
+    hit = next(((r, e) for r in run.steps for e in r.events if e.kind == "scale" and e.extra.get("penalty_scaled")),
+               None)
+    if hit is None:
+        return []
+    r, e = hit
+    return [Finding(
+        "clip_before_unscale", "error", "optimizer", None, None, r.step,
+        f"The gradients of a scaled loss were taken with create_graph (a gradient penalty) and used while still "
+        f"multiplied by the loss scale{f' ({r.scale:g})' if r.scale else ''}: the loop never read the scale to "
+        f"divide them before "
+        f"`scaler.scale()` at {_loc(e)} scaled the loss built from them, so the penalty is scale² too large (a "
+        "norm read while scaled, as in clipping before unscale_).",
+        "Unscale the penalty's gradients by hand (torch's AMP recipe for gradient penalties):\n"
+        "scaled = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)\n"
+        "inv_scale = 1.0 / scaler.get_scale()\n"
+        "grads = [g * inv_scale for g in scaled]\n"
+        "penalty = sum(g.pow(2).sum() for g in grads)\n"
+        "scaler.scale(loss + lam * penalty).backward()",
+        {"api": "torch.autograd.grad", "file": e.file, "line": e.line, "loss_scale": r.scale,
+         "sequence": _seq(r.events), "penalty": True, "rank_hint": 3})]
 
 
 def _clips(e: CallEvent) -> bool:
