@@ -214,6 +214,8 @@ class ParamStat:
     sharded: bool = False  # a DTensor (FSDP2): the gradient values are this rank's shard's (merged by diagnose)
     state_dtype: str | None = None  # its optimizer state's dtype where narrower than the parameter's (fp16 moments
     #                                 over fp32 weights; sampled steps; rules/weights.py optimizer_eps)
+    grad_hooked: bool = False  # the user's code hooks its gradient (`p.register_hook`, sampled steps): a hook runs
+    #                            inside the backward, on the gradient still multiplied by the loss scale
 
     def to_dict(self) -> dict:
         return plain(self)

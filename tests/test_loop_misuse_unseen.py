@@ -63,8 +63,10 @@ Healthy (no warning, no error at all; each checked to train):
  H5. one `torch.autograd.backward(scaler.scale([main, aux]))` on the list GradScaler.scale returns.
 
 Result when written: 13 pass, 4 xfail (strict; each reason gives what ampdoctor reported instead); U12, U8 and U11
-fixed since (16 pass, 1 xfail):
- - U7 (tensor-hook clamp): empty report. Should be clip_before_unscale, error, step 0.
+fixed since, and U7 (17 pass):
+ - U7 (tensor-hook clamp; fixed since: a sampled step records which parameters the user hooks, and their largest
+   gradients at one round bound times the scale are clip_before_unscale, tests/test_hook_clamp_scaled.py): empty
+   report. Should be clip_before_unscale, error, step 0.
  - U8 (clip_grad_value_ bound at import; fixed since: record/monitor.py sees it where it groups the gradients,
    tests/test_clip_value_early_bound.py): empty report. The same loop calling `torch.nn.utils.clip_grad_value_`
    through the module attribute gives '[error] clip_before_unscale ... step 0' at the right line, so the early
@@ -96,7 +98,7 @@ from torch.nn.utils import clip_grad_value_  # (U8: bound at import, before any 
 
 from scenarios import lines, one_thread
 from probe_harness import (WrongAnswer, expect as _expect, gnorm, learned, misuse_batch, misuse_net, quiet_report,
-                           run_misuse, wrong)
+                           run_misuse)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -364,8 +366,6 @@ def test_u6_lr_clipping_from_the_scaled_total_norm():
 # ======================================================================================================================
 # U7. gradient clamping in tensor hooks during the scaled backward
 # ======================================================================================================================
-@wrong("empty report: a clamp in tensor hooks during the scaled backward (every stepped element pinned at "
-       "c/1024) is not named; should be clip_before_unscale, error, step 0")
 def test_u7_tensor_hook_clamp_during_scaled_backward():
     m = net()
     CLIP = 0.5

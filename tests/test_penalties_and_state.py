@@ -18,7 +18,9 @@ of a `.half()` model overflowing on a loud batch (silent in training mode, zeros
 fp16 with momentum 0.9999 updated by lerp_ (every update rounds away).
 
 Each failure is first asserted real in the loop itself. Where ampdoctor is wrong the test is a strict xfail whose
-reason says what it reported: the WGAN-GP recipe without inv_scale (info only). The `.half()` model's BatchNorm
+reason says what it reported. The WGAN-GP recipe without inv_scale (info only) was one, fixed (a loss built from a
+create_graph backward's gradients through a scaled loss, scaled again with no get_scale() read between, is
+clip_before_unscale: rules/scaler.py _penalty_scaled). The `.half()` model's BatchNorm
 running_var going inf (no findings: batch_norm's kernel writes the buffer without moving its version counter) and the
 fp16 mean teacher rounding its updates away (no findings) were ones too, fixed (record/buffers.py compares norms;
 params.outside_snapshot/outside_compare: frozen fp16 weights written in place whose values did not change)."""
@@ -337,10 +339,6 @@ def test_wgan_gp_in_bf16_without_a_scaler():
 # ======================================================================================================================
 # (A) failing gradient penalties
 # ======================================================================================================================
-@pytest.mark.xfail(strict=True, reason="ampdoctor reports only info findings: '[info] overflow at out step 0: The "
-                   "loss-scaled backward overflowed in `out` on 3 step(s) while the loss scale was high; GradScaler "
-                   "skipped them and lowered the scale, as designed.' and '[info] skipped_steps ... 4 of 41 steps; a "
-                   "normal rate'; nothing says the penalty's gradient norm was read while still scaled")
 def test_wgan_gp_recipe_without_inv_scale_is_a_gradient_norm_read_while_scaled():
     """The WGAN-GP critic's input gradient taken from the scaled critic output but never multiplied by inv_scale:
     ||grad|| is read 1024x too large, so the penalty drives the critic's true gradient norm to ~1/1024 instead of 1

@@ -129,7 +129,9 @@ def finalize(m) -> None:
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,
                                 update_rounded_away=int(u[0]) if u else 0, sharded=name in m.sharded,
                                 weight_norm=u[2] if u else None, weight_norm_after=u[3] if u else None,
-                                lr=u[4] if u else None, state_dtype=narrow.get(name)))
+                                lr=u[4] if u else None, state_dtype=narrow.get(name),
+                                grad_hooked=st.sampled and bool(getattr(m.param_by_name.get(name), "_backward_hooks",
+                                                                        None))))
     if upd:  # a routine step that checked its updates (params.update_check_pre), or a parameter whose gradient
         #      is not among the step's (a sparse one): keep what was found
         seen = {p.name for p in params}

@@ -249,7 +249,7 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
     hits = [(r, e) for r in run.steps for e in r.events if e.kind.startswith(("clip_grad", "get_total_norm"))
             and e.scaled]
     if not hits:
-        return _penalty_scaled(run)
+        return _penalty_scaled(run) or _hook_clamped(run)
     r, e = hits[0]
     # the first call on scaled gradients is where unscale_ belongs; a clip in the same step makes it an error
     # (get_total_norm, then clip_grads_with_norm_ with that norm)
@@ -292,6 +292,48 @@ def _penalty_scaled(run: RunData) -> list[Finding]:
         "scaler.scale(loss + lam * penalty).backward()",
         {"api": "torch.autograd.grad", "file": e.file, "line": e.line, "loss_scale": r.scale,
          "sequence": _seq(r.events), "penalty": True, "rank_hint": 3})]
+
+
+HOOK_CLAMP_SPREAD = 1e-3
+"""Relative spread within which the hooked parameters' largest scaled gradients count as one clamp bound."""
+
+
+def _round(x: float) -> bool:
+    """A number as a person writes it (three significant digits at most: 0.5, 1, 5e-3, 512), in fp32."""
+    return x > 0 and abs(x - float(f"{x:.3g}")) <= 1e-6 * x
+
+
+def _hook_clamped(run: RunData) -> list[Finding]:
+    """Gradient hooks that clamp during the scaled backward (`p.register_hook(lambda g: g.clamp(-c, c))`): on a sampled
+    step, two or more hooked parameters (ParamStat.grad_hooked) whose largest gradient after unscale_, times the loss
+    scale, is one value c (their gradients were cut at c while multiplied by the scale, so at c / scale really), and c
+    is a round number where c / scale is not (the bound the user wrote, not one divided by the scale)."""
+    if not run.has_scaler:
+        return []
+    for r in run.steps:
+        if not r.sampled or not r.scale or r.scale <= 1 or r.skipped:
+            continue
+        tops = [(p.name, p.grad_absmax * r.scale) for p in r.params
+                if p.grad_hooked and p.grad_absmax is not None and 0 < p.grad_absmax < math.inf]
+        if len(tops) < 2:
+            continue
+        c = max(v for _, v in tops)
+        at = [n for n, v in tops if v >= c * (1 - HOOK_CLAMP_SPREAD)]
+        if len(at) < 2 or len(at) * 2 < len(tops) or not _round(c) or _round(c / r.scale):
+            continue  # (a bound the user wrote is a round number: one that is round only after unscale_ is a hook
+            #            that divides its bound by the scale, as it should)
+        return [Finding(
+            "clip_before_unscale", "error", "optimizer", None, None, r.step,
+            f"Hooks on the parameters' gradients (`register_hook`) clamp them inside the scaled backward: after "
+            f"unscale_, the largest gradient of {len(at)} of the {len(tops)} hooked parameters is the same value, "
+            f"{c / r.scale:.3g} = {c:.4g} / the loss scale {r.scale:g}. A hook runs before unscale_, on gradients "
+            f"still multiplied by the scale, so a clamp at {c:.4g} really cuts every gradient at {c / r.scale:.3g}.",
+            "Clip after unscale_ instead of in gradient hooks:\n" + ORDER.replace(
+                "clip_grad_norm_(model.parameters(), max_norm)", "clip_grad_value_(model.parameters(), clip_value)")
+            + "\n(or divide the bound by `scaler.get_scale()` inside the hook)",
+            {"api": "torch.Tensor.register_hook", "params": at[:20], "bound_scaled": c, "bound_real": c / r.scale,
+             "loss_scale": r.scale, "hooked": len(tops), "rank_hint": 3})]
+    return []
 
 
 def _clips(e: CallEvent) -> bool:
