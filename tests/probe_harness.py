@@ -9,7 +9,8 @@ copied from one another. It owns
   unwatched twin), `WrongAnswer` and `wrong` (a strict xfail for a wrong report only);
 - `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
 - `snap_before`: train_loop's after_step callback keeping the weights a given step's forward ran with;
-- `at_top3`, `error_at`: checks that a report names a rule at a module among its first three findings;
+- `at_top3`, `error_at`, `named_top3`, `producer_top3`: checks that a report names a rule at a module among its first
+  three findings (`producer_top3`: and no module that only passed the value on);
 - the HF failure files' loop and checks (test_hf_failures3/4, ...): `hf_train`, `first_bad_log`, `falls`,
   `fp16_accelerator` (the body of their `fp16_on_cpu` fixture);
 - `xf`: a strict xfail mark;
@@ -198,6 +199,20 @@ def named_top3(rep, rules, module, step, severities=("warning", "error")):
         if f.rule in rules and f.severity in severities and f.module == module and f.step == step:
             return f
     raise WrongAnswer(f"wanted {rules} at {module!r} step {step}; top 3: {lines(rep)[:3]}")
+
+
+def producer_top3(rep, rules, module, step, phases=("forward", None)):
+    """`named_top3`, and the producer, not a carrier: no overflow/nan_origin error at `step` among the first three
+    findings names another module (None: the run, outside the model), and the named finding's phase is one of
+    `phases`. Returns it, else WrongAnswer (the domain probe files: test_density_models_unseen, ...)."""
+    f = named_top3(rep, rules, module, step)
+    passed_on = [x.one_line() for x in rep.findings[:3] if x.step == step and x.rule in ("overflow", "nan_origin")
+                 and x.severity == "error" and x.module not in (module, None)]
+    if passed_on:
+        raise WrongAnswer(f"a module that only passed the value on blamed: {passed_on}; top 3: {lines(rep)[:3]}")
+    if f.phase not in phases:
+        raise WrongAnswer(f"wrong phase: {f.one_line()} ({f.phase})")
+    return f
 
 
 def probe_run(m, batch, loss_fn, steps, run_dir, *, oracle=lambda m: Producer(m, with_kwargs=True), inject=None,
