@@ -86,13 +86,13 @@ class ModuleHookCallbacks:
                 if st.sampled and st.micro == 1 and self.params:
                     self.outside_snap = outside_snapshot(self, st.step)
                     self.masters_left = MASTERS_STEPS if (self.w.meta.optimizer or {}).get("masters") else 0
-                if st.micro == 1 and self.masters_left:  # (a hand-rolled master-weight loop: params.masters_snapshot)
-                    self.masters_left -= 1
-                    self.masters_snap = masters_snapshot(self, st.step)
                     # the weights as the step found them: a forward that writes its own weights (an in-place
                     # renorm, an EMA codebook) is their producer, not an earlier update (transfer.resolve)
                     st.pw_index = checked_weights(self)
                     st.w_start = weight_amax(self, st) if st.pw_index else None
+                if st.micro == 1 and self.masters_left:  # (a hand-rolled master-weight loop: params.masters_snapshot)
+                    self.masters_left -= 1
+                    self.masters_snap = masters_snapshot(self, st.step)
                 del st.batches[:-8]  # the last few micro-batches (accumulation, or a loop that skips bad ones)
                 st.autocast = autocast_str()
         elif st.sampled and not st.stack and torch.is_grad_enabled():
