@@ -35,7 +35,8 @@ def batch(i):
 def run(kind, watch=True, tmp_path=None):
     """One loop per `kind`: "params" (penalty on the parameters' gradients, never unscaled), "params_recipe" (torch's
     recipe: divided by get_scale()), "inputs" / "inputs_recipe" (a WGAN-GP-style penalty on the inputs' gradients),
-    "unscaled_loss" (the penalty's gradients from the unscaled loss: nothing to divide). Returns (report or None,
+    "unscaled_loss" (the penalty's gradients from the unscaled loss: nothing to divide), "read_first" (the scale
+    read before the gradients are taken, as GradNorm's loop does, then divided by it). Returns (report or None,
     losses, penalties, final weights)."""
     m = net()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -53,6 +54,9 @@ def run(kind, watch=True, tmp_path=None):
         wrt = [x] if kind.startswith("inputs") else list(m.parameters())
         if kind == "unscaled_loss":
             grads = torch.autograd.grad(loss, wrt, create_graph=True)
+        elif kind == "read_first":  # GradNorm's order: the scale read first, the scaled gradients divided by it
+            s = sc.get_scale()
+            grads = [g / s for g in torch.autograd.grad(sc.scale(loss), wrt, create_graph=True)]
         else:
             grads = torch.autograd.grad(sc.scale(loss), wrt, create_graph=True)
             if kind.endswith("_recipe"):
@@ -84,7 +88,7 @@ def test_a_penalty_on_scaled_gradients_is_clip_before_unscale(tmp_path, kind):
     assert "get_scale" in f.fix and f.evidence["penalty"] is True
 
 
-@pytest.mark.parametrize("kind", ["params_recipe", "inputs_recipe", "unscaled_loss"])
+@pytest.mark.parametrize("kind", ["params_recipe", "inputs_recipe", "unscaled_loss", "read_first"])
 def test_the_recipe_is_quiet_and_unchanged(tmp_path, kind):
     rep, losses, pens, ws = run(kind, tmp_path=tmp_path)
     _, losses2, pens2, ws2 = run(kind, watch=False)

@@ -20,7 +20,7 @@ __all__ = ["MonitorCallbacks"]
 
 def _ran(flag: list, grads):
     """A backward reached the scaled loss: [ran, with create_graph (autograd's grad mode is on inside a backward that
-    builds a graph of the gradients: a gradient penalty's), scale reads when it was scaled]."""
+    builds a graph of the gradients: a gradient penalty's)]."""
     flag[0] = True
     if torch.is_grad_enabled():
         flag[1] = True
@@ -120,10 +120,10 @@ class MonitorCallbacks:
                 st.unscaled_opts.append(opt)
         ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
         if kind == "scale":
-            if st.scaled_outs and any(r[1] and r[2] == st.scale_reads for _, r, _, _ in st.scaled_outs):
+            if st.scaled_outs and not st.scale_reads and any(r[1] for _, r, _, _ in st.scaled_outs):
                 # the gradients of a scaled loss were taken with create_graph (torch.autograd.grad: a gradient
-                # penalty) and the loop never read the scale since to divide them: a loss made from them is about
-                # to be scaled again (rules/scaler.py clip_before_unscale)
+                # penalty) and the loop has not read the scale in this iteration to divide them (GradNorm's loop
+                # reads it before): a loss made from them is about to be scaled again (rules/scaler.py)
                 ev.extra["penalty_scaled"] = True
             out = args[0] if args else kwargs.get("outputs")
             if isinstance(out, torch.Tensor) and out.grad_fn is not None and st.scaled_node is not None and \
@@ -210,7 +210,7 @@ class MonitorCallbacks:
             # does the backward go through the scaled loss? (`scaler.scale(loss)` as a statement, then
             # loss.backward(): unscale_ divides gradients that were never scaled) A node pre-hook only notes it;
             # every step, as a branch that begins doing so on a later step repeats the calls of the step before
-            ran = [False, False, st.scale_reads]
+            ran = [False, False]
             out.grad_fn.register_prehook(functools.partial(_ran, ran))
             node = getattr(loss, "grad_fn", None)
             st.scaled_outs.append((ev, ran, None if node is None else id(node), st.micro))

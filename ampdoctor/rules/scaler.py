@@ -270,8 +270,8 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
 
 def _penalty_scaled(run: RunData) -> list[Finding]:
     """A gradient penalty from the scaled loss's gradients (`torch.autograd.grad(scaler.scale(loss), ...,
-    create_graph=True)`) never divided by the scale: the loss built from them was scaled again with no
-    `scaler.get_scale()` read between (monitorsink: `penalty_scaled`)."""
+    create_graph=True)`) never divided by the scale: the loss built from them was scaled again and the iteration
+    never read `scaler.get_scale()` (monitorsink: `penalty_scaled`)."""
     hit = next(((r, e) for r in run.steps for e in r.events if e.kind == "scale" and e.extra.get("penalty_scaled")),
                None)
     if hit is None:
@@ -280,8 +280,8 @@ def _penalty_scaled(run: RunData) -> list[Finding]:
     return [Finding(
         "clip_before_unscale", "error", "optimizer", None, None, r.step,
         f"The gradients of a scaled loss were taken with create_graph (a gradient penalty) and used while still "
-        f"multiplied by the loss scale{f' ({r.scale:g})' if r.scale else ''}: the loop never read the scale to "
-        f"divide them before "
+        f"multiplied by the loss scale{f' ({r.scale:g})' if r.scale else ''}: the iteration never read the scale "
+        f"to divide them before "
         f"`scaler.scale()` at {_loc(e)} scaled the loss built from them, so the penalty is scale² too large (a "
         "norm read while scaled, as in clipping before unscale_).",
         "Unscale the penalty's gradients by hand (torch's AMP recipe for gradient penalties):\n"
