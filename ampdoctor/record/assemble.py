@@ -165,9 +165,11 @@ def finalize(m) -> None:
                      micro_batches=st.micro, autocast=st.autocast, forward_producer=fwd, backward_producer=bwd,
                      modules=calls if (st.sampled or fwd or bwd) else [], params=params, events=st.events,
                      exception=st.exception, capture=st.capture, output_finite=st.output_finite,
-                     loss_ops=st.loss_ops, loss_low=st.loss_low, loss_consts=st.loss_consts, bad_input=st.bad_input, loss_in_model=st.loss_in_model,
+                     loss_ops=st.loss_ops, loss_low=st.loss_low, loss_consts=st.loss_consts, bad_input=st.bad_input,
+                     loss_in_model=st.loss_in_model,
                      bad_weights=(w_bad or None) if not st.sampled else None, bad_buffer=st.bad_buffer,
-                     outside_updates=st.outside, masters_back=st.masters, int_inputs=m.int_watch.found(st, probes) if st.int_calls else None,
+                     outside_updates=st.outside, masters_back=st.masters,
+                     int_inputs=m.int_watch.found(st, probes) if st.int_calls else None,
                      headroom=from_calls(calls, m.slot_of_name, m.hr.n, m.hr_skip) if st.sampled else st.headroom)
     if s.get("grads_scaled") and rec.events:
         rec.events[-1].grads_scaled = True
