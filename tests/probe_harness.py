@@ -7,7 +7,8 @@ copied from one another. It owns
 - `train_loop`: the ordinary fp16 autocast + GradScaler loop under ampdoctor.watch that reports what the oracle saw;
 - `probe_run`: the unseen-variant probes' loop (its hooks: injections, a mid-run report, an export before close, the
   unwatched twin), `WrongAnswer` and `wrong` (a strict xfail for a wrong report only);
-- `healthy`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the oracle says;
+- `healthy`, `twin_checks`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the
+  oracle says;
 - `snap_before`: train_loop's after_step callback keeping the weights a given step's forward ran with;
 - `at_top3`, `error_at`, `named_top3`, `producer_top3`: checks that a report names a rule at a module among its first
   three findings (`producer_top3`: and no module that only passed the value on);
@@ -345,6 +346,29 @@ def healthy(r, must_fall=0.9, skips=(), bwd=True):
     assert sum(ls[-k:]) < must_fall * sum(ls[:k]), ls
     rep = r["w"].report()
     assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+
+
+def twin_checks(r, plain, steps, calibrates=False):
+    """The domain probe files' healthy twin (test_density_models_unseen, ...): `r` the watched probe_run, `plain` the
+    unwatched one. Genuinely healthy: finite losses, no producer, no skip from step 3 on (`calibrates`: at most 3
+    skips, the unwatched run's own: a scaler's first search delayed by slowly growing gradients), the mean loss of
+    the last fifth 5% below the first fifth's, finite weights, no ampdoctor warning; the report quiet; the watch
+    changes nothing (losses and weights bitwise identical)."""
+    ls = r["losses"]
+    assert all(map(math.isfinite, ls)) and r["first"] is None, (ls, r["first"])
+    if calibrates:
+        assert len(r["skipped"]) <= 3 and r["skipped"] == plain["skipped"], r["skipped"]
+    else:
+        assert [s for s in r["skipped"] if s >= 3] == [], r["skipped"]
+    k = max(3, steps // 5)
+    assert sum(ls[-k:]) / k < sum(ls[:k]) / k - 0.05 * abs(sum(ls[:k]) / k), ls
+    assert all(torch.isfinite(v).all() for v in r["weights"].values())
+    assert r["warns"] == [], r["warns"]
+    rep = r["rep"]
+    assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+    assert r["losses"] == plain["losses"], (r["losses"], plain["losses"])
+    for key, v in r["weights"].items():
+        assert torch.equal(v, plain["weights"][key]), key
 
 
 def real_fwd(r, name, step, skip=True):
