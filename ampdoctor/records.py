@@ -432,7 +432,7 @@ class StepRecord:
     masters_back: dict | None = None
     """With an optimizer stepping copies of an fp16/bf16 model's weights (a hand-rolled master-weight loop), on the
     forwards after a sampled step: `{"since": step, "moved": n, "stuck": k}`: of the sampled master elements whose value
-    in the weight's dtype moved since that step's forward, `k` whose model element did not (ampdoctor/record/params.py
+    in the weight's dtype moved since that step's forward, `k` whose model element did not (ampdoctor/record/copies.py
     masters_compare). All stuck: the updated masters never reach the model."""
     int_inputs: list | None = None
     """On a routine step: the watched modules' small fp16/bf16 inputs that held only integers past the dtype's exact

@@ -1,5 +1,5 @@
 """A hand-rolled master-weight loop (an fp16 model, fp32 copies in the optimizer, gradients copied over) whose
-updated masters must come back into the model. ampdoctor/record/params.py `masters_snapshot` / `masters_compare`
+updated masters must come back into the model. ampdoctor/record/copies.py `masters_snapshot` / `masters_compare`
 look at the forwards after a sampled step; rules/weights.py `_masters_not_copied` names a loop that never copies
 back (update_underflow, error, module null), and nothing else: a loop that copies back, one whose updates are too
 small to change an fp16 weight yet (the masters move, their fp16 rounding does not), one that copies back only

@@ -16,8 +16,8 @@ from . import modstate
 from .gradexits import EntryHook, ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import GRAD_OUT_BYTES, in_compiled_frame, keep_grad
 from .openstep import _Call
-from .params import (MASTERS_STEPS, checked_weights, masters_compare, masters_snapshot, model_grads, norms,
-                     outside_compare, outside_snapshot, weight_amax)
+from .copies import MASTERS_STEPS, masters_compare, masters_snapshot, outside_compare, outside_snapshot
+from .params import checked_weights, model_grads, norms, weight_amax
 from .stats import is_measurable, ref_dtype
 from ..tensors import (ac_from_str, autocast_dtype, autocast_str, copy_tensors, flatten_tensors, input_versions,
                        input_writes, loss_of, module_type, rng_state, shallow, tb_location, tb_module)
@@ -90,7 +90,7 @@ class ModuleHookCallbacks:
                     # renorm, an EMA codebook) is their producer, not an earlier update (transfer.resolve)
                     st.pw_index = checked_weights(self)
                     st.w_start = weight_amax(self, st) if st.pw_index else None
-                if st.micro == 1 and self.masters_left:  # (a hand-rolled master-weight loop: params.masters_snapshot)
+                if st.micro == 1 and self.masters_left:  # (a hand-rolled master-weight loop: copies.py)
                     self.masters_left -= 1
                     self.masters_snap = masters_snapshot(self, st.step)
                 del st.batches[:-8]  # the last few micro-batches (accumulation, or a loop that skips bad ones)

@@ -105,7 +105,7 @@ class _Step:
     w_start: object = None                             # their abs-max when the step's forward began (sampled)
     bad_buffer: dict | None = None                     # a written buffer that turned non-finite (buffers.py)
     outside: tuple | None = None                       # frozen fp16 weights written since the last sampled step
-    masters: tuple | None = None                       # (snapshot step, [stuck, moved]): params.masters_compare
+    masters: tuple | None = None                       # (snapshot step, [stuck, moved]): copies.masters_compare
     w_deferred: bool = False                           # CPU: weights checked in resolve, on bad steps only
     out_ok: list = field(default_factory=list)
     output_finite: bool | None = None

@@ -105,7 +105,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.check_until = -1                  # routine steps up to this one check their updates (params.py)
         self.lr_checked: dict[int, list] = {}  # id(optimizer) -> its learning rates at the last update check
         self.buffers = BufferWatch(watch.model)  # the buffers the training writes: finite? (buffers.py)
-        self.outside_snap = None  # frozen fp16/bf16 weights as a sampled step found them (params.outside_snapshot)
+        self.outside_snap = None  # frozen fp16/bf16 weights as a sampled step found them (copies.outside_snapshot)
         self.masters_snap = None  # a master-weight loop's weights and masters as a forward found them (params.py)
         self.masters_left = 0     # forwards still to snapshot them, from the last sampled step on
         self.routine_weight_checks = 0  # bad routine steps whose weights were read (transfer.resolve; a few only)
