@@ -7,7 +7,7 @@ the report or replay (tests/test_imports.py).
 from __future__ import annotations
 
 from .registry import RULE_IDS, RULES, RuleConfig, RunData, register, run_rules
-from . import origins, numeric, underflow, scaler, callorder, weights, updates, envrules  # noqa: F401  (registration)
+from . import origins, numeric, underflow, scaler, clipscaled, callorder, weights, updates, envrules  # noqa: F401
 from . import deepspeed  # noqa: F401  (DeepSpeed runs: rules/deepspeed.py)
 from . import headroom  # noqa: F401  (headroom_trend: rules/headroom.py)
 

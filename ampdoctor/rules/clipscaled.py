@@ -1,0 +1,109 @@
+"""Rule clip_before_unscale: the gradients read while still multiplied by the loss scale. A clipping call (or a norm
+read) before unscale_, a gradient penalty built from a scaled loss's gradients that were never divided by the scale,
+and value clamps in gradient hooks, which run inside the scaled backward. The scale timeline's rules stay in
+scaler.py, whose recipe (ORDER) the fixes quote.
+"""
+from __future__ import annotations
+
+import math
+
+from ..findings import Finding
+from ..records import CallEvent
+from .registry import RuleConfig, RunData, register
+from .scaler import ORDER, _loc, _seq
+
+
+@register("clip_before_unscale", emits=("clip_before_unscale",))
+def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    hits = [(r, e) for r in run.steps for e in r.events if e.kind.startswith(("clip_grad", "get_total_norm"))
+            and e.scaled]
+    if not hits:
+        return _penalty_scaled(run) or _hook_clamped(run)
+    r, e = hits[0]
+    # the first call on scaled gradients is where unscale_ belongs; a clip in the same step makes it an error
+    # (get_total_norm, then clip_grads_with_norm_ with that norm)
+    # (a clip_grad_norm_ with max_norm=inf clips nothing: a norm read for the logs, as get_total_norm)
+    clip = e if _clips(e) else next((h for rr, h in hits if rr.step == r.step and _clips(h)), None)
+    clipping = clip is not None
+    norm = e.total_norm
+    then = f"; `{clip.kind}` at {_loc(clip)} then clipped with it" if clipping and clip is not e else ""
+    msg = (f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}){then} — "
+           f"{'the scaled norm was clipped, so the real update is shrunk by ~the scale factor' if clipping else 'the norm it read is scale× too large'}"
+           f" (seen on {len(hits)} step(s)).")
+    ev = {"api": f"torch.nn.utils.{e.kind}", "file": e.file, "line": e.line, "stage": e.stage, "loss_scale": r.scale, "norm_seen": norm,
+          "norm_unscaled_estimate": norm / r.scale if norm and r.scale else None, "calls": len(hits),
+          "sequence": _seq(r.events), "rank_hint": 3}
+    return [Finding("clip_before_unscale", "error" if clipping else "warning", "optimizer", None, None, r.step, msg,
+                    "Call `scaler.unscale_(optimizer)` before clipping:\n" + ORDER, ev)]
+
+
+def _penalty_scaled(run: RunData) -> list[Finding]:
+    """A gradient penalty from the scaled loss's gradients (`torch.autograd.grad(scaler.scale(loss), ...,
+    create_graph=True)`) never divided by the scale: the loss built from them was scaled again and the iteration
+    never read `scaler.get_scale()` (monitorsink: `penalty_scaled`)."""
+    hit = next(((r, e) for r in run.steps for e in r.events if e.kind == "scale" and e.extra.get("penalty_scaled")),
+               None)
+    if hit is None:
+        return []
+    r, e = hit
+    return [Finding(
+        "clip_before_unscale", "error", "optimizer", None, None, r.step,
+        f"The gradients of a scaled loss were taken with create_graph (a gradient penalty) and used while still "
+        f"multiplied by the loss scale{f' ({r.scale:g})' if r.scale else ''}: the iteration never read the scale "
+        f"to divide them before "
+        f"`scaler.scale()` at {_loc(e)} scaled the loss built from them, so the penalty is scale² too large (a "
+        "norm read while scaled, as in clipping before unscale_).",
+        "Unscale the penalty's gradients by hand (torch's AMP recipe for gradient penalties):\n"
+        "scaled = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)\n"
+        "inv_scale = 1.0 / scaler.get_scale()\n"
+        "grads = [g * inv_scale for g in scaled]\n"
+        "penalty = sum(g.pow(2).sum() for g in grads)\n"
+        "scaler.scale(loss + lam * penalty).backward()",
+        {"api": "torch.autograd.grad", "file": e.file, "line": e.line, "loss_scale": r.scale,
+         "sequence": _seq(r.events), "penalty": True, "rank_hint": 3})]
+
+
+HOOK_CLAMP_SPREAD = 1e-3
+"""Relative spread within which the hooked parameters' largest scaled gradients count as one clamp bound."""
+
+
+def _round(x: float) -> bool:
+    """A number as a person writes it (three significant digits at most: 0.5, 1, 5e-3, 512), in fp32."""
+    return x > 0 and abs(x - float(f"{x:.3g}")) <= 1e-6 * x
+
+
+def _hook_clamped(run: RunData) -> list[Finding]:
+    """Gradient hooks that clamp during the scaled backward (`p.register_hook(lambda g: g.clamp(-c, c))`): on a sampled
+    step, two or more hooked parameters (ParamStat.grad_hooked) whose largest gradient after unscale_, times the loss
+    scale, is one value c (their gradients were cut at c while multiplied by the scale, so at c / scale really), and c
+    is a round number where c / scale is not (the bound the user wrote, not one divided by the scale)."""
+    if not run.has_scaler:
+        return []
+    for r in run.steps:
+        if not r.sampled or not r.scale or r.scale <= 1 or r.skipped:
+            continue
+        tops = [(p.name, p.grad_absmax * r.scale) for p in r.params
+                if p.grad_hooked and p.grad_absmax is not None and 0 < p.grad_absmax < math.inf]
+        if len(tops) < 2:
+            continue
+        c = max(v for _, v in tops)
+        at = [n for n, v in tops if v >= c * (1 - HOOK_CLAMP_SPREAD)]
+        if len(at) < 2 or len(at) * 2 < len(tops) or not _round(c) or _round(c / r.scale):
+            continue  # (a bound the user wrote is a round number: one that is round only after unscale_ is a hook
+            #            that divides its bound by the scale, as it should)
+        return [Finding(
+            "clip_before_unscale", "error", "optimizer", None, None, r.step,
+            f"Hooks on the parameters' gradients (`register_hook`) clamp them inside the scaled backward: after "
+            f"unscale_, the largest gradient of {len(at)} of the {len(tops)} hooked parameters is the same value, "
+            f"{c / r.scale:.3g} = {c:.4g} / the loss scale {r.scale:g}. A hook runs before unscale_, on gradients "
+            f"still multiplied by the scale, so a clamp at {c:.4g} really cuts every gradient at {c / r.scale:.3g}.",
+            "Clip after unscale_ instead of in gradient hooks:\n" + ORDER.replace(
+                "clip_grad_norm_(model.parameters(), max_norm)", "clip_grad_value_(model.parameters(), clip_value)")
+            + "\n(or divide the bound by `scaler.get_scale()` inside the hook)",
+            {"api": "torch.Tensor.register_hook", "params": at[:20], "bound_scaled": c, "bound_real": c / r.scale,
+             "loss_scale": r.scale, "hooked": len(tops), "rank_hint": 3})]
+    return []
+
+
+def _clips(e: CallEvent) -> bool:
+    return e.kind.startswith("clip_grad") and e.extra.get("max_norm") != math.inf
