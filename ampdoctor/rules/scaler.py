@@ -1,8 +1,8 @@
-"""GradScaler rules from the loss-scale timeline and the recorded clip calls: loss_scale_collapse, skipped_steps,
-clip_before_unscale; scaler_misorder across ranks (ranks_diverged). The order of the scaler/optimizer calls
-within a step is rules/callorder.py's."""
+"""GradScaler rules from the loss-scale timeline: loss_scale_collapse, skipped_steps; scaler_misorder across ranks
+(ranks_diverged); the recipe the scaler rules' fixes quote (ORDER). Gradients read while still scaled
+(clip_before_unscale) are rules/clipscaled.py's; the order of the scaler/optimizer calls within a step is
+rules/callorder.py's."""
 from __future__ import annotations
-
 
 from ..findings import Finding
 from ..records import CallEvent, StepRecord
