@@ -269,21 +269,25 @@ _INF_FROM_FINITE = frozenset(
                              "Addmm", "Dot"))
 
 
-def _nan_made_by_inf(r: StepRecord) -> bool:
+def _nan_through_inf(r: StepRecord) -> bool:
     """A NaN loss computed outside the model, from finite outputs, by ops none of which makes NaN from finite
-    values (StepRecord.loss_ops), one of which can make inf: an inf came first — the loss computation overflowed."""
-    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops) and r.loss_consts is not True
+    values (StepRecord.loss_ops), one of which can make inf."""
+    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops)
             and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops)
             and any(op in _INF_FROM_FINITE for op in r.loss_ops))
+
+
+def _nan_made_by_inf(r: StepRecord) -> bool:
+    """`_nan_through_inf` with every operand made in the graph: an inf came first — the loss computation
+    overflowed."""
+    return r.loss_consts is not True and _nan_through_inf(r)
 
 
 def _nan_inf_or_operand(r: StepRecord) -> bool:
-    """As `_nan_made_by_inf`, but one of the ops took a tensor that needs no gradient (StepRecord.loss_consts): that
+    """`_nan_through_inf`, but one of the ops took a tensor that needs no gradient (StepRecord.loss_consts): that
     value may have brought the NaN (an advantage normalised by a std of 0 whose eps vanished in fp16: 0 / 0), or
     an op overflowed first; the graph cannot tell which."""
-    return (r.loss is not None and math.isnan(r.loss) and bool(r.loss_ops) and r.loss_consts is True
-            and all(op in _NO_NAN_FROM_FINITE for op in r.loss_ops)
-            and any(op in _INF_FROM_FINITE for op in r.loss_ops))
+    return r.loss_consts is True and _nan_through_inf(r)
 
 
 _OP_HINTS = (("ExpBackward", "exp (past 11.09)"), ("PowBackward", "a power (a square past 255.9)"),
