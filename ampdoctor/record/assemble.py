@@ -67,17 +67,11 @@ def _allreduced(m) -> bool:
     return (m.w.meta.world_size or 1) > 1 and isinstance(m.w.model, torch.nn.parallel.DistributedDataParallel)
 
 
-def finalize(m) -> None:
-    st = m.st
-    if st.phase is StepPhase.OPEN:
-        presync(m, None)
-    unpropagated(st)
-    resolve(m)
-    st.advance(StepPhase.FINAL)
-    s = st.synced
+def _detail(m, st, s: dict, probes: list) -> tuple:
+    """A step's module calls, parameter records and producers: (calls, params, forward producer, backward
+    producer), from the values its transfer read back (`s`: StepRecord's `synced`)."""
     rows = s["rows"]
     w_bad = s.get("w_bad") or {}
-    probes = s.get("probes") or []
     calls = [ModuleCall(module=c.module, type=c.type, call=c.call, seq=c.seq, depth=c.depth, autocast=c.autocast,
                         inp=_stats_for(c, "inp", rows), par=_weights(c.module, w_bad, m), out=_stats_for(c, "out", rows),
                         gout=_stats_for(c, "gout", rows), gin=_stats_for(c, "gin", rows), bseq=c.bseq,
@@ -149,6 +143,23 @@ def finalize(m) -> None:
         # all-reduce, from another rank (whose record names the producer), not in one of its own modules
         bad_param_modules = set()
     bwd = backward_producer(calls, parents, bad_param_modules) if calls else None
+    return calls, params, fwd, bwd
+
+
+def finalize(m) -> None:
+    st = m.st
+    if st.phase is StepPhase.OPEN:
+        presync(m, None)
+    unpropagated(st)
+    resolve(m)
+    st.advance(StepPhase.FINAL)
+    s = st.synced
+    probes = s.get("probes") or []
+    if st.calls or st.upd or st.sampled or s["grad_finite"] is False:
+        calls, params, fwd, bwd = _detail(m, st, s, probes)
+    else:  # a routine step: no module calls, no update check, no gradient to keep (the usual case: nothing to build)
+        calls, params, fwd, bwd = [], [], None, None
+    w_bad = s.get("w_bad") or {}
     losses = s["losses"]
     g_l2 = [v for v in s["g_l2"]]
     gnorm = math.sqrt(sum(v * v for v in g_l2)) if g_l2 else None

@@ -41,7 +41,7 @@ ALERT_STEPS = 24      # ... has the series on every routine step for this many s
 
 class HeadroomBudget:
     __slots__ = ("share", "pairs", "own", "t0", "timed", "since", "stride", "off_age", "last", "done", "hot",
-                 "alert_left", "alerts")
+                 "alert_left", "alerts", "dirty")
 
     def __init__(self, share: float):
         self.share = share
@@ -57,6 +57,7 @@ class HeadroomBudget:
         self.hot: list = []             # the forward abs-maxes of the last ALERT_POINTS steps with the series
         self.alert_left = 0             # routine steps still to carry the series (`creep`)
         self.alerts = 0                 # how often `creep` had the series on every step
+        self.dirty = False              # a pair or an own time came since the stride was last worked out (`due`)
 
     def begin(self) -> None:
         """A step begins now (timed as `due`/`untimed` said)."""
@@ -78,6 +79,7 @@ class HeadroomBudget:
             if self.done is not None and self.done[0] != k:
                 on, off = (secs, self.done[1]) if k else (self.done[1], secs)
                 self.pairs.append((on - off, off))
+                self.dirty = True
             self.done = (k, secs)
         if kind is not None and seconds is not None:
             self.last = [kind, seconds]
@@ -93,6 +95,7 @@ class HeadroomBudget:
         of its cost, see the module docstring)."""
         if self.last is not None and self.last[0]:
             self.own.append(seconds)
+            self.dirty = True
 
     def creep(self, fwd: list, dtype: str) -> None:
         """A step's series (its forward abs-maxes, `dtype` one code per slot): an fp16 output within 8 bits of the max
@@ -132,7 +135,8 @@ class HeadroomBudget:
             self.untimed()
             self.off_age += 1
             return True
-        if len(self.pairs) >= MIN_SAMPLES:
+        if self.dirty and len(self.pairs) >= MIN_SAMPLES:  # (the stride changes only with what was measured)
+            self.dirty = False
             cost = median([p[0] for p in self.pairs])
             if self.own:
                 cost = max(cost, median(self.own))

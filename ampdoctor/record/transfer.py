@@ -188,11 +188,12 @@ def resolve(m) -> None:
                 host[k] = host.get(k, []) + got[k]
         more_inf += got.get("found_inf", [])
     rows: dict[int, list[float]] = {}
-    for key, vals in host.items():
-        if key.startswith("vec:"):
-            idx = st.vec_order[key[4:]] if key[4:] in st.vec_order else next(iter(st.vec_order.values()))
-            for k, i in enumerate(idx):
-                rows[i] = vals[k * NSTAT:(k + 1) * NSTAT]
+    if st.vec_order:  # (a step with statistic rows: sampled, or one that measured a tensor)
+        for key, vals in host.items():
+            if key.startswith("vec:"):
+                idx = st.vec_order[key[4:]] if key[4:] in st.vec_order else next(iter(st.vec_order.values()))
+                for k, i in enumerate(idx):
+                    rows[i] = vals[k * NSTAT:(k + 1) * NSTAT]
     st.vecs = []  # release device memory
     st.headroom = m.hr.host_series(host)
     if st.headroom is not None:
@@ -246,6 +247,35 @@ def resolve(m) -> None:
         b = st.batches[st.bad_batch] if st.bad_batch >= 0 else st.batches[-1]
         st.bad_input = nonfinite_input(b[0], b[1])
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
+    if st.sampled or bad_fwd or bad_bwd:
+        w_bad = _bad_weights(m, st, host, bad_fwd, bad_bwd)
+    else:  # (a routine step that went well: no weight was read)
+        w_bad, st.w_start = {}, None
+    st.bad_buffer = m.buffers.read(host.get("b_amax"))
+    if st.outside is not None:
+        got = host.get("outside") or []
+        by_data = st.outside[2]  # (all unchanged without a version move: a frozen weight, not one written)
+        st.outside = {n: [int(got[2 * k]), int(got[2 * k + 1])] for k, n in enumerate(st.outside[0])
+                      if 2 * k + 1 < len(got) and not (n in by_data and got[2 * k] >= got[2 * k + 1])} or None
+    if st.masters is not None:
+        got = host.get("masters") or []
+        st.masters = {"since": st.masters[0], "stuck": int(got[0]), "moved": int(got[1])} if len(got) == 2 else None
+    st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
+                 "w_bad": w_bad,
+                 "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite,
+                 "probes": host.get("intp", [])}
+    m.policy.loss_jump(losses, sampled=st.sampled)
+    # (a forward that raised with nothing non-finite seen: its capture is its own kind, so that a later overflow still
+    # gets one; a loop that catches a bad batch's error and goes on)
+    raised_only = st.exception is not None and st.output_finite is not False and all(map(math.isfinite, losses))
+    if m.policy.observe(bad_fwd, bad_bwd, scale, sampled=st.sampled, scaler=m.w.scaler is not None,
+                        raised_only=raised_only):
+        maybe_capture(m, st)
+
+
+def _bad_weights(m, st, host: dict, bad_fwd: bool, bad_bwd: bool) -> dict:
+    """{module: "nan" | "inf"} of the modules whose weights were non-finite and were not when the step's forward
+    began (a sampled step's weights, read with its values; a bad step's, read now)."""
     w_amax = host.get("w_amax", [])
     if st.w_deferred and st.pw_index and (bad_fwd or bad_bwd):
         w_amax = weight_amax(m, st).tolist()
@@ -269,23 +299,4 @@ def resolve(m) -> None:
             if key.startswith("param:") and isinstance(v, torch.Tensor) and key[6:].rpartition(".")[0] in w_bad \
                     and bool(torch.isfinite(v).all()):
                 del w_bad[key[6:].rpartition(".")[0]]
-    st.bad_buffer = m.buffers.read(host.get("b_amax"))
-    if st.outside is not None:
-        got = host.get("outside") or []
-        by_data = st.outside[2]  # (all unchanged without a version move: a frozen weight, not one written)
-        st.outside = {n: [int(got[2 * k]), int(got[2 * k + 1])] for k, n in enumerate(st.outside[0])
-                      if 2 * k + 1 < len(got) and not (n in by_data and got[2 * k] >= got[2 * k + 1])} or None
-    if st.masters is not None:
-        got = host.get("masters") or []
-        st.masters = {"since": st.masters[0], "stuck": int(got[0]), "moved": int(got[1])} if len(got) == 2 else None
-    st.synced = {"losses": losses, "scale": scale, "found_inf": found_inf, "g_amax": g_amax, "g_l2": g_l2,
-                 "w_bad": w_bad,
-                 "rows": rows, "grads_scaled": grads_scaled, "grad_finite": grad_finite,
-                 "probes": host.get("intp", [])}
-    m.policy.loss_jump(losses, sampled=st.sampled)
-    # (a forward that raised with nothing non-finite seen: its capture is its own kind, so that a later overflow still
-    # gets one; a loop that catches a bad batch's error and goes on)
-    raised_only = st.exception is not None and st.output_finite is not False and all(map(math.isfinite, losses))
-    if m.policy.observe(bad_fwd, bad_bwd, scale, sampled=st.sampled, scaler=m.w.scaler is not None,
-                        raised_only=raised_only):
-        maybe_capture(m, st)
+    return w_bad
