@@ -70,7 +70,7 @@ Result when written (torch 2.13 CPU, default watch): 10 passed, 2 strict xfail (
    aten::div step 4`; at the capture's scale `head`'s weight gradient overflowed first).
  9 WRONG when written (xfail): no finding at all (the report is empty); truth: scaler_misorder (zero_grad between
    the scaled backward and the step), error, step 0; each step applies the last micro-batch's gradient alone. PASS
-   since (rules/callorder.py _zeroed_between_backwards: two or more zero_grads between the backwards of one step).
+   since (rules/callseq.py _zeroed_between_backwards: two or more zero_grads between the backwards of one step).
 10-12 quiet (info only: the opening backoff at step 0), bitwise identical with and without the watch.
 
 Run: .venv/bin/python -m pytest -n 0 -q -p no:cacheprovider tests/test_accumulation_failures.py

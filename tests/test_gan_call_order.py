@@ -4,7 +4,7 @@ either network or at a container holding both. The watch ends a step record at t
 with the discriminator watched the generator's step and the iteration's update begin the next record; from the
 third iteration on the records repeat one call sequence and keep no events (record/storage.py). The call-order
 rule once read that as "scaler.step() but never update()" (a missing_scaler_update error on a healthy GAN): it
-now looks for the update where the repeated record's calls would have it (rules/callorder._updated_in_repeat).
+now looks for the update where the repeated record's calls would have it (rules/callseq._updated_in_repeat).
 (A loop that really misses its update repeats no record: GradScaler raises at the optimizer's next step, and a call
 that raised keeps its record's events; tests/test_loop_misuse*.py name those.)"""
 from __future__ import annotations

@@ -52,7 +52,7 @@ What ampdoctor says (torch 2.13 CPU; 15 of 15 right; 10 failing was wrong when w
   scaler also follows a new GradScaler that unscales or steps its optimizer, when the given one made no call in that
   iteration (watch.py adopt_scaler; a second scaler used beside it, one per network, is not taken for a
   replacement: test_healthy_default6), and the adopted scaler's first call (its scale() ran unseen) is not read as an
-  update() between two optimizers' steps (rules/callorder._other_step_after): overflow@encoder.2 step 30.
+  update() between two optimizers' steps (rules/callseq._other_step_after): overflow@encoder.2 step 30.
 
 Run: .venv/bin/python -m pytest tests/test_watch_lifecycle2.py -n 0 -q -p no:cacheprovider
 """
