@@ -63,7 +63,7 @@ generator and the manifest's scaler numbers):
     (`any(r.scale is not None for r in self.steps)`), and rules/underflow.py underflow and rules/outside.py unlocated
     read it inside their per-step loops: 2·N² generator steps (450 M at 15k steps; 10k took 16 s and 20k 62 s here,
     so a 100k-step bf16 run would take hours to report).
-13. scale Infinity: an OverflowError traceback from replay/__init__.py _scaler_search (`math.ceil(math.log(scale) /
+13. scale Infinity: an OverflowError traceback from replay/searches.py _scaler_search (`math.ceil(math.log(scale) /
     -math.log(backoff))`); _scale accepts any positive float (inf included) and capturecheck._check_manifest does not
     look inside `scaler`.
 14. wrong-size RNG state: exit 0, "healthy: No mixed-precision problems found", the replay's summary headline

@@ -30,7 +30,7 @@ Result when written: 30 pass, 2 strict xfail (WrongAnswer) — ampdoctor is wron
  - dict_kwargs (minimal): fix [''] (whole model, 5 modules) where ['num', 'head'] suffice by README's rule (finite
    at scale 1 after backoffs); the greedy search, with `num` in fp32 and only the backward overflowing, steps out to
    the root. (The root fix does hold.) Fixed since: a trial whose backward no loss scale makes finite tries the
-   backward's producer at scale 1 next (replay._fix): ['num', 'head'], finite at scale 1.
+   backward's producer at scale 1 next (replay/searches._fix): ['num', 'head'], finite at scale 1.
 Seen, not wrong: convbn's fix ['bn2'] holds only at finite_at_scale 1.0 (10 backoffs from 1024); dropout's fix
 ['ff.down', 'head'] at finite_at_scale 1.0 (ff.down in fp32 pushes the residual past 65504 into head's cast).
 """
@@ -496,7 +496,7 @@ def _real(r: Run):
 
 XF: dict = {}  # name -> {test: reason}: what ampdoctor gets wrong (strict xfails, WrongAnswer only)
 # wrong when written, right since: dict_kwargs (minimal): the search answered [''] where ['num', 'head'] suffice
-# (replay._fix: a trial whose backward no loss scale makes finite tries that backward's producer at scale 1 next)
+# (replay/searches._fix: a trial whose backward no loss scale makes finite tries that backward's producer at scale 1 next)
 
 
 def params(test):

@@ -68,7 +68,7 @@ at that scale):
    report says overflow at module null; README: a captured output gradient replaces loss_fn).
  - statspool, lse (test_fix_search_does_not_answer_the_whole_model_...): the fix search answers [""] (the root: the
    whole model in fp32) where [frame, head] (statspool) or [score, head], [pool, head] (lse) suffice.
-   replay/__init__.py _fix.try_set judges a trial only at the capture's loss scale and takes its next producer from
+   replay/searches.py _fix.try_set judges a trial only at the capture's loss scale and takes its next producer from
    shadow.Recorder.overflow_modules(), forward outputs only. With the producer (`pool`) in fp32 the forward is
    finite and only the head's weight-gradient mm overflows in the backward at scale 1024 (finite a few GradScaler
    backoffs lower, which the replay's own _scaler_search calls benign), so nxt is None and fixsearch.search steps
@@ -121,7 +121,7 @@ XFAIL_GRAD_OUT = (
     "_headline says 'Healthy', although the capture's +inf output gradient is the evidence of the loss outside the "
     "model going non-finite (the watch's own report: overflow at module null)")
 XFAIL_ROOT_FIX = (
-    "replay/__init__.py _fix.try_set judges a trial only at the capture's loss scale and takes its next producer "
+    "replay/searches.py _fix.try_set judges a trial only at the capture's loss scale and takes its next producer "
     "from shadow.Recorder.overflow_modules(), forward outputs only; with the producer in fp32 the forward is finite "
     "and only the head's weight-gradient mm overflows at scale 1024 (finite a few backoffs lower), so nxt is None and "
     "fixsearch.search steps out to the parent, the root '': 'run the whole model in fp32'")

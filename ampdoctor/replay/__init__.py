@@ -3,7 +3,8 @@
 Pipeline (each step in its own module): rebuild the model and load the capture's weights (modelio) → the
 traced step: forward + backward under the op tracer, constant checks included (optrace, constants) → the
 loss-scale search when only the backward overflowed (is it GradScaler's normal backoff?) → fp32 shadow and
-dtype what-if, both with dropout off on every side (shadow) → fix search (fixsearch) → findings (explain).
+dtype what-if, both with dropout off on every side (shadow) → fix search (fixsearch; the re-runs at other loss
+scales and with modules in fp32 are searches.py's) → findings (explain).
 A forward that raises (no constant explains it) is a `replay_error`, not a finding about the model. A model
 passed in is left exactly as it was: weights, buffers, modes, grads and RNG are restored in a `finally`.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 import re
 import types
@@ -24,9 +24,10 @@ from ..errors import BadInput
 from ..findings import Finding, Report
 from ..rules.outside import bad_data_finding
 from ..tensors import nonfinite_input, tb_module
-from . import explain, fixsearch, modelio, shadow as shadow_mod
+from . import explain, modelio, shadow as shadow_mod
 from .optrace import OpTracer
 from .skeleton import entry_view
+from .searches import _backward_events, _first_line, _fix, _low_precision_first, _lowp, _scaler_search
 
 __all__ = ["replay"]
 
@@ -72,10 +73,6 @@ def _scale(cap: Capture) -> float | None:
 _SHAPES = re.compile(r"shapes? cannot be multiplied|size mismatch|must match the size of tensor|Expected input "
                      r"batch_size|expected input with shape|but got input of size|Given groups=|Given normalized_shape")
 """RuntimeError messages of a shape that does not fit (torch's matmul, elementwise, conv, norm and loss checks)."""
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Callable | str | None = None, *,
@@ -245,124 +242,10 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     return Report(findings, summary, {"replay": data})
 
 
-def _backward_events(m, args, kwargs, devtype, dtype, cap, loss_fn) -> list:
-    """The op trace's events of the same step at loss scale 1, low-precision first ([] when it raised)."""
-    tracer = OpTracer(m)
-    try:
-        with tracer:
-            modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn, scale=1.0,
-                             on_backward=tracer.backward_begins)
-    except Exception:
-        return []
-    return _low_precision_first(tracer.events)
-
-
-def _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, scale) -> bool | None:
-    """One plain step at `scale`: are all parameter gradients finite? None when the step raised."""
-    try:
-        _, _, grads = modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng, loss_fn=loss_fn,
-                                       scale=scale)
-    except Exception:
-        return None
-    return all(bool(torch.isfinite(g).all()) for g in grads.values())
-
-
-def _scaler_search(m, args, kwargs, devtype, dtype, cap, loss_fn, scale) -> dict:
-    """The forward was finite and only the backward overflowed at the capture's loss scale: find the smallest
-    number of GradScaler backoffs k (scale · backoff^k, not below 1) after which the same step is finite. A hit
-    means the scaler's normal search (it skips k steps and goes on); none, down to scale 1, keeps the error."""
-    backoff = (cap.scaler_state or {}).get("backoff_factor", 0.5)
-    backoff = float(backoff) if isinstance(backoff, (int, float)) and 0 < backoff < 1 else 0.5
-    kmax = max(1, min(24, math.ceil(math.log(scale) / -math.log(backoff)) if scale > 1 else 1))
-    tried: dict[int, bool | None] = {}
-
-    def ok(k: int) -> bool:
-        if k not in tried:
-            tried[k] = _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, max(scale * backoff ** k, 1.0))
-        return bool(tried[k])
-    lo, hi = 0, None                       # not finite at k = lo; finite at k = hi
-    for k in (1, 2, 4, 8, 16, kmax):       # a few geometric probes, then bisect between the last two
-        k = min(k, kmax)
-        if ok(k):
-            hi = k
-            break
-        lo = k
-        if k == kmax:
-            break
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return {"capture_scale": scale, "backoff_factor": backoff,
-            "finite_at": None if hi is None else max(scale * backoff ** hi, 1.0), "backoffs": hi,
-            "tried": [{"scale": max(scale * backoff ** k, 1.0), "finite": v} for k, v in sorted(tried.items())]}
-
-
-def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> dict:
-    def try_set(mods):
-        with fixsearch.fp32_modules(m, mods, devtype):
-            try:
-                rec, finite, loss = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
-                                                         loss_fn=loss_fn, scale=scale)
-                over = rec.overflow_modules()
-                if not finite and not over and scale and scale > 1 and (
-                        loss is None or bool(torch.isfinite(loss).all())):
-                    # the forward is finite with these modules in fp32 and only the backward overflowed at the
-                    # capture's loss scale: GradScaler's backoff handles that (a few skipped steps, as designed)
-                    lower = next((s for s in (max(scale * 0.5 ** k, 1.0) for k in (4, 8, 16))
-                                  if _grads_finite(m, args, kwargs, devtype, dtype, cap, loss_fn, s)), None)
-                    finite = lower is not None
-                    backed_off[tuple(mods)] = lower
-                    if not finite:
-                        # no loss scale makes the backward finite: its producer at scale 1 is the next to try
-                        # (else the search would step out to the root without trying it)
-                        over = [e.module for e in _backward_events(m, args, kwargs, devtype, dtype, cap, loss_fn)
-                                if e.phase == "backward" and e.module is not None][:1]
-            except Exception as e:   # a crash of this configuration, reported as such (not "not finite")
-                return False, None, f"{type(e).__name__}: {_first_line(e)}"
-        return finite, (over[0] if over else None), None
-
-    backed_off: dict = {}   # modules -> the lower loss scale at which their trial's backward was finite
-    res = fixsearch.search(first, try_set)
-    # None: finite at the capture's own loss scale; else the scale GradScaler's backoff reaches it at
-    res["finite_at_scale"] = backed_off.get(tuple(res["modules"])) if res["found"] else None
-    if res["found"]:
-        root_err = None
-        if ref is not None and ("", 0) in ref.outs:   # like with like: dropout off, as the fp32 reference ran
-            try:
-                with fixsearch.fp32_modules(m, res["modules"], devtype):
-                    rec, _, _ = shadow_mod.run_dtype(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
-                                                     loss_fn=loss_fn, scale=scale, dropout=False)
-                if ("", 0) in rec.outs:
-                    root_err = shadow_mod.rel_err(rec.outs[("", 0)], ref.outs[("", 0)])
-            except Exception:
-                root_err = None
-        res["output_rel_err_vs_fp32"] = None if root_err is None or not math.isfinite(root_err) else root_err
-        res["snippet"] = fixsearch.snippet(res["modules"], devtype)
-    else:
-        res["snippet"] = ""
-    return res
-
-
-_LP = ("float16", "bfloat16")
-
-
-def _lowp(e) -> bool:
-    return e.out_dtype in _LP or any(d in _LP for d in (e.in_dtypes or []))
-
-
 def _fp32_absorbed(e) -> bool:
     """A forward op computing in full precision (inputs and output) whose inf/NaN never left its module: not a
     mixed-precision failure, and not the step's (fp32 would do the same; the module's output stayed finite)."""
     return e.phase == "forward" and e.absorbed and not _lowp(e)
-
-
-def _low_precision_first(events: list) -> list:
-    """Order non-finite op events for blame: forward before backward and, within a phase, ops whose module still
-    returned finite values (absorbed: NewGELU's x**3 inside a saturating tanh) after those whose values got out,
-    then ops that compute in a low-precision dtype before full-precision ones (an fp32 `log(0)` that the model then
-    masks away, as T5's relative-position buckets do, is not a mixed-precision failure). (An absorbed forward op
-    stays before the backward: T5LayerNorm's x**2 overflowing into exact zeros is the failure, not its backward.)"""
-    return sorted(events, key=lambda e: (e.phase != "forward", e.absorbed, not _lowp(e), e.seq))
 
 
 def _outside_loss_finding(bad: list, step, loss_bad: bool = False) -> Finding:
