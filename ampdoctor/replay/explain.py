@@ -11,6 +11,8 @@ by module name; every snippet comes from `ampdoctor.fixes`. `evidence["rank_hint
 """
 from __future__ import annotations
 
+import math
+
 from ..findings import Finding
 from ..fixes import fp32_snippet, module_label, modules_related
 from .constants import is_mask_like
@@ -80,6 +82,17 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
             fix = (f"this layer's output exceeds the {ev.out_dtype} range: run it in fp32, use bf16, or rescale its "
                    "input or weights (a weight or activation that grew: check the learning rate and warmup); HF T5 "
                    "clamps such outputs (`x = torch.clamp(x, -65504 + 1000, 65504 - 1000)`):\n" + snip)
+        return msg, fix
+    if ev.kind == "overflow" and short == "pow" and ev.scalar_base is not None and abs(ev.scalar_base) > 1:
+        # c ** x: an exponential written as a power (decibels to amplitude, 2 ** x, mu-law's (1 + mu) ** |y|)
+        c = ev.scalar_base
+        top = {"bfloat16": 3.39e38, "float32": 3.4e38}.get(str(ev.out_dtype), 65504.0)
+        lim = math.log(top) / math.log(abs(c))
+        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype}: {c:g} ** x with x up to {ev.absmax_in:.4g} "
+               f"({ev.out_dtype} holds {c:g} ** x only for x < {lim:.3g}) — an exponential written as a power")
+        fix = (f"compute it in fp32 (`torch.pow({c:g}, x.float())`), keep the exponent in its range (`x.clamp(max="
+               f"{lim:.3g})`), or stay in the log domain (decibels, log-amplitudes) until the value is needed:\n"
+               + snip)
         return msg, fix
     if ev.kind == "overflow" and short == "pow" and not _at_pole(ev):  # (x ** -0.5 at 0: the pole text below)
         sq = "in bf16 x**2 is inf for |x| > 1.8e19" if str(ev.out_dtype) == "bfloat16" else \

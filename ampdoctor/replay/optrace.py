@@ -123,6 +123,9 @@ class OpEvent:
     absorbed: bool = False
     """a forward op whose module still returned finite values (NewGELU's x**3 overflowing inside a tanh that
     saturates it): not what made the step's inf/NaN when another module's output went non-finite"""
+    scalar_base: float | None = None
+    """pow with a number as its base and the tensor as the exponent (`10 ** (db / 20)`, `2 ** x`): that number. It
+    overflows as an exp does, not as a square"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -407,7 +410,18 @@ class OpTracer:
             out_shape=list(bad[0].shape),
             in_sdpa=self.sdpa_depth > 0,
             in_param=any(t.is_leaf and t.requires_grad for t in ins),
+            scalar_base=_scalar_base(func, args),
             mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None
             and constants.mask_operand(args, kwargs or {}),
             lone_extreme=kind == "overflow" and constants.is_mask_like(absmax) and _lone(ins, absmax),
             grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
+
+
+def _scalar_base(func, args) -> float | None:
+    """The number `func` raised to a tensor, when it is aten::pow with a scalar base (pow.Scalar: `c ** x`)."""
+    if func._schema.name != "aten::pow" or not args or isinstance(args[0], torch.Tensor):
+        return None
+    try:
+        return float(args[0])
+    except (TypeError, ValueError):
+        return None
