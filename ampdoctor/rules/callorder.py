@@ -7,8 +7,8 @@ from __future__ import annotations
 from ..findings import Finding
 from .registry import RuleConfig, RunData, register
 from .scaler import ORDER, _loc, _seq
-from .callseq import (_NO_INF, _backward_after_unscale, _no_inf_follows, _other_step_after, _stepped_again,
-                      _stepped_later, _unscaled_since_update, _updated_in_repeat, _updated_later,
+from .callseq import (_NO_INF, _backward_after_unscale, _guards_direct_steps, _no_inf_follows, _other_step_after,
+                      _stepped_again, _stepped_later, _unscaled_since_update, _updated_in_repeat, _updated_later,
                       _zeroed_after_backward, _zeroed_between_backwards)
 
 _UNSCALE_TWICE = "unscale_() has already been called"
@@ -27,6 +27,7 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out: list[Finding] = []
     events = [e for r in run.steps for e in r.events if not e.internal]
     first_scale = next((k for k, e in enumerate(events) if e.kind == "scale"), None)  # (_stepped_again)
+    guarded = _guards_direct_steps(run.steps)  # direct optimizer steps after unscale_ that skip on inf themselves
     steps = {r.step: r for r in run.steps}
 
     def add(rule, e, msg, fix, extra=None):
@@ -221,7 +222,8 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "the same scaler (`scaler.scale(l_main + l_aux).backward()`), then one `scaler.step(optimizer)` and "
                 "one `scaler.update()`:\n" + ORDER, {"first_step_line": again.line})
         elif e.kind == "optimizer.step" and not e.scaled and not e.via_scaler and any(
-                p.kind == "unscale_" for p in since_update) and not any(p.kind == "step" for p in since_update):
+                p.kind == "unscale_" for p in since_update) and not any(p.kind == "step" for p in since_update) \
+                and not guarded:
             add("scaler_misorder", e, f"`optimizer.step()` at {_loc(e)} was called directly after "
                 "`scaler.unscale_()`: GradScaler's inf check is bypassed, so a step whose gradients hold inf/NaN "
                 "is applied to the weights instead of skipped.",

@@ -165,3 +165,21 @@ def _updated_later(events: list[CallEvent], i: int) -> bool:
         elif p.kind == "scale":
             scaled = True
     return False
+
+
+def _guards_direct_steps(steps) -> bool:
+    """The loop steps the optimizer itself after `unscale_` and leaves that step out when unscale_ found inf/NaN (a
+    finite-norm guard: `if math.isfinite(norm): optimizer.step()`, then `update()`), as `scaler.step()` would: some
+    step whose unscale_ found inf has no optimizer step at all, and none that found inf stepped directly."""
+    guarded = False
+    for r in steps:
+        if not r.found_inf:
+            continue
+        evs = [e for e in r.events if not e.internal]
+        if not any(e.kind == "unscale_" for e in evs):
+            continue
+        if any(e.kind == "optimizer.step" and not e.via_scaler for e in evs):
+            return False  # inf/NaN gradients were stepped on: no guard
+        if not any(e.kind == "step" for e in evs):
+            guarded = True
+    return guarded
