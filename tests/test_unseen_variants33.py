@@ -46,21 +46,22 @@ What ampdoctor got wrong (strict xfails; 2 fixed since):
   "the scale stayed at 65536: the scaler's backoff_factor leaves it where it is" and the fix "call update() without
   an argument, keep backoff_factor < 1" (both already so); the `[error] overflow at (run) step 0` above it says "use
   GradScaler instead of a fixed multiplier". rules/backoff.py scale_restarts looks for a scale that rises after a skip;
-  a scaler made anew each iteration is recorded at 65536 every step, so no rise is seen.
+  a scaler made anew each iteration is recorded at 65536 every step, so no rise is seen. Fixed since (thirty-sixth
+  session, tests/test_scaler_made_each_step.py): the pinned scale whose skipped steps each began with a newly adopted
+  scaler says "a new GradScaler every iteration" and the fix "create the GradScaler once, before the loop".
 Seen, not asserted: in 3 the loss_scale_collapse names `enc` (the parameter's owner), not `penalty`, which the
 overflow finding above it names.
 """
 import functools
 import math
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import prune
 
 import ampdoctor
-from probe_harness import Producer, at_top3, xf
+from probe_harness import Producer, at_top3
 from scenarios import alarms, lines, randn
 
 
@@ -396,9 +397,6 @@ def test_gradscaler_built_every_iteration_skips_every_step():
     assert hits[0].severity == "error" and hits[0].step in (0, None), (hits[0].one_line(), lines(rep))
 
 
-@xf("skipped_steps says the scale 'stayed at 65536: the scaler's backoff_factor leaves it where it is' and fixes "
-    "with update() without an argument / backoff_factor < 1 (both already so); the overflow above it says 'use "
-    "GradScaler instead of a fixed multiplier': nothing says the scaler is made anew every iteration")
 def test_gradscaler_built_every_iteration_finding_names_the_restarts():
     rep = _fresh_scaler_run()
     f = next(f for f in rep.findings[:3] if f.rule in ("skipped_steps", "loss_scale_collapse"))

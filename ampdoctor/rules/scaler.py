@@ -113,17 +113,24 @@ def scale_timeline(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if pinned is not None:
         first, n, scale = pinned
         upd = next((e for r in steps for e in r.events if e.kind == "update" and e.new_scale is not None), None)
+        made = _made_each_step(steps, first, n) if upd is None else None
         how = (f"`scaler.update({upd.new_scale:g})` at {_loc(upd)} sets the scale itself every iteration"
-               if upd is not None else "the scaler's backoff_factor leaves it where it is")
+               if upd is not None else
+               f"a new GradScaler every iteration (its first call at {_loc(made)} is a new scaler's each time): each "
+               "starts at init_scale, backs off after its first skipped step and is thrown away" if made is not None
+               else "the scaler's backoff_factor leaves it where it is")
+        fix = ("Create the GradScaler once, before the loop (`scaler = torch.amp.GradScaler()` above `for ...:`), "
+               "and use that one every iteration." if made is not None else
+               "Let the scaler adapt: call `scaler.update()` without an argument (and keep backoff_factor < 1); to "
+               "start lower, pass `init_scale=` when creating the GradScaler.")
         out.append(Finding(
             "skipped_steps", "error", "scaler", None, None, first,
             f"GradScaler skipped {len(skipped)} of {len(steps)} steps ({n} in a row from step {first}) and the loss "
             f"scale stayed at {scale:g} through them: {how}, so the scale never backs off to one whose gradients "
-            "are finite, and every one of these steps is thrown away.",
-            "Let the scaler adapt: call `scaler.update()` without an argument (and keep backoff_factor < 1); to "
-            "start lower, pass `init_scale=` when creating the GradScaler.",
+            "are finite, and every one of these steps is thrown away.", fix,
             dict(ev, api="GradScaler.update", pinned_scale=scale, rank_hint=55,
-                 **({"file": upd.file, "line": upd.line} if upd is not None else {}))))
+                 **({"file": upd.file, "line": upd.line} if upd is not None else
+                    {"file": made.file, "line": made.line, "new_scaler_each_step": True} if made is not None else {}))))
         return out
     collapse = longest >= cfg.collapse_consecutive or (last_scale is not None and last_scale < cfg.collapse_min_scale)
     # skips at a scale below 1: the gradients overflow fp16 even unscaled, whatever the rate of skips
@@ -263,3 +270,14 @@ def ranks_diverged(per_rank: dict[int, list[StepRecord]]) -> list[Finding]:
                     "Give every rank the same number of iterations (drop_last=True, DistributedSampler), and call "
                     "scaler.update() on every rank every iteration.",
                     {"rank": min(d), "per_rank": {str(k): list(v) for k, v in d.items()}, "rank_hint": 8})]
+
+
+def _made_each_step(steps, first: int, n: int):
+    """The first call of the scaler adopted on the pinned streak's first step, when most of the streak's steps began
+    with a newly adopted scaler (`extra["adopted"]`: the recorder found a GradScaler it had not seen): a scaler made
+    inside the loop body. None otherwise."""
+    streak = [r for r in steps if first <= r.step < first + n]
+    found = [next((e for e in r.events if e.extra.get("adopted")), None) for r in streak]
+    if len(streak) < 2 or sum(e is not None for e in found) * 2 <= len(streak):
+        return None
+    return next(e for e in found if e is not None)
