@@ -7,8 +7,8 @@ copied from one another. It owns
 - `train_loop`: the ordinary fp16 autocast + GradScaler loop under ampdoctor.watch that reports what the oracle saw;
 - `probe_run`: the unseen-variant probes' loop (its hooks: injections, a mid-run report, an export before close, the
   unwatched twin), `WrongAnswer` and `wrong` (a strict xfail for a wrong report only);
-- `healthy`, `twin_checks`, `real_fwd`, `real_bwd`: checks that a run was really healthy / really failed where the
-  oracle says;
+- `healthy`, `twin_checks`, `real_fwd`, `real_bwd`, `failure_oracle`: checks that a run was really healthy / really
+  failed where the oracle says;
 - `snap_before`: train_loop's after_step callback keeping the weights a given step's forward ran with;
 - `at_top3`, `error_at`, `named_top3`, `producer_top3`: checks that a report names a rule at a module among its first
   three findings (`producer_top3`: and no module that only passed the value on);
@@ -369,6 +369,21 @@ def twin_checks(r, plain, steps, calibrates=False):
     assert r["losses"] == plain["losses"], (r["losses"], plain["losses"])
     for key, v in r["weights"].items():
         assert torch.equal(v, plain["weights"][key]), key
+
+
+def failure_oracle(r, bad, where, replayed, skips=True):
+    """The domain probe files' failure oracle (test_density_models_unseen, ...): in the probe_run `r`, the loss is
+    first non-finite at the injected step `bad`, which the scaler skips (`skips`: False where it does not); the
+    first producer is `where` at that step (None: user code outside the model); `replayed` = (fp16 outputs, fp16
+    loss, fp32 outputs, fp32 loss) of that step re-run from the weights it ran with: it fails in fp16 as the run did
+    (with every model output finite when the model is not the producer) and is finite in fp32 (fp16's doing)."""
+    assert r["bad_loss"] and r["bad_loss"][0] == bad, r["losses"]
+    assert (bad in r["skipped"]) == skips, r["skipped"]
+    assert r["first"] == (None if where is None else (where, bad)), r["first"]
+    o16, l16, o32, l32 = replayed
+    assert not torch.isfinite(l16), l16
+    assert finite(o16) == (where is None), where
+    assert finite(o32) and torch.isfinite(l32), l32
 
 
 def real_fwd(r, name, step, skip=True):

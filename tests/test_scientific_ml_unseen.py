@@ -80,7 +80,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import finite, probe_run, producer_top3, twin_checks, wrong
+from probe_harness import failure_oracle, probe_run, producer_top3, twin_checks, wrong
 from scenarios import one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -592,15 +592,9 @@ def case_params():
 def test_sciml_fails(name, tmp_path):
     *_, bad, where, rules, phases = CASES[name]
     r = run_case(name, tmp_path)
-    # oracle: the loss is first non-finite at the injected step, which the scaler skips
-    assert r["bad_loss"] and r["bad_loss"][0] == bad, r["losses"]
-    assert bad in r["skipped"], r["skipped"]
-    # the producer: the module that makes the first inf/NaN from finite inputs (none: user code outside the model)
-    assert r["first"] == (None if where is None else (where, bad)), r["first"]
-    o16, l16, o32, l32 = replay_bad(name, r)
-    assert not torch.isfinite(l16), l16             # the replay fails as the run did
-    assert finite(o16) == (where is None), name     # outside: the model's outputs were finite
-    assert finite(o32) and torch.isfinite(l32), l32  # fp16's doing: the same step in fp32 is finite
+    # oracle (probe_harness.failure_oracle): the loss first non-finite at the injected step, skipped; its
+    # producer (None: user code outside the model); the step replayed fails in fp16 and is finite in fp32
+    failure_oracle(r, bad, where, replay_bad(name, r))
     f = producer_top3(r["rep"], rules, where, bad, phases=phases)
     print(name, "->", f.phase, f.one_line(), "|", f.fix[:80])
 
