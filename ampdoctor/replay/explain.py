@@ -86,12 +86,11 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
     if ev.kind == "overflow" and short == "pow" and ev.scalar_base is not None and abs(ev.scalar_base) > 1:
         # c ** x: an exponential written as a power (decibels to amplitude, 2 ** x, mu-law's (1 + mu) ** |y|)
         c = ev.scalar_base
-        top = {"bfloat16": 3.39e38, "float32": 3.4e38}.get(str(ev.out_dtype), 65504.0)
-        lim = math.log(top) / math.log(abs(c))
+        edge = math.log(lim) / math.log(abs(c))  # (lim: the dtype's max, _MAX)
         msg = (f"{ev.op} in {where} overflowed {ev.out_dtype}: {c:g} ** x with x up to {ev.absmax_in:.4g} "
-               f"({ev.out_dtype} holds {c:g} ** x only for x < {lim:.3g}) — an exponential written as a power")
+               f"({ev.out_dtype} holds {c:g} ** x only for x < {edge:.3g}) — an exponential written as a power")
         fix = (f"compute it in fp32 (`torch.pow({c:g}, x.float())`), keep the exponent in its range (`x.clamp(max="
-               f"{lim:.3g})`), or stay in the log domain (decibels, log-amplitudes) until the value is needed:\n"
+               f"{edge:.3g})`), or stay in the log domain (decibels, log-amplitudes) until the value is needed:\n"
                + snip)
         return msg, fix
     if ev.kind == "overflow" and short == "pow" and not _at_pole(ev):  # (x ** -0.5 at 0: the pole text below)
