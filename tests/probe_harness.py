@@ -588,6 +588,51 @@ def quiet_report(rep, saw_steps=True):
         assert rep.summary["steps"] >= 1, rep.summary
 
 
+def keep_stepped(opt, params):
+    """The loop-misuse files' step pre-hook on `opt`: the gradients of `params` it is about to step on, one list per
+    step."""
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.detach().clone() for p in params]))
+    return seen
+
+
+def ratio(got, want):
+    """|got| / |want| (gradient lists) and the error of got against want's direction (relative to |got|)."""
+    r = gnorm(got) / gnorm(want)
+    return r, gnorm([g - r * w for g, w in zip(got, want)]) / gnorm(got)
+
+
+def near(got, want, factor=1.0, tol=0.05):
+    """`got` is `factor` times `want`, in size and direction, within `tol`."""
+    r, err = ratio(got, want)
+    return abs(r / factor - 1) < tol and err < tol
+
+
+def misuse_named(rep, rule, step, tags=None, severity=("error",), *, src):
+    """The loop-misuse files' check: `rule` (one or a tuple) among the first three findings, with `severity`, at
+    `step` (one or a tuple; None: any), at one of `src`'s `# @tags` lines when given (scaler_misorder with its call
+    sequence); otherwise WrongAnswer."""
+    try:
+        f = expect(rep, rule, severity, None, tags, src=src, sequence=True)
+        if step is not None:
+            steps = step if isinstance(step, tuple) else (step,)
+            assert f.step in steps, (f.one_line(), steps)
+        return f
+    except WrongAnswer:
+        raise
+    except AssertionError as e:
+        raise WrongAnswer(f"top3={lines(rep)[:3]} ({str(e)[:700]})") from None
+
+
+def misuse_quiet(rep):
+    """The loop-misuse files' healthy loop: no warning or error, exit code 0; otherwise WrongAnswer."""
+    try:
+        quiet_report(rep)
+        assert rep.exit_code == 0, lines(rep)
+    except AssertionError as e:
+        raise WrongAnswer(f"false alarm on a healthy loop: {lines(rep)[:4]} ({str(e)[:400]})") from None
+
+
 # ------------------------------------------------------------------------------------------------ hostile inputs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -71,8 +71,8 @@ import torch.nn.functional as F
 
 import ampdoctor  # noqa: F401  (the public API, through probe_harness.run_misuse)
 from scenarios import one_thread
-from probe_harness import (expect as _expect, learned as _learned, quiet_report, run_misuse, gnorm,
-                           misuse_net, misuse_batch)
+from probe_harness import (expect as _expect, learned as _learned, quiet_report, run_misuse, gnorm, keep_stepped,
+                           misuse_net, misuse_batch, near, ratio)
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -124,25 +124,6 @@ def true_grads(m, i, aux=False, params=None):
 
 def scaler(init=SCALE, **kw):
     return torch.amp.GradScaler("cpu", init_scale=init, **kw)
-
-
-def keep_stepped(opt, params):
-    """A step pre-hook on `opt`: the gradients of `params` it is about to step on, one list per step."""
-    seen = []
-    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.detach().clone() for p in params]))
-    return seen
-
-
-def ratio(got, want):
-    """|got| / |want| and the relative error of got against want's direction scaled to |got|."""
-    r = gnorm(got) / gnorm(want)
-    err = gnorm([g - r * w for g, w in zip(got, want)]) / gnorm(got)
-    return r, err
-
-
-def near(got, want, factor=1.0, tol=0.05):
-    r, err = ratio(got, want)
-    return abs(r / factor - 1) < tol and err < tol
 
 
 # ======================================================================================================================

@@ -96,9 +96,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import clip_grad_value_  # (U8: bound at import, before any watch)
 
-from scenarios import lines, one_thread
-from probe_harness import (WrongAnswer, expect as _expect, gnorm, learned, misuse_batch, misuse_net, quiet_report,
-                           run_misuse)
+from scenarios import one_thread
+from probe_harness import (gnorm, keep_stepped, learned, misuse_batch, misuse_named, misuse_net,
+                           misuse_quiet, near, ratio, run_misuse)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -132,44 +132,11 @@ def true_grads(m, idx, div=1.0):
     return [p.grad.detach().clone() for p in c.parameters()]
 
 
-def keep_stepped(opt, params):
-    """A step pre-hook on `opt`: the gradients of `params` it is about to step on, one list per step."""
-    seen = []
-    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.detach().clone() for p in params]))
-    return seen
-
-
-def ratio(got, want):
-    """|got| / |want| and the error of got against want's direction (relative to |got|)."""
-    r = gnorm(got) / gnorm(want)
-    return r, gnorm([g - r * w for g, w in zip(got, want)]) / gnorm(got)
-
-
-def near(got, want, factor=1.0, tol=0.05):
-    r, err = ratio(got, want)
-    return abs(r / factor - 1) < tol and err < tol
-
-
 def named(rep, rule, step, tags=None, severity=ERR):
-    """`rule` (one or a tuple) among the first three findings, with `severity`, at `step` (one or a tuple), at one of
-    this file's `# @tags` lines when given (scaler_misorder with its call sequence); otherwise WrongAnswer."""
-    try:
-        f = _expect(rep, rule, severity, None, tags, src=HERE, sequence=True)
-        steps = step if isinstance(step, tuple) else (step,)
-        assert f.step in steps, (f.one_line(), steps)
-        return f
-    except WrongAnswer:
-        raise
-    except AssertionError as e:
-        raise WrongAnswer(f"top3={lines(rep)[:3]} ({str(e)[:700]})") from None
+    return misuse_named(rep, rule, step, tags, severity, src=HERE)
 
 
-def quiet(rep):
-    try:
-        quiet_report(rep)
-        assert rep.exit_code == 0, lines(rep)
-    except AssertionError as e:
-        raise WrongAnswer(f"false alarm on a healthy loop: {lines(rep)[:4]} ({str(e)[:400]})") from None
+quiet = misuse_quiet
 
 
 # ======================================================================================================================

@@ -48,8 +48,8 @@ Healthy (no warning, no error; each checked to train):
      block.
 
 Result when written (14 tests, N2 run twice: 13 pass, 1 strict xfail; ~2.5 s of tests, ~4.5 s in all):
- - H4 (isfinite-guarded optimizer.step after unscale_, then update()) drew '[error] scaler_misorder ... `optimizer.step()`
-   at ...:LINE was called directly after `scaler.unscale_()`: GradScaler's inf check is bypassed'; the loop's own
+ - H4 (isfinite-guarded optimizer.step after unscale_, then update()) drew '[error] scaler_misorder ...
+   `optimizer.step()` at ...:LINE was called directly after `scaler.unscale_()`: GradScaler's inf check is bypassed'; the loop's own
    `if math.isfinite(norm)` is that check (steps 0 and 3 overflowed and were skipped). Fixed since (the same
    session): rules/callseq._guards_direct_steps - a step whose unscale_ found inf and that has no optimizer step
    at all, and no direct step on a step that found inf, is the loop guarding its own steps; quiet now. (N3, the
@@ -67,9 +67,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scenarios import lines, one_thread
-from probe_harness import (WrongAnswer, expect as _expect, gnorm, learned, misuse_batch, misuse_net, quiet_report,
-                           run_misuse)
+from scenarios import one_thread
+from probe_harness import (keep_stepped, learned, misuse_batch, misuse_named, misuse_net,
+                           misuse_quiet, near, ratio, run_misuse)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -103,49 +103,15 @@ def true_grads(m, idx):
     return [p.grad.detach().clone() for p in c.parameters()]
 
 
-def keep_stepped(opt, params):
-    """A step pre-hook on `opt`: the gradients of `params` it is about to step on, one list per step."""
-    seen = []
-    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.detach().clone() for p in params]))
-    return seen
-
-
-def ratio(got, want):
-    """|got| / |want| and the error of got against want's direction (relative to |got|)."""
-    r = gnorm(got) / gnorm(want)
-    return r, gnorm([g - r * w for g, w in zip(got, want)]) / gnorm(got)
-
-
-def near(got, want, factor=1.0, tol=0.05):
-    r, err = ratio(got, want)
-    return abs(r / factor - 1) < tol and err < tol
-
-
 def weights(m):
     return [p.detach().clone() for p in m.parameters()]
 
 
 def named(rep, rule, step, tags=None, severity=ERR):
-    """`rule` (one or a tuple) among the first three findings, with `severity`, at `step` (one or a tuple; None: any),
-    at one of this file's `# @tags` lines when given; otherwise WrongAnswer."""
-    try:
-        f = _expect(rep, rule, severity, None, tags, src=HERE, sequence=True)
-        if step is not None:
-            steps = step if isinstance(step, tuple) else (step,)
-            assert f.step in steps, (f.one_line(), steps)
-        return f
-    except WrongAnswer:
-        raise
-    except AssertionError as e:
-        raise WrongAnswer(f"top3={lines(rep)[:3]} ({str(e)[:700]})") from None
+    return misuse_named(rep, rule, step, tags, severity, src=HERE)
 
 
-def quiet(rep):
-    try:
-        quiet_report(rep)
-        assert rep.exit_code == 0, lines(rep)
-    except AssertionError as e:
-        raise WrongAnswer(f"false alarm on a healthy loop: {lines(rep)[:4]} ({str(e)[:400]})") from None
+quiet = misuse_quiet
 
 
 # ======================================================================================================================
