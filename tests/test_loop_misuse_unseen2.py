@@ -50,10 +50,10 @@ Healthy (no warning, no error; each checked to train):
 Result when written (14 tests, N2 run twice: 13 pass, 1 strict xfail; ~2.5 s of tests, ~4.5 s in all):
  - H4 (isfinite-guarded optimizer.step after unscale_, then update()) drew '[error] scaler_misorder ...
    `optimizer.step()` at ...:LINE was called directly after `scaler.unscale_()`: GradScaler's inf check is
-   bypassed'; the loop's own `if math.isfinite(norm)` is that check (steps 0 and 3 overflowed and were skipped). Fixed since (the same
-   session): rules/callseq._guards_direct_steps - a step whose unscale_ found inf and that has no optimizer step
-   at all, and no direct step on a step that found inf, is the loop guarding its own steps; quiet now. (N3, the
-   same call without the guard, stays this error at its line: its step 0 stepped on inf.)
+   bypassed'; the loop's own `if math.isfinite(norm)` is that check (steps 0 and 3 overflowed and were skipped).
+   Fixed since (the same session): rules/callseq._guards_direct_steps - a step whose unscale_ found inf and that
+   has no optimizer step at all, and no direct step on a step that found inf, is the loop guarding its own steps;
+   quiet now. (N3, the same call without the guard, stays this error at its line: its step 0 stepped on inf.)
 Right: N1 and N8 (skipped_steps / loss_scale_collapse error), N2 (both variants: scaler_misorder at the top-of-loop
 unscale_ line, step 0 / step 2), N3 (scaler_misorder at the optimizer.step() line), N4 (scaler_misorder at step 0),
 N5 (scaler_misorder at the zero_grad line), N6 (scaler_misorder at step 0: the finding names the unscale_ that ran
