@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
+from probe_harness import misuse_batch, misuse_net
 from scenarios import one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -60,3 +61,45 @@ def test_a_scaler_made_once_backs_off_and_trains():
     assert moved
     assert not any(f.rule == "skipped_steps" and f.severity == "error" for f in rep.findings), \
         [(x.rule, x.severity, x.message[:80]) for x in rep.findings]
+
+
+def _output_grad_overflow(scaler_inside: bool):
+    """A sum-reduced loss whose scaled gradient overflows fp16 at the model's output: with a GradScaler made in the
+    loop body, or with a hand-made fixed multiplier (no GradScaler). Returns the report's output-gradient finding."""
+    m = misuse_net()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    w = ampdoctor.watch(m, optimizer=opt)
+    for i in range(10):
+        x, y = misuse_batch(i)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = m(x)
+        loss = F.mse_loss(out.float(), y, reduction="sum")
+        if scaler_inside:
+            sc = torch.amp.GradScaler("cpu")
+            sc.scale(loss).backward()
+            sc.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 10.0)
+            sc.step(opt)
+            sc.update()
+        else:
+            (loss * 65536.0).backward()
+            if all(torch.isfinite(p.grad).all() for p in m.parameters()):
+                opt.step()
+    w.close()
+    rep = w.report()
+    return next((f for f in rep.findings[:3] if f.rule == "overflow" and f.phase == "backward"
+                 and f.module in (None, "", "(run)")), None), rep
+
+
+@pytest.mark.parametrize("scaler_inside", [True, False], ids=["gradscaler", "fixed_multiplier"])
+def test_output_gradient_overflow_advice_fits_the_loop(scaler_inside):
+    """The output-gradient overflow's fix said "use GradScaler instead of a fixed multiplier" to a loop that used a
+    GradScaler (test_loop_misuse_unseen2 N1): with a GradScaler the advice is to keep one for the run."""
+    f, rep = _output_grad_overflow(scaler_inside)
+    assert f is not None, [(x.rule, x.severity, x.module, x.phase) for x in rep.findings]
+    if scaler_inside:
+        assert "fixed multiplier" not in f.fix and "hand-made" not in f.message, (f.message, f.fix)
+        assert "loss scale 65536" in f.message and "one GradScaler" in f.fix, (f.message, f.fix)
+    else:
+        assert "instead of a fixed multiplier" in f.fix, f.fix

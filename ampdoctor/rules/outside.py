@@ -405,10 +405,16 @@ def outside_model(run: RunData) -> list[Finding]:
             return [Finding("nan_origin" if nan else "overflow", "error", "backward", None, None, r.step,
                             f"The gradient reaching the model's output was already {'NaN' if nan else 'inf'} at "
                             f"step {r.step}, with a finite loss: the loss computation's own backward, outside the "
-                            "watched model, overflowed (e.g. a hand-made loss scale too large for fp16, or the "
-                            "loss gradient cast to fp16).",
-                            "Use torch.amp.GradScaler (it backs off when the scaled gradients overflow) instead of "
-                            "a fixed multiplier, and compute the loss from `out.float()`.",
+                            "watched model, overflowed (" + (
+                                f"at loss scale {r.scale:g}: a loss summed over many values, or its gradient cast "
+                                "to fp16)." if r.scale else
+                                "e.g. a hand-made loss scale too large for fp16, or the loss gradient cast to "
+                                "fp16)."),
+                            ("Keep one GradScaler for the whole run (made before the loop), so that it backs off "
+                             "when the scaled gradients overflow; average the loss instead of summing it."
+                             if r.scale else
+                             "Use torch.amp.GradScaler (it backs off when the scaled gradients overflow) instead of "
+                             "a fixed multiplier, and compute the loss from `out.float()`."),
                             {"loss": r.loss, "loss_scale": r.scale, "nonfinite_in": root.gout.nonfinite,
                              "rank_hint": 13})]
     return []
