@@ -4,6 +4,10 @@ before and after the forward, the parameters' norms compared) cost about 1.5 ms 
 (benchmarks/RESULTS.md, thirty-second session). The state that starts changing late is still found, at the next
 probe.
 
+The RNG probe (does the forward draw from Python's `random` or NumPy's global RNG? modulehooks._rng_due) follows
+the same cadence from step 0, and stops once both are found drawn: with every=1 it read and compared both generators'
+states on every step (~0.3 ms of a 25 ms CPU step, thirty-seventh session).
+
 Real watches on a real CPU fp16 autocast + GradScaler loop; the probe is counted by wrapping the module's own
 function (it still runs)."""
 from __future__ import annotations
@@ -78,3 +82,72 @@ def test_state_that_starts_late_is_found_at_the_next_probe(monkeypatch):
     assert "num:phase" in keys and "num:seen" in keys, keys
     probed, keys = _run(monkeypatch, every=1, steps=30, start=20)
     assert "num:phase" not in keys and "num:seen" in keys, keys  # no probe between step 9 and 32
+
+
+# -- the RNG probe (modulehooks._rng_due): does the forward draw from Python's `random` or NumPy's global RNG? ------
+class PyDraw(nn.Module):
+    """Draws from Python's `random` in its forward from step `start` on (a LayerDrop switched on late)."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.start, self.seen = start, 0
+
+    def forward(self, x):
+        import random
+        self.seen += 1
+        h = torch.relu(self.a(x))
+        if self.seen > self.start and random.random() < 2.0:  # (always true: the draw is what matters)
+            h = h * 1.0
+        return self.b(h).float().pow(2).mean()
+
+
+def _run_rng(monkeypatch, every, steps, start):
+    from ampdoctor.record import modulehooks
+    probed = []
+    orig = modulehooks._rng_probe
+
+    def rng_probe():
+        if sys._getframe(1).f_code.co_name == "_forward_pre":  # (not _rng_drawn's second look after the forward)
+            probed.append(w.machine.st.step)
+        return orig()
+    monkeypatch.setattr(modulehooks, "_rng_probe", rng_probe)
+    model = PyDraw(start)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, every=every)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    extra = w.machine.rng_extra
+    w.close()
+    return probed, bool(extra and extra[0])
+
+
+def test_every1_probes_the_rng_on_steps_0_to_8_then_every_gap(monkeypatch):
+    probed, drawn = _run_rng(monkeypatch, every=1, steps=70, start=10_000)
+    gap = modstate.PROBE_GAP
+    assert probed == list(range(0, 9)) + [8 + gap, 8 + 2 * gap], probed
+    assert not drawn
+
+
+def test_default_probes_the_rng_on_its_sampled_steps(monkeypatch):
+    probed, _ = _run_rng(monkeypatch, every=40, steps=90, start=10_000)
+    # (the default also samples a few early steps to learn the step's shape: each sampled step is probed)
+    assert probed[0] == 0 and probed[-2:] == [40, 80] and all(s <= 8 for s in probed[:-2]), probed
+
+
+def test_a_forward_drawing_from_random_is_found_and_not_probed_again(monkeypatch):
+    probed, drawn = _run_rng(monkeypatch, every=1, steps=40, start=0)
+    assert drawn
+    # Python's random found drawn at step 0; NumPy's is still probed (imported or not) on the cadence
+    assert probed == list(range(0, 9)) + [8 + modstate.PROBE_GAP], probed
+    probed, drawn = _run_rng(monkeypatch, every=1, steps=40, start=20)
+    assert drawn and probed == list(range(0, 9)) + [8 + modstate.PROBE_GAP], (probed, drawn)  # found at step 33

@@ -75,8 +75,9 @@ class ModuleHookCallbacks:
                         st.in_versions = input_versions((args, kwargs))
                 if module is not self.root:
                     st.entry_of[id(st.batches[-1])] = self.entries[id(module)]
-                if st.sampled and st.micro == 1:
+                if st.sampled and st.micro == 1 and self._rng_due(st.step):
                     self.rng_probe = _rng_probe()  # (does the forward draw from Python's or NumPy's RNG?)
+                    self.rng_probed_at = st.step
                 if st.micro == 1 and self.outside_snap is not None and st.step > self.outside_snap[0]:
                     st.outside = outside_compare(self, self.outside_snap)  # frozen fp16 weights written since?
                     self.outside_snap = None
@@ -231,6 +232,15 @@ class ModuleHookCallbacks:
                 st.regions = Regions()
             for node, idx in gradient_exits(outs, ins, c.seq0, st.regions):
                 node.register_hook(ExitHook(idx, hook))
+
+    def _rng_due(self, step: int) -> bool:
+        """Whether a sampled step's forward is probed for Python's and NumPy's RNG: not once both are known to be
+        drawn; the first steps (0-8), then at most every modstate.PROBE_GAP steps (every=1 samples every step, and the
+        two generators' states cost ~0.3 ms a probe to read and compare)."""
+        extra = self.rng_extra
+        if extra is not None and extra[0] and extra[1]:
+            return False
+        return step <= 8 or step - self.rng_probed_at >= modstate.PROBE_GAP
 
     def _rng_drawn(self, before) -> None:
         """A sampled step's forward drew from Python's `random` or NumPy's global RNG (LayerDrop with random.random(),

@@ -69,6 +69,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
                 if isinstance(v, torch.Generator)]
         self.rng_extra = (False, False, gens) if gens else None
         self.rng_probe = None
+        self.rng_probed_at = -(1 << 30)  # the last step whose forward was probed for Python's / NumPy's RNG
         # the module state the forward reads besides its arguments (record/modstate.py): [(key, module, name, copy)]
         # found on probed steps, snapshotted with each batch from then on
         self.state_keys: list = []
