@@ -81,8 +81,9 @@ with start-up). Top findings:
  4 lsq_scale_flush   `[error] nan_origin at q aten::div step 5: aten::div in `q` hit its singular point (an input is
                      0 / -1) and produced NaN`.
  5 lsq_stepsize_grad `[error] overflow at q aten::div step 5: the backward of DivBackward0 in `q` (aten::div) produced
-                     ±inf from finite gradients: ... at the values the forward produced No loss scale makes it finite
-                     (the replay tried down to 1).` (phase backward; right - the message lacks ". " before "No loss").
+                     ±inf from finite gradients: ... at the values the forward produced. No loss scale makes it
+                     finite (the replay tried down to 1).` (phase backward; right. When written the message lacked
+                     ". " before "No loss": fixed since, analysis/replayfold._promoted.)
  6 int_domain_matmul `[error] overflow at fc1 aten::mm step 5: aten::mm in `fc1` overflowed float16: finite inputs
                      (max |x| = 127) gave ±inf (max 65504); it propagates to aten::addmm in `fc2``.
  Twins: no warning or error (infonce_tau_clamped: only `[info] overflow at img.0 step 0` - the scaler's backoffs -
@@ -497,6 +498,8 @@ def test_lsq_stepsize_grad_backward_only(x, tmp_path):
     f = named_top3(r["rep"], rules, where, BAD)
     if f.phase not in ("backward", None):
         raise WrongAnswer(f"wrong phase: {f.one_line()} ({f.phase})")
+    # (the replay's "No loss scale makes it finite" was run on to the op's text without a full stop: fixed since)
+    assert "produced No loss scale" not in f.message, f.message
     print("\n lsq_stepsize_grad ->", f.one_line(), f.phase, "| top 3:", lines(r["rep"])[:3], r["skipped"])
 
 

@@ -149,8 +149,11 @@ def _promoted(f: Finding, g: Finding, cap: str, onset, why: str, **evidence) -> 
     """The replay's finding `f` as the error that replaces the records' info finding `g` (see _info_twin), dated
     from g where f has no step, its message saying `why`."""
     ev = dict(f.evidence, module_level_rule=g.rule, from_replay=cap, rank_hint=13, **evidence)
+    msg = f.message.rstrip()
+    if why[:2].strip()[:1].isupper() and not msg.endswith((".", "!", "?")):
+        msg += "."  # (a sentence follows the op's text, which ends without a full stop)
     return Finding(f.rule, "error", f.phase, f.module, f.op, onset(f.step if f.step is not None else g.step),
-                   f.message + why, f.fix, ev)
+                   msg + why, f.fix, ev)
 
 
 def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap: str) -> None:
