@@ -93,6 +93,8 @@ def mask_like(c: ModuleCall, leaf: bool = False) -> bool:
     out = c.out
     if out is None or not (out.neginf > 0 and out.posinf == 0 and out.nan == 0):
         return False
+    if out.numel and out.neginf >= out.numel:
+        return False  # every value -inf: nothing is left unmasked (a log-softmax whose sum overflowed: s - log(inf))
     if c.type in ACCUMULATING or (leaf and c.par is not None):
         return False
     near = DTYPE_LIMITS.get(out.ref, DTYPE_LIMITS["float32"])[2]

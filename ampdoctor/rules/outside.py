@@ -231,7 +231,8 @@ def absorbed_unsampled(run: RunData, located: set, device: str) -> list[Finding]
 
 
 def _only_neginf(s) -> bool:
-    return s.neginf > 0 and s.posinf == 0 and s.nan == 0
+    """-inf and finite values only, as a mask leaves them (every value -inf is no mask: s - log(inf))."""
+    return s.neginf > 0 and s.posinf == 0 and s.nan == 0 and not (s.numel and s.neginf >= s.numel)
 
 
 def output_grad_nonfinite(r: StepRecord) -> bool:
