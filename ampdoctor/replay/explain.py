@@ -58,6 +58,16 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
     inf = "NaN" if ev.kind == "nan_origin" else _inf_sign(ev)
     lim = _MAX.get(ev.out_dtype or "", 65504.0)
     snip = fp32_snippet(ev.module, device)
+    if ev.phase == "backward" and ev.kind == "overflow" and (short in _MATMUL or short == "convolution_backward"):
+        node = ev.autograd_node or ev.op
+        msg = (f"the backward of {node} in {where} ({ev.op}) overflowed {ev.out_dtype}: finite values (max |x| = "
+               f"{ev.absmax_in:.4g}) gave {inf} (max {lim:g}) - a product of this layer's inputs and the gradient "
+               "from above, summed over the batch (its weight gradient) or over its outputs (its input gradient), "
+               "at this loss scale")
+        fix = ("GradScaler backs off from such an overflow by itself; when it persists at every scale, the values "
+               "entering this layer are too large: scale the data or put a norm layer before it, average the loss "
+               "rather than summing it, or run this layer in fp32:\n" + snip)
+        return msg, fix
     if ev.phase == "backward":
         node = ev.autograd_node or ev.op
         msg = (f"the backward of {node} in {where} ({ev.op}) produced {inf} from finite gradients: the gradient "
