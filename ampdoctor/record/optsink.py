@@ -69,6 +69,8 @@ class OptimizerCallbacks:
     def zero_grad(self, optimizer) -> None:
         if self.disabled:
             return
+        if self.discards_iteration(optimizer):
+            self.st.discarded += 1
         if not self._awaits_update() and not in_backward():  # (inside a backward: an optimizer step fused into
             self.begin()                                      # it zeroes its parameter's gradient, step_in_backward)
         ev = self.event("zero_grad", 5)
@@ -84,6 +86,20 @@ class OptimizerCallbacks:
         loop assigning `.grad` from autograd.grad) or the step's gradients were discarded (rules/callorder.py)."""
         ev, self.zero_pending = self.zero_pending, None
         self.st.zeroed.append((ev, optimizer, _grad_versions(optimizer)))
+
+    def discards_iteration(self, optimizer) -> bool:
+        """This zero_grad throws an iteration away: no GradScaler, the step is open after a forward and no optimizer
+        step came, and the gradients it clears hold inf/NaN (read now: only a loop that skips its own step gets here).
+        A loop that keeps its own loss scale (fairseq's DynamicLossScaler, Megatron's, apex's FP16_Optimizer) skips
+        the optimizer step on an overflow and zeroes the gradients: the iterations it threw away join the step that
+        comes (rules/backoff.loop_opening_search), and the steps after it are numbered by the loop's iterations
+        (StepMachine.begin). Finite gradients cleared between backwards (an adversarial step, PCGrad) are no skip."""
+        st = self.st
+        if self.w.scaler is not None or st.phase is not StepPhase.OPEN or not st.micro or in_backward():
+            return False
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+                 if isinstance(p.grad, torch.Tensor) and p.grad.is_floating_point()]
+        return bool(grads) and not bool(torch.isfinite(norms(grads, math.inf)).all())
 
     def _awaits_update(self) -> bool:
         """The step ended with `scaler.step()` and its `update()` is still to come (`step; zero_grad; update`, or an

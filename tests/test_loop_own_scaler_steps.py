@@ -1,0 +1,121 @@
+"""A loop that keeps its own loss scale (fairseq's DynamicLossScaler, Megatron's, apex's FP16_Optimizer; no
+GradScaler) skips the optimizer step itself when the gradient norm is inf and zeroes the gradients at the top of the
+next iteration. ampdoctor's steps end at optimizer steps, so each thrown-away iteration joins the step that comes
+(its opening search is one step: rules/backoff.loop_opening_search), and the steps were numbered by count: after
+skips at iterations 0, 1, 2, 6 and 15, a failure that began at iteration 20 was reported at "step 15" (found by
+test_healthy_repo_loops_unseen's fairseq loop, thirty-seventh session). A zero_grad that clears inf/NaN gradients in
+an open step with no optimizer step is now counted as a thrown-away iteration (record/optsink.discards_iteration),
+and the step after is numbered by the loop's iteration (StepMachine._next_number).
+
+Real torch, real CPU fp16 autocast; the loops' skips are their own, recorded by the loop itself."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampdoctor
+from scenarios import one_thread
+
+one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
+
+
+class DynamicLossScaler:
+    """fairseq's: halve on overflow, double after `window` clean iterations."""
+
+    def __init__(self, init_scale, window=8):
+        self.scale, self.window, self.it, self.last = init_scale, window, 0, -1
+
+    def update(self, overflow):
+        if overflow:
+            self.scale /= 2
+            self.last = self.it
+        elif (self.it - self.last) % self.window == 0:
+            self.scale *= 2
+        self.it += 1
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _own_scaler_run(bad, iters, init_scale=2.0 ** 22):
+    """The fairseq-style loop; from iteration `bad` on the features arrive unnormalised (x3000): the last Linear's
+    weight gradient overflows at every scale. Returns (report, records' steps, the loop's skipped iterations)."""
+    m = _net()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    w = ampdoctor.watch(m, optimizer=opt)
+    sc, g, skipped = DynamicLossScaler(init_scale), torch.Generator().manual_seed(1), []
+    for it in range(iters):
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+        if bad is not None and it >= bad:
+            x = x * 3000
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = m(x)
+        (F.mse_loss(out.float(), y) * sc.scale).backward()
+        gn = torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")) / sc.scale
+        overflow = not math.isfinite(gn)
+        sc.update(overflow)
+        if overflow:
+            skipped.append(it)
+            continue
+        for p in m.parameters():
+            p.grad.div_(sc.scale)
+        opt.step()
+    w.close()
+    return w.report(), [r.step for r in w.steps], skipped
+
+
+def test_a_failure_after_the_loops_own_skips_is_dated_by_iteration():
+    rep, steps, skipped = _own_scaler_run(bad=20, iters=30)
+    # the loop's own search skipped a few early iterations; from 20 on every iteration is skipped
+    early = [s for s in skipped if s < 20]
+    assert len(early) >= 3 and skipped[len(early):] == list(range(20, 30)), skipped
+    f = next((f for f in rep.findings[:3] if f.rule == "overflow" and f.module == "4"), None)
+    assert f is not None, [x.one_line() for x in rep.findings]
+    assert f.step == 20, f.one_line()
+    assert steps[-1] == 20, steps  # the step that never reached an optimizer step began at iteration 20
+
+
+def test_healthy_own_scaler_steps_are_numbered_by_iteration():
+    rep, steps, skipped = _own_scaler_run(bad=None, iters=40)
+    assert skipped and skipped[0] == 0, skipped  # (the search from 2**22, then the scale's periodic growth)
+    assert [f.one_line() for f in rep.findings if f.severity != "info"] == []
+    # one record per optimizer update, each numbered by the iteration it began at: the thrown-away iterations join
+    # the step that comes and leave their numbers out
+    want, k = [], 0
+    while k < 40:
+        want.append(k)
+        while k in skipped:
+            k += 1
+        k += 1
+    assert steps == want, (steps, want, skipped)
+    assert len(steps) == 40 - len(skipped)
+
+
+def test_finite_gradients_cleared_between_backwards_are_no_skip():
+    """An adversarial-training step without a GradScaler (FGSM: a backward for the input's gradient, zero_grad, the
+    real backward, the optimizer step): its zero_grad clears finite gradients mid-step every iteration, and the steps
+    stay numbered 0, 1, 2, ..."""
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    w = ampdoctor.watch(m, optimizer=opt)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(12):
+        x, y = torch.randn(32, 16, generator=g).requires_grad_(), torch.randn(32, 4, generator=g)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            F.mse_loss(m(x).float(), y).backward()
+        x_adv = (x + 0.01 * x.grad.sign()).detach()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            F.mse_loss(m(x_adv).float(), y).backward()
+        opt.step()
+    w.close()
+    assert [r.step for r in w.steps] == list(range(12))
+    assert [f.one_line() for f in w.report().findings if f.severity != "info"] == []
