@@ -17,6 +17,7 @@ copied from one another. It owns
 - `xf`: a strict xfail mark;
 - `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines;
 - `misuse_net`, `misuse_batch`: the loop-misuse files' small regression model and its data;
+- `DynamicLossScaler`: fairseq's loss scaler, for loops that keep their own loss scale (no GradScaler);
 - the hostile-input files' harness (test_hostile_*): `snapshot` (hashes of what a probe guards), `stderr_lines`,
   `error_line`, `no_traceback`, `one_line_or_report` (the CLI's answer to bad input), `strict_json`, `copy`,
   `records_raw` / `write_raw` / `edit_record` / `edit_manifest` (run-dir and capture surgery), `load_models` (a
@@ -56,6 +57,22 @@ class MisuseNet(torch.nn.Module):
 
     def forward(self, x):
         return self.head(torch.relu(self.body(x)))
+
+
+class DynamicLossScaler:
+    """fairseq's DynamicLossScaler: halve on overflow, double after `window` clean iterations (the loop skips the
+    optimizer step itself on an overflow)."""
+
+    def __init__(self, init_scale, window=8):
+        self.scale, self.window, self.it, self.last = init_scale, window, 0, -1
+
+    def update(self, overflow):
+        if overflow:
+            self.scale /= 2
+            self.last = self.it
+        elif (self.it - self.last) % self.window == 0:
+            self.scale *= 2
+        self.it += 1
 
 
 def misuse_net(seed=0):

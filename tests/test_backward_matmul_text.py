@@ -18,25 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
+from probe_harness import DynamicLossScaler
 from scenarios import one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 BAD = 12
-
-
-class DynamicLossScaler:
-    """fairseq's: halve on overflow, double after `window` clean iterations."""
-
-    def __init__(self, init_scale=2.0 ** 16, window=8):
-        self.scale, self.window, self.it, self.last = init_scale, window, 0, -1
-
-    def update(self, overflow):
-        if overflow:
-            self.scale /= 2
-            self.last = self.it
-        elif (self.it - self.last) % self.window == 0:
-            self.scale *= 2
-        self.it += 1
 
 
 def _net():
@@ -59,7 +45,7 @@ def test_a_matmul_backward_overflow_is_explained_as_magnitude(tmp_path):
     m = _net()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     w = ampdoctor.watch(m, optimizer=opt, run_dir=str(tmp_path / "run"))
-    sc, g, skipped, snap = DynamicLossScaler(), torch.Generator().manual_seed(1), [], None
+    sc, g, skipped, snap = DynamicLossScaler(2.0 ** 16), torch.Generator().manual_seed(1), [], None
     for it in range(24):
         x, y = _batch(g, it)
         if it == BAD:

@@ -18,24 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
+from probe_harness import DynamicLossScaler
 from scenarios import one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
-
-
-class DynamicLossScaler:
-    """fairseq's: halve on overflow, double after `window` clean iterations."""
-
-    def __init__(self, init_scale, window=8):
-        self.scale, self.window, self.it, self.last = init_scale, window, 0, -1
-
-    def update(self, overflow):
-        if overflow:
-            self.scale /= 2
-            self.last = self.it
-        elif (self.it - self.last) % self.window == 0:
-            self.scale *= 2
-        self.it += 1
 
 
 def _net():

@@ -37,16 +37,17 @@ class LateCounter(nn.Module):
         return self.b(torch.relu(self.a(x))).float().pow(2).mean()
 
 
-def _run(monkeypatch, every, steps, start=10_000):
+def _counted(monkeypatch, owner, name, model, every, steps):
+    """Train `model` under a watch with `owner.name` (a probe function) wrapped to count the steps whose root
+    forward_pre called it (it still runs). Returns (the probed steps, the watch's machine, closed)."""
     probed = []
-    orig = modstate.probe
+    orig = getattr(owner, name)
 
-    def probe(model, params=True):
-        if sys._getframe(1).f_code.co_name == "_forward_pre":  # (not `changed`'s second look after the forward)
+    def counted(*args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "_forward_pre":  # (not the second look after the forward)
             probed.append(w.machine.st.step)
-        return orig(model, params)
-    monkeypatch.setattr(modstate, "probe", probe)
-    model = LateCounter(start)
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counted)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, every=every)
@@ -59,9 +60,14 @@ def _run(monkeypatch, every, steps, start=10_000):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-    keys = [k for k, *_ in w.machine.state_keys]
+    machine = w.machine
     w.close()
-    return probed, keys
+    return probed, machine
+
+
+def _run(monkeypatch, every, steps, start=10_000):
+    probed, machine = _counted(monkeypatch, modstate, "probe", LateCounter(start), every, steps)
+    return probed, [k for k, *_ in machine.state_keys]
 
 
 def test_every1_probes_steps_1_to_8_then_every_gap(monkeypatch):
@@ -105,29 +111,8 @@ class PyDraw(nn.Module):
 
 def _run_rng(monkeypatch, every, steps, start):
     from ampdoctor.record import modulehooks
-    probed = []
-    orig = modulehooks._rng_probe
-
-    def rng_probe():
-        if sys._getframe(1).f_code.co_name == "_forward_pre":  # (not _rng_drawn's second look after the forward)
-            probed.append(w.machine.st.step)
-        return orig()
-    monkeypatch.setattr(modulehooks, "_rng_probe", rng_probe)
-    model = PyDraw(start)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    w = ampdoctor.watch(model, optimizer=opt, scaler=scaler, every=every)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(4, 8, generator=g)
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    extra = w.machine.rng_extra
-    w.close()
+    probed, machine = _counted(monkeypatch, modulehooks, "_rng_probe", PyDraw(start), every, steps)
+    extra = machine.rng_extra
     return probed, bool(extra and extra[0])
 
 
