@@ -59,7 +59,7 @@ one definition for the recorder (which bad steps get a capture) and the rules (r
 `loss_scale_collapse` rule's `collapse_consecutive` defaults to the same number)."""
 
 
-_STEP_INTS = ("step", "micro_batches")
+_STEP_INTS = ("step", "micro_batches", "discarded")
 _STEP_FLOATS = ("loss", "scale", "next_scale", "grad_norm")
 _STEP_BOOLS = ("sampled", "loss_finite", "found_inf", "skipped", "grad_finite", "output_finite", "loss_in_model",
                "loss_low", "loss_consts")
@@ -378,9 +378,11 @@ class StepRecord:
     `sampled`: full per-module statistics were taken this step. `skipped`: the scaler found inf/NaN and the
     optimizer step was skipped. `scale`: the loss scale the backward used. `loss`: the last loss seen (the value
     passed to `scaler.scale` or `.backward()`, or the model's scalar/`.loss` output). `micro_batches`: forwards of
-    the root module counted into this step (gradient accumulation). `output_finite`: the model's outputs held no
-    inf/NaN — an output holding -inf only (a mask of illegal actions or tokens) while the loss stayed finite counts
-    as finite.
+    the root module counted into this step (gradient accumulation). `discarded`: iterations a loop that keeps its own
+    loss scale (no GradScaler) threw away in this step, their inf/NaN gradients zeroed without an optimizer step
+    (the step is numbered by the first of them; the next step by the iteration after). `output_finite`: the model's
+    outputs held no inf/NaN — an output holding -inf only (a mask of illegal actions or tokens) while the loss
+    stayed finite counts as finite.
     """
 
     step: int
@@ -395,6 +397,7 @@ class StepRecord:
     output_finite: bool | None = None
     grad_norm: float | None = None
     micro_batches: int = 0
+    discarded: int = 0
     autocast: str | None = None
     forward_producer: Producer | None = None
     backward_producer: Producer | None = None

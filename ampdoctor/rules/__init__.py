@@ -10,5 +10,6 @@ from .registry import RULE_IDS, RULES, RuleConfig, RunData, register, run_rules
 from . import origins, numeric, underflow, scaler, clipscaled, callorder, weights, updates, envrules  # noqa: F401
 from . import deepspeed  # noqa: F401  (DeepSpeed runs: rules/deepspeed.py)
 from . import headroom  # noqa: F401  (headroom_trend: rules/headroom.py)
+from . import ownscale  # noqa: F401  (a loop's own loss scale: rules/ownscale.py)
 
 __all__ = ["RunData", "RuleConfig", "register", "RULES", "RULE_IDS", "run_rules"]
