@@ -5,7 +5,8 @@ or norm computed in low precision") with the RMSNorm fix. Found by the audio/vid
 session). Now the op trace keeps the number that was the base (`OpEvent.scalar_base`), and the message says what
 overflowed: the base raised to the inputs, past the exponent where it leaves fp16's range.
 
-A tensor base (`x ** 2`, `x.pow(3)`) keeps the square's text; that case is below too, so both branches are pinned.
+A tensor base keeps the square's text for `x ** 2`; a cube names its own exponent, and a negative power (`s ** -2.0`,
+an inverse weight) is explained at its small inputs (thirty-seventh session: `OpEvent.scalar_exponent`, `absmin_in`).
 """
 from __future__ import annotations
 
@@ -95,3 +96,47 @@ def test_tensor_base_power_keeps_the_square_text(tmp_path):
     assert all(map(math.isfinite, losses[:BAD])) and not math.isfinite(losses[BAD])
     f = _pow_finding(rep)
     assert f.op == "aten::pow" and "x**2" in f.message, f.message
+
+
+class InverseWeight(nn.Module):
+    """A per-sample weight 1 / s**2 of a positive scale s (diffusers' "sigma_sqrt" weighting), in fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = torch.sigmoid(self.lin(x)) * 0.5 + 1e-4
+        return x * s ** -2.0 / 1e4
+
+
+class Cube(nn.Module):
+    """x ** 3 (a cubic term): inf in fp16 past |x| = 65504 ** (1/3) = 40.3, not a variance."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) ** 3 / 1e3
+
+
+def test_negative_power_is_explained_at_its_small_inputs(tmp_path):
+    """s ** -2.0 overflows where s is small (|s| < 65504 ** -0.5 = 3.9e-3): the square's text ('input up to ...;
+    x**2 is inf for |x| > 255.9 - a variance or norm') was wrong for it (test_diffusion_training_unseen
+    rf_sigma_sqrt, thirty-seventh session)."""
+    rep, losses = _run(InverseWeight, tmp_path, -3000.0)  # (the sigmoid's argument far negative: s -> 1e-4)
+    assert all(map(math.isfinite, losses[:BAD])) and not math.isfinite(losses[BAD])
+    f = _pow_finding(rep)
+    assert f.op == "aten::pow", f.op
+    assert "x**2" not in f.message and "variance" not in f.message, f.message
+    assert "x ** -2" in f.message and "0.00391" in f.message and "negative power" in f.message, f.message
+    assert "fp32" in f.fix and "clamp(min=" in f.fix and "RMSNorm" not in f.fix, f.fix
+
+
+def test_a_cube_names_its_own_exponent(tmp_path):
+    rep, losses = _run(Cube, tmp_path, 300.0)
+    assert all(map(math.isfinite, losses[:BAD])) and not math.isfinite(losses[BAD])
+    f = _pow_finding(rep)
+    assert f.op == "aten::pow" and "x**3 is inf for |x| > 40.3" in f.message and "variance" not in f.message, \
+        f.message

@@ -103,11 +103,24 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
                f"{edge:.3g})`), or stay in the log domain (decibels, log-amplitudes) until the value is needed:\n"
                + snip)
         return msg, fix
+    e = ev.scalar_exponent
+    if ev.kind == "overflow" and short == "pow" and e is not None and e < 0 and not _at_pole(ev) \
+            and ev.absmin_in is not None:
+        # x ** -p: the small values overflow (an inverse weight, 1 / sigma**2, 1 / snr)
+        edge = lim ** (1.0 / e)
+        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype}: x ** {e:g} with |x| down to {ev.absmin_in:.3g} "
+               f"({ev.out_dtype} holds |x| ** {e:g} only for |x| > {edge:.3g}) — a negative power of a small value "
+               "(an inverse weight such as 1 / sigma**2)")
+        fix = (f"take the power in fp32 (`x.float() ** {e:g}`) and bound it: clamp x from below "
+               f"(`x.clamp(min={edge:.2g})`) or clamp the weight it makes; or run the module in fp32:\n" + snip)
+        return msg, fix
     if ev.kind == "overflow" and short == "pow" and not _at_pole(ev):  # (x ** -0.5 at 0: the pole text below)
-        sq = "in bf16 x**2 is inf for |x| > 1.8e19" if str(ev.out_dtype) == "bfloat16" else \
-            "in fp16 x**2 is inf for |x| > 255.9"
-        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; {sq}) — a variance or "
-               "norm computed in low precision")
+        p = e if e is not None and e > 0 else 2.0
+        ps = f"{p:g}"
+        edge = lim ** (1.0 / p)
+        sq = f"in {'bf16' if str(ev.out_dtype) == 'bfloat16' else 'fp16'} x**{ps} is inf for |x| > {edge:.4g}"
+        msg = (f"{ev.op} in {where} overflowed {ev.out_dtype} (input up to {ev.absmax_in:.4g}; {sq})"
+               + (" — a variance or norm computed in low precision" if p == 2.0 else ""))
         fix = ("compute the statistic in fp32, as HF's RMSNorm does: `var = x.float().pow(2).mean(-1, keepdim=True)`,"
                " or run the module in fp32:\n" + snip)
         return msg, fix

@@ -126,6 +126,10 @@ class OpEvent:
     scalar_base: float | None = None
     """pow with a number as its base and the tensor as the exponent (`10 ** (db / 20)`, `2 ** x`): that number. It
     overflows as an exp does, not as a square"""
+    scalar_exponent: float | None = None
+    """pow with a tensor base and a number as the exponent (`x ** 2`, `sigma ** -2.0`): that number"""
+    absmin_in: float | None = None
+    """a negative power's smallest nonzero |input| (it overflows at the small values, not the large)"""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -410,11 +414,30 @@ class OpTracer:
             out_shape=list(bad[0].shape),
             in_sdpa=self.sdpa_depth > 0,
             in_param=any(t.is_leaf and t.requires_grad for t in ins),
-            scalar_base=_scalar_base(func, args),
+            scalar_base=_scalar_base(func, args), scalar_exponent=(e := _scalar_exponent(func, args)),
+            absmin_in=_absmin(ins) if e is not None and e < 0 else None,
             mask_operand=func._schema.name in ("aten::mul", "aten::mul_") and before is None
             and constants.mask_operand(args, kwargs or {}),
             lone_extreme=kind == "overflow" and constants.is_mask_like(absmax) and _lone(ins, absmax),
             grad_off=self.phase == "forward" and not torch.is_grad_enabled()))
+
+
+def _scalar_exponent(func, args) -> float | None:
+    """The number a tensor is raised to, when `func` is aten::pow with a scalar exponent (pow.Tensor_Scalar)."""
+    if func._schema.name != "aten::pow" or len(args) < 2 or not isinstance(args[0], torch.Tensor) \
+            or isinstance(args[1], torch.Tensor):
+        return None
+    try:
+        return float(args[1])
+    except (TypeError, ValueError):
+        return None
+
+
+def _absmin(ins: list) -> float | None:
+    """The smallest nonzero finite |value| among the inputs (None when there is none)."""
+    with torch.no_grad():
+        vals = [t.detach().abs()[torch.isfinite(t) & (t != 0)] for t in ins]
+        return min((float(v.min()) for v in vals if v.numel()), default=None)
 
 
 def _scalar_base(func, args) -> float | None:
