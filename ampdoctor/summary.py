@@ -74,6 +74,7 @@ def summarize(meta: RunMeta, steps: list[StepRecord], findings: list[Finding], r
     return {"verdict": verdict(findings, len(steps), crash, benign=sorted(benign), internal=internal),
             "steps": len(steps), "internal_error": internal,
             "bad_steps": len(bad), "skipped_steps": sum(r.skipped for r in steps),
+            "thrown_away_iterations": sum(r.discarded for r in steps),  # (a loop's own loss scale: rules/ownscale.py)
             "first_bad_step": bad[0].step if bad else None, "benign_backoff_steps": sorted(benign),
             "crash": crash, **counts(findings, crash), "run_dir": run_dir,
             "model_class": meta.model_class, "every": meta.every,

@@ -82,6 +82,8 @@ def test_healthy_own_scaler_steps_are_numbered_by_iteration():
         k += 1
     assert steps == want, (steps, want, skipped)
     assert len(steps) == 40 - len(skipped)
+    # each skip is thrown away by the next iteration's zero_grad (the last iteration's would be by the next one's)
+    assert rep.summary["thrown_away_iterations"] == len([s for s in skipped if s < 39]), rep.summary
 
 
 def test_finite_gradients_cleared_between_backwards_are_no_skip():
