@@ -261,13 +261,13 @@ _NO_NAN_FROM_FINITE = frozenset(
         "Softmax", "NllLoss", "NllLoss2D", "MseLoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
         "BinaryCrossEntropyWithLogits", "Abs", "Relu", "Gelu", "Sigmoid", "Tanh", "Silu", "Clamp", "ClampMin",
         "ClampMax", "Logsumexp", "Cumsum", "Where", "MaskedFill", "Gather", "Split", "SplitWithSizes", "Unbind",
-        "Diagonal", "Trace", "Flip", "Roll", "Repeat", "Softplus"))
+        "Diagonal", "Trace", "Flip", "Roll", "Repeat", "Softplus", "Prod", "Cumprod"))
 
 
 # ... and of those, the ones that can make an inf from finite values (a product, an exp, a sum of many)
 _INF_FROM_FINITE = frozenset(
     f"{n}Backward" for n in ("Add", "Sub", "Rsub", "Mul", "Exp", "Exp2", "Expm1", "Sum", "Cumsum", "Mm", "Bmm",
-                             "Addmm", "Dot"))
+                             "Addmm", "Dot", "Prod", "Cumprod"))
 
 
 def _nan_through_inf(r: StepRecord) -> bool:
@@ -294,7 +294,8 @@ def _nan_inf_or_operand(r: StepRecord) -> bool:
 _OP_HINTS = (("ExpBackward", "exp (past 11.09)"), ("PowBackward", "a power (a square past 255.9)"),
              ("LogBackward", "log (of a value that rounded to 0)"), ("DivBackward", "a division (by one that rounded "
                                                                                    "to 0)"),
-             ("SumBackward", "sum (of many values)"))
+             ("SumBackward", "sum (of many values)"), ("ProdBackward", "a product (of several values, e.g. losses)"),
+             ("CumprodBackward", "a running product"))
 
 
 def _ops_hint(r: StepRecord) -> str:
