@@ -112,6 +112,17 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
             if young and p.weight_norm_after is not None and r.step in updated and not p.grad_nonfinite:
                 n_upd = len(between(born_zero[p.name] - 1, r.step)) + 1
                 bound = _adam_bound(run, p.lr, n_upd, p.numel)
+                s0 = ref[p.name][0] if p.name in ref else born_zero[p.name]
+                if bound and r.step > s0 and p.weight_norm >= _BROKE * bound:
+                    # it was already there when this step began: moved between the last look and this step, by
+                    # the updates in between or by code outside the optimizer (a write under no_grad)
+                    upd = between(s0, r.step)
+                    out[p.name] = {"name": p.name, "module": p.module, "factor": p.weight_norm / bound,
+                                   "before": ref[p.name][1] if p.name in ref else 0.0, "after": p.weight_norm,
+                                   "step": upd[0] if len(upd) == 1 else s0 + 1, "between": [s0, r.step],
+                                   "updates": len(upd), "rms_before": rms, "lr": p.lr, "bound": bound,
+                                   "before_update": True}
+                    continue
                 if bound and p.weight_norm_after >= _BROKE * bound:
                     # a zero-born weight has no scale to multiply, but an Adam-type optimizer's own steps bound how
                     # far it can move: far past that, the update was not Adam's ±lr (its second moment underflowed)
@@ -219,7 +230,10 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
     one = worst["updates"] == 1
     names = ", ".join(f"`{m or '(root)'}` ×{f:.3g}" for m, f in list(layers.items())[:4])
     more = f" and {len(layers) - 4} more layer(s)" if len(layers) > 4 else ""
-    when = (f"The optimizer update at step {worst['step']}" if one else
+    when = (f"The optimizer update at step {worst['step']}" if one and not worst.get("before_update") else
+            f"Between step {worst['between'][0]} and step {worst['between'][1]}, " + (
+                f"{worst['updates']} optimizer update(s) or code outside the optimizer" if worst["updates"] else
+                "code outside the optimizer (no update came in between)") if worst.get("before_update") else
             f"The {worst['updates']} optimizer updates between step {worst['between'][0]} and step "
             f"{worst['between'][1]}")
     msg = (f"{when} multiplied the weights of {names}{more} (‖w‖ {worst['before']:.3g} → {worst['after']:.3g})"
@@ -238,6 +252,9 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
                + (f"; the run went non-finite at step {went_bad}." if went_bad is not None else "."))
         causes.append("the optimizer's second moment is 0 where its first moment is not (its state kept in "
                       "fp16/bf16, where g² underflows, or an eps too small for it): the update becomes lr × m / eps")
+        if worst.get("before_update"):
+            causes.append("code outside the optimizer that wrote the weights (an assignment under no_grad, a "
+                          "checkpoint or EMA copy loaded into them)")
         fix = ("Keep the optimizer's state (exp_avg, exp_avg_sq) in float32, or use torch.optim.AdamW, which keeps "
                "it in the parameters' dtype; with low-precision state, raise eps (1e-8 is below fp16's resolution).")
     elif lr is not None and adam:
