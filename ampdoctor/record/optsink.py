@@ -71,6 +71,7 @@ class OptimizerCallbacks:
             return
         if self.discards_iteration(optimizer):
             self.st.discarded += 1
+            self.threw_away = True
         if not self._awaits_update() and not in_backward():  # (inside a backward: an optimizer step fused into
             self.begin()                                      # it zeroes its parameter's gradient, step_in_backward)
         ev = self.event("zero_grad", 5)

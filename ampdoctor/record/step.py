@@ -70,6 +70,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.rng_extra = (False, False, gens) if gens else None
         self.rng_probe = None
         self.rng_probed_at = -(1 << 30)  # the last step whose forward was probed for Python's / NumPy's RNG
+        self.threw_away = False  # the loop threw an iteration away (its own loss scale: optsink.discards_iteration)
         # the module state the forward reads besides its arguments (record/modstate.py): [(key, module, name, copy)]
         # found on probed steps, snapshotted with each batch from then on
         self.state_keys: list = []
@@ -277,11 +278,20 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
             or st.micro or st.exception
         if trained or (st.calls and not self.records):  # an eval-only tail after training is not a step
             if (st.phase is StepPhase.OPEN and st.exception is None and (mid_run or self.records)
-                    and not any(e.error for e in st.events) and self._clean_open()):
-                # an iteration not (yet) at its optimizer step, with nothing non-finite in it and no call that
-                # raised (a scaler error the loop caught): a report taken inside it leaves it to the iteration; at
-                # the end it is no step (a loop that stopped after the backward)
-                return
+                    and not any(e.error for e in st.events)):
+                fwd_ok, grads_ok = self._open_finite()
+                if fwd_ok and grads_ok and (mid_run or not st.discarded):
+                    # an iteration not (yet) at its optimizer step, with nothing non-finite in it and no call that
+                    # raised (a scaler error the loop caught): a report taken inside it leaves it to the iteration;
+                    # at the end it is no step (a loop that stopped after the backward), unless it holds iterations
+                    # the loop threw away (kept: they are the run's last ones)
+                    return
+                if fwd_ok and not grads_ok and not mid_run and self.threw_away and self.w.scaler is None:
+                    # a loop that keeps its own loss scale, ended on an iteration it threw away (its growth probe
+                    # overflowed; the next iteration's zero_grad would have cleared it): no failure of its own
+                    if not st.discarded:
+                        return
+                    st.discarded += 1
             # a report inside an iteration whose forward already went non-finite (a NaN guard printing it): the
             # step is recorded as it is now, and the rest of the iteration (its backward, the scaler's skip) is
             # recorded under the same step number and folded into that record when it ends, as if no report came
@@ -293,14 +303,15 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
                 step_ended(self, st)
                 self.sync_module_hooks()
 
-    def _clean_open(self) -> bool:
-        """The open step's losses, outputs and gradients so far are all finite (read now: a report or a close)."""
+    def _open_finite(self) -> tuple[bool, bool]:
+        """Whether the open step's losses and outputs so far are all finite, and whether its gradients are (read
+        now: a report or a close; the gradients only when the forward was)."""
         st = self.st
         vals = [t for t in st.losses] + [t for sums, _ in st.out_ok for t in sums]
         if any(not bool(torch.isfinite(t).all()) for t in vals):
-            return False
+            return False, False
         _, grads = model_grads(self)
-        return not grads or bool(torch.isfinite(norms(grads, math.inf)).all())
+        return True, not grads or bool(torch.isfinite(norms(grads, math.inf)).all())
 
     def finish(self) -> None:
         if not self.disabled:

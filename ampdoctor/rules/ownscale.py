@@ -24,15 +24,17 @@ def own_scale_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
     last = steps[-1]
     iterations = last.step + 1 + last.discarded - (steps[1].step if len(steps) > 1 else last.step)
     share = n / max(iterations, 1)
-    if n < cfg.skipped_min or share < THROWN_SHARE:
+    # the run ended in a streak the loop threw away (the last step never reached an update): it never recovered
+    tail = last is later[-1] and last.discarded >= cfg.skipped_min
+    if not tail and (n < cfg.skipped_min or share < THROWN_SHARE):
         return []
-    first = later[0].step
-    tail = last.discarded and last is later[-1] and last.discarded == n  # every one in the last step: never recovered
+    first = last.step if tail else later[0].step
     return [Finding(
         "skipped_steps", "error" if share >= 0.5 or tail else "warning", "scaler", None, None, first,
-        f"The loop threw away {n} of {iterations} iterations after its first update ({share:.0%}), from step "
-        f"{first} on: its own loss scale found inf/NaN gradients and it zeroed them without an optimizer step "
-        "(no GradScaler). " + (
+        f"The loop threw away {n} of {iterations} iterations after its first update ({share:.0%}), "
+        + (f"the last {last.discarded} in a row from step {first} on" if tail else f"from step {first} on")
+        + ": its own loss scale found inf/NaN gradients and it zeroed them without an optimizer step (no "
+        "GradScaler). " + (
             "Every iteration since then was thrown away: lowering the scale did not make the gradients finite."
             if tail else "Those batches did not train the model."),
         "If the loop's scale grows back after a few clean iterations, lengthen its window (fairseq's "
