@@ -1,9 +1,10 @@
 """A zero-initialised weight (a SkipInit / ReZero residual gain) written outside the optimizer between sampled steps
 (an assignment under no_grad before step 5's forward): the first sampled step after it (6, a follow-up of the skip
 at 5; here every=3's step 6) found it already far past Adam's reach before its own update, and `update_spike` said
-"The optimizer update at step 6 moved the weights" - a step after the write, and an update that had not moved it (test_norm_free_deep_unseen's tuning
-run, thirty-seventh session). The finding now gives the window the weight moved in (the last look and the step
-that found it), dated at the window's first step, and says the updates in it or code outside the optimizer did it.
+"The optimizer update at step 6 moved the weights": a step after the write, and an update that had not moved it
+(test_norm_free_deep_unseen's tuning run, thirty-seventh session). The finding now gives the window the weight moved
+in (the last look and the step that found it), dated at the window's first step, and says the updates in it or code
+outside the optimizer did it.
 
 Real torch: CPU fp16 autocast, AdamW, GradScaler, ampdoctor.watch at its default sampling."""
 from __future__ import annotations
