@@ -6,7 +6,7 @@ at 5; here every=3's step 6) found it already far past Adam's reach before its o
 in (the last look and the step that found it), dated at the window's first step, and says the updates in it or code
 outside the optimizer did it.
 
-Real torch: CPU fp16 autocast, AdamW, GradScaler, ampdoctor.watch at its default sampling."""
+Real torch: CPU fp16 autocast, AdamW, GradScaler, ampdoctor.watch(every=3)."""
 from __future__ import annotations
 
 import pytest
