@@ -33,8 +33,8 @@ def own_scale_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
         "skipped_steps", "error" if share >= 0.5 or tail else "warning", "scaler", None, None, first,
         f"The loop threw away {n} of {iterations} iterations after its first update ({share:.0%}), "
         + (f"the last {last.discarded} in a row from step {first} on" if tail else f"from step {first} on")
-        + ": its own loss scale found inf/NaN gradients and it zeroed them without an optimizer step (no "
-        "GradScaler). " + (
+        + ": it zeroed their inf/NaN gradients without an optimizer step (its own loss scale backing off, or a "
+        "guard that skips bad batches; no GradScaler). " + (
             "Every iteration since then was thrown away: lowering the scale did not make the gradients finite."
             if tail else "Those batches did not train the model."),
         "If the loop's scale grows back after a few clean iterations, lengthen its window (fairseq's "
