@@ -379,10 +379,10 @@ class StepRecord:
     optimizer step was skipped. `scale`: the loss scale the backward used. `loss`: the last loss seen (the value
     passed to `scaler.scale` or `.backward()`, or the model's scalar/`.loss` output). `micro_batches`: forwards of
     the root module counted into this step (gradient accumulation). `discarded`: iterations a loop that keeps its own
-    loss scale (no GradScaler) threw away in this step, their inf/NaN gradients zeroed without an optimizer step
-    (the step is numbered by the first of them; the next step by the iteration after). `output_finite`: the model's
-    outputs held no inf/NaN — an output holding -inf only (a mask of illegal actions or tokens) while the loss
-    stayed finite counts as finite.
+    loss scale (no GradScaler) threw away before this step's optimizer step, their inf/NaN gradients zeroed without
+    one (steps are numbered by optimizer step: these iterations have no number of their own). `output_finite`: the
+    model's outputs held no inf/NaN — an output holding -inf only (a mask of illegal actions or tokens) while the
+    loss stayed finite counts as finite.
     """
 
     step: int

@@ -1,7 +1,8 @@
 """HEALTHY LOOPS WITHOUT A torch GradScaler (scaler=None: bf16, fp32, or a loss scale the loop keeps itself), written
 to walk the paths a watch takes for such loops since the thirty-seventh session: a zero_grad that clears inf/NaN
-gradients in an open step with no optimizer step is a thrown-away iteration (record/optsink.discards_iteration), the
-steps after it are numbered by the loop's iteration (record/step.StepMachine._next_number), and rules/ownscale.py
+gradients in an open step with no optimizer step is a thrown-away iteration (record/optsink.discards_iteration),
+counted on the step that comes (steps are optimizer steps; for a while that session they were numbered by iteration,
+record/step.StepMachine._next_number, since removed: CONTRACT.md's `step`), and rules/ownscale.py
 reports `skipped_steps` when such a loop throws away >= 25% (at least 5) of its iterations after its first update.
 A mixed-precision debugger must stay silent on every healthy loop here; three loops that really do throw away a
 large share of their iterations must be named. Tiny models, fixed seeds (the global RNG seeded where the loop draws
@@ -108,7 +109,8 @@ the whole file ~8-9 s (11-12 s with interpreter start), one thread.
 Both wrong answers fixed since, the same session (record/step.finish_open_step): a loop that throws iterations away
 and ends on one (its growth probe) leaves no failure at close, and an open step holding thrown-away iterations is
 kept at close; rules/ownscale.py dates a run that ends in such a streak at the streak's first step (F2: `[error]
-skipped_steps at (run) step 25: ... the last 25 in a row from step 25 on ...`). 17 pass.
+skipped_steps at (run) step 21: ... the last 25 in a row from step 21 on ...`: iteration 25 is optimizer step 21,
+the loop having thrown away 4 iterations before it; steps are optimizer steps, CONTRACT.md). 17 pass.
 """
 from __future__ import annotations
 
@@ -842,9 +844,10 @@ def test_healthy_no_scaler_loop(name, tmp_path):
 
 def _fire(fn, fixed, tmp_path, iters, streak=None):
     """A should-fire loop: the oracle counts its own skips (>= 5 and >= 25% of the iterations after its first
-    update; the fixed twin under 25%), the watch changes nothing, and the report names skipped_steps at the first
-    iteration thrown away after the first update (or `streak`: the iteration the never-ending streak of skips
-    began, where a lone skip came before it)."""
+    update; the fixed twin under 25%), the watch changes nothing, and the report names skipped_steps at the
+    optimizer step of the first iteration thrown away after the first update (or of `streak`: the iteration the
+    never-ending streak of skips began, where a lone skip came before it). Steps are optimizer steps (CONTRACT.md):
+    iteration k is step k minus the iterations thrown away before it."""
     plain, twin = fn(None), fixed(None)
     first, n, after = first_after_update(plain.skipped, iters)
     assert first is not None and n >= 5 and n >= 0.25 * after, (plain.skipped, n, after)
@@ -856,7 +859,8 @@ def _fire(fn, fixed, tmp_path, iters, streak=None):
         same(watched, plain)
     except AssertionError as e:
         raise WrongAnswer(f"the watch changed training: {e}") from e
-    fires(watched, (first,) if streak is None else (streak,))
+    it = first if streak is None else streak
+    fires(watched, (it - len([k for k in plain.skipped if k < it]),))  # its optimizer step: the updates before it
     return plain
 
 

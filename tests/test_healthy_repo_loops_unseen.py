@@ -97,8 +97,8 @@ iterations: one per scaler.update(), two optimizers). Things a user might find o
  - fairseq_dynamic_loss_scaler: the report is empty (not even info) and counts 37 steps for 40 iterations, with
    summary skipped_steps 0 / bad_steps 0: the three iterations whose gradients were inf (0, 1, 6: the hand-made
    scaler's backoffs from 2**16 to 2**13; no optimizer.step, zero_grad) are not seen as skips at all. (Since the
-   thirty-seventh session the steps are numbered by the loop's iteration, the thrown-away ones joining the step
-   that comes: a later failure is dated at its iteration, not its count of updates; tests/test_loop_own_scaler_steps.)
+   thirty-seventh session they are counted, `thrown_away_iterations` 3, and a quarter or more of them is
+   `skipped_steps`: rules/ownscale.py; the steps stay optimizer steps, as fairseq's num_updates.)
  - hf_trainer_optimizer_was_run (GradScaler skips 0, 1, 2, 6): `[info] overflow at net.6 step 1: The loss-scaled
    backward overflowed in `net.6` on 1 step(s) while the loss scale was high; GradScaler skipped them ... as
    designed.` whose evidence says steps [2] / observed_step 2 (loss_scale 2**20, step 2's scale) while the finding's

@@ -6,8 +6,9 @@ Float16OptimizerWithFloat16Params (model.half(), fp32 main params, main.grad = g
 torch._amp_foreach_non_finite_check_and_unscale_, DynamicGradScaler with hysteresis 2 and min_scale); apex's legacy
 FP16_Optimizer (model.half(), fp32 masters kept by hand, static scale, grads divided by hand, masters copied back);
 a hand-written dynamic scaler on an fp32 model under autocast (inf check, skip or unscale + SGD). A skipped
-iteration has no optimizer.step(): ampdoctor numbers steps by the loop's iteration (test_loop_own_scaler_steps, not
-repeated here: its x3000 inputs overflow head's weight gradient at every scale under a fairseq-style scaler).
+iteration has no optimizer.step(): it joins the step that comes, counted (test_loop_own_scaler_steps, not
+repeated here: its x3000 inputs overflow head's weight gradient at every scale under a fairseq-style scaler; steps
+are optimizer steps, CONTRACT.md, and this file's steps are the loop's iterations only before its first skip).
 Tiny MLP (fc1 -> fc2 -> head, an optional L1 normaliser `norm` first), regression on a fixed teacher, 30-40
 iterations, one thread.
 

@@ -93,8 +93,9 @@ class OptimizerCallbacks:
         step came, and the gradients it clears hold inf/NaN (read now: only a loop that skips its own step gets here).
         A loop that keeps its own loss scale (fairseq's DynamicLossScaler, Megatron's, apex's FP16_Optimizer) skips
         the optimizer step on an overflow and zeroes the gradients: the iterations it threw away join the step that
-        comes (rules/backoff.loop_opening_search), and the steps after it are numbered by the loop's iterations
-        (StepMachine.begin). Finite gradients cleared between backwards (an adversarial step, PCGrad) are no skip."""
+        comes (rules/backoff.loop_opening_search), whose record counts them (`StepRecord.discarded`; steps stay
+        numbered by optimizer step, as CONTRACT.md's `step` is, and as fairseq's own `num_updates` counts: rules/
+        ownscale.py). Finite gradients cleared between backwards (an adversarial step, PCGrad) are no skip."""
         st = self.st
         if self.w.scaler is not None or st.phase is not StepPhase.OPEN or not st.micro or in_backward():
             return False

@@ -169,18 +169,9 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
                 # itself before): the next step is sampled once, to find the modules it calls (entries.py)
                 self._entries_probed = True
                 self.policy.followup = max(self.policy.followup, 1)
-            self.st = self._new_step(self._next_number(ended), time.perf_counter() - t)
+            self.st = self._new_step(self.st.step + 1, time.perf_counter() - t)
             step_ended(self, ended)
             self.sync_module_hooks()
-
-    def _next_number(self, ended) -> int:
-        """The number of the step after `ended`: the next iteration's. Iterations the loop threw away joined `ended`
-        (optsink.discards_iteration), so it is `discarded` more than one past it; a sampled step number among those
-        passed over samples the next step."""
-        n = ended.step + 1 + ended.discarded
-        if ended.discarded and (n - 1) // self.cfg.every > ended.step // self.cfg.every and n % self.cfg.every:
-            self.policy.followup = max(self.policy.followup, 1)
-        return n
 
     def iteration_goes_on(self) -> bool:
         """The ended step's iteration is not over: its scaler.step() came and its scaler.update() has not, and an
@@ -297,7 +288,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
             # recorded under the same step number and folded into that record when it ends, as if no report came
             folds = mid_run and st.phase is StepPhase.OPEN and not self.w.closed
             self.finalize()
-            self.st = self._new_step(st.step if folds else self._next_number(st))
+            self.st = self._new_step(st.step if folds else st.step + 1)
             self.st.folds = folds
             if not self.w.closed:
                 step_ended(self, st)

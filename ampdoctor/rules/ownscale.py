@@ -22,7 +22,7 @@ def own_scale_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
     later = [r for r in steps[1:] if r.discarded]
     n = sum(r.discarded for r in later)
     last = steps[-1]
-    iterations = last.step + 1 + last.discarded - (steps[1].step if len(steps) > 1 else last.step)
+    iterations = sum(1 + r.discarded for r in steps[1:])  # (each step: its thrown-away iterations and its own)
     share = n / max(iterations, 1)
     # the run ended in a streak the loop threw away (the last step never reached an update): it never recovered
     tail = last is later[-1] and last.discarded >= cfg.skipped_min
