@@ -240,7 +240,7 @@ class ModuleHookCallbacks:
         extra = self.rng_extra
         if extra is not None and extra[0] and extra[1]:
             return False
-        return step <= 8 or step - self.rng_probed_at >= modstate.PROBE_GAP
+        return step == 0 or modstate.due(step, True, self.rng_probed_at)
 
     def _rng_drawn(self, before) -> None:
         """A sampled step's forward drew from Python's `random` or NumPy's global RNG (LayerDrop with random.random(),

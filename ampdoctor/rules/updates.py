@@ -230,12 +230,15 @@ def update_spike(run: RunData, cfg: RuleConfig) -> list[Finding]:
     one = worst["updates"] == 1
     names = ", ".join(f"`{m or '(root)'}` ×{f:.3g}" for m, f in list(layers.items())[:4])
     more = f" and {len(layers) - 4} more layer(s)" if len(layers) > 4 else ""
-    when = (f"The optimizer update at step {worst['step']}" if one and not worst.get("before_update") else
-            f"Between step {worst['between'][0]} and step {worst['between'][1]}, " + (
-                f"{worst['updates']} optimizer update(s) or code outside the optimizer" if worst["updates"] else
-                "code outside the optimizer (no update came in between)") if worst.get("before_update") else
-            f"The {worst['updates']} optimizer updates between step {worst['between'][0]} and step "
-            f"{worst['between'][1]}")
+    s0, s1 = worst["between"]
+    if worst.get("before_update"):  # (a zero-born weight found moved before its sampled step's own update)
+        by = (f"{worst['updates']} optimizer update(s) or code outside the optimizer" if worst["updates"] else
+              "code outside the optimizer (no update came in between)")
+        when = f"Between step {s0} and step {s1}, {by}"
+    elif one:
+        when = f"The optimizer update at step {worst['step']}"
+    else:
+        when = f"The {worst['updates']} optimizer updates between step {s0} and step {s1}"
     msg = (f"{when} multiplied the weights of {names}{more} (‖w‖ {worst['before']:.3g} → {worst['after']:.3g})"
            + (f"; the run went non-finite at step {went_bad}." if went_bad is not None else "."))
     fix = ("Lower the learning rate or add a warmup, e.g. "
