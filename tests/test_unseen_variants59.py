@@ -468,11 +468,17 @@ def pc_batch_l1(i):
 
 
 def test_chamfer_l1_matmul_form_cancellation_is_sqrt_of_a_negative_distance(tmp_path):
-    r = check_failure(tmp_path, PointCompletionL1, pc_batch_l1, BAD_L1, "chamfer", FWD, lr=LR_PC,
+    """The step of the first cancellation depends on the CPU's fp16 matmul (step 3 on CI's Intel machines, step 2 on
+    AMD EPYC): it is read from an unwatched run, and the oracle and ampdoctor are held to it."""
+    torch.manual_seed(0)
+    bare = run(PointCompletionL1(), pc_batch_l1, BAD_L1 + 1, tmp_path / "bare", lr=LR_PC, watch=False)
+    assert bare["bad_loss"] and bare["bad_loss"][0] in (BAD_L1 - 1, BAD_L1), bare["losses"]
+    bad = bare["bad_loss"][0]
+    r = check_failure(tmp_path, PointCompletionL1, pc_batch_l1, bad, "chamfer", FWD, lr=LR_PC,
                       quiet_at=("enc", "enc.0", "enc.2", "dec", "dec.0", "dec.2", ""))
     # the mechanism: on the bad step's weights the fp16 matmul form has negative squared distances, float32 none
     m = snapshot_model(PointCompletionL1, r)
-    (partial, full), _, _ = pc_batch_l1(BAD_L1)
+    (partial, full), _, _ = pc_batch_l1(bad)
     with torch.no_grad():
         c = partial.mean(1, keepdim=True)
         with torch.autocast("cpu", dtype=FP16):
