@@ -29,7 +29,7 @@ A) growth that ends in an inf or a skipped step (13 runs):
       from 2^-4 to the max (first inf at step 441, warned at ~316-361 at every stride);
    2. positional_table (default): learned positional embeddings under SGD with an "L2 on the table" term whose sign
       is flipped: the (fp32) table grows x1.025 a step; `proj` (fp16) reads tok + pos and overflows first (564);
-   3. annealed_attention_temperature (the default at its stride pinned to 8; at 1 a strict xfail, see PINNED_XFAIL):
+   3. annealed_attention_temperature (the default at its stride pinned to 8 and to 1; see PINNED_XFAIL's note):
       an inverse temperature buffer on the attention scores annealed x1.025 a step with no cap (a sharpening
       schedule whose clamp is missing); init_scale 256;
    4. amplifier_chain (every=1; and the default at stride 2): `embed` grows (sign-flipped L2, SGD), `expand` — a
@@ -81,7 +81,9 @@ What ampdoctor got wrong (strict xfails):
   headroom_trend's producer search (the first in forward order of the layers falling at the rate) starts at `proj`.
   overflow_risk (rules/numeric.py) does follow an fp32 value into the low-precision op that takes it, and names `pos`
   (at step 565, after the overflow).
-- noisy_sgd_decay_sign (every=1): `headroom_trend at hidden step 306: ... 0.4 bits left` for an inf at step 311 (5
+- (fixed since the thirty-eighth session: rules/headroomseries.py `windows` judges a dense series over its last
+  LONG_SPAN = 48 steps as well, and a 12-point warning refuted by what came next leaves that longer look its turn)
+  noisy_sgd_decay_sign (every=1): `headroom_trend at hidden step 306: ... 0.4 bits left` for an inf at step 311 (5
   steps, not 10). _first_warning (rules/headroom.py) did warn at step 216 (3.4 bits), but from a 12-step window whose
   slope (-0.102) was twice the true rate (0.045), forecasting step 250; at step 250 `hidden` still had 2.65 bits, so
   _refuted (past the forecast step with >= REFUTED_BITS = 2 left) dropped it although the layer kept falling to its
@@ -562,12 +564,6 @@ FAILING_XFAIL: dict[str, str] = {
         "dtypes, record/series.py from_calls likewise, rules/headroom.py series() reads only 'h'/'b'), so an "
         "Embedding's fp32 output has no series and the producer search in headroom_trend starts at its consumer "
         "(overflow_risk in rules/numeric.py does follow fp32 values into fp16 ops and names `pos`)"),
-    "noisy_sgd_decay_sign": (
-        "warned at step 306 (0.4 bits left) for an inf at step 311: rules/headroom.py _first_warning's warning at "
-        "step 216 (12-step window slope -0.102, twice the true 0.045 bits/step, forecast 250) was dropped by "
-        "_refuted (still 2.65 bits >= REFUTED_BITS at step 250) although the layer kept falling; `floor` then moved "
-        "a bit lower and no later 12-point window (WINDOW is points, not steps: 12 steps at every=1) was "
-        "_significant against ~0.3 bits of batch noise until 0.4 bits"),
 }
 
 
@@ -613,17 +609,17 @@ PINNED = {
     ("amplifier_chain", 2): sc_amplifier_chain,
     ("root_logit_temperature", 32): sc_root_logit_temperature,
     # (unpinned in FAILING until the thirty-second session, whose full suite under heavy load had the budget pick
-    # stride 1 or 2, where it fails: see PINNED_XFAIL; strides 4-32 pass)
+    # stride 1 or 2, where it failed until the thirty-eighth session: see the note below PINNED_XFAIL)
     ("annealed_attention_temperature", 8): sc_annealed_attention_temperature,
     ("annealed_attention_temperature", 1): sc_annealed_attention_temperature,
 }
-PINNED_XFAIL: dict[tuple, str] = {
-    ("annealed_attention_temperature", 1): (
-        "no headroom_trend at all (first bad step 457): `temp` grows x1.025 a step, 0.036 bits/step, just above "
-        "MIN_RATE, and WINDOW is 12 points: at stride 1 (and 2) its window spans 12 (24) steps, where the batch-to-"
-        "batch noise of the attention scores outweighs the trend, so no window is steady (STEADY) or significant; "
-        "at strides 4-32 the window spans 48-384 steps and the same growth is warned in time"),
-}
+PINNED_XFAIL: dict[tuple, str] = {}
+# wrong when written, right since the thirty-eighth session (rules/headroomseries.py `windows`: a dense series is
+# also judged over its last LONG_SPAN steps): annealed_attention_temperature at stride 1 (and on AMD EPYC CPUs at
+# strides 4-16 too, where the series runs on every step from step ~250 while `temp` creeps): no headroom_trend at
+# all (first bad step 457-458): `temp` grows x1.025 a step, 0.036 bits/step, and 12 points on 12 steps fall by less
+# than the batch-to-batch noise of the attention scores (0.3-0.5 bits), so no 12-point window was steady and
+# significant
 # wrong when written, right since (record/budget.py `creep`: the series on every step while an fp16 output within 8
 # bits of the max keeps rising, so the trend window spans steps, not strides): amplifier_chain at stride 2 (the
 # layer that only amplifies embed's output named) and root_logit_temperature at stride 32 (no headroom_trend: the

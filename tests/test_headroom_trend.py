@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -61,6 +62,39 @@ def test_fp32_values_are_not_judged():
 
 def test_bf16_far_from_its_max_is_silent():
     assert headroom_trend(run_of({"blk.fc": grow(300.0, 1.15, 60)}, dtype="b"), RuleConfig()) == []
+
+
+def noisy_bits(start_bits, rate, n, sd, seed=0):
+    """Abs-max values on every step whose headroom (log2(65504 / v)) falls `rate` bits a step from `start_bits`
+    under batch-to-batch noise of `sd` bits (normal, seeded)."""
+    rng = random.Random(seed)
+    return [65504.0 / 2.0 ** (start_bits - rate * i + rng.gauss(0.0, sd)) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_slow_noisy_runaway_on_every_step_is_warned(seed):
+    """A layer running out at 0.036 bits a step (x1.025) with 0.4 bits of batch noise, its series on every step
+    (every=1, or the series dense while the layer creeps towards the max): over 12 points the trend falls by less
+    than the noise, so the rule looks at the last LONG_SPAN steps too (test_early_warning3's annealed attention
+    temperature, whose 12-point windows missed it at strides 1-16 on an AMD EPYC)."""
+    vals = noisy_bits(8.0, 0.036, 260, 0.4, seed)
+    first_inf = next(i for i, v in enumerate(vals) if v > 65504)
+    f = headroom_trend(run_of({"blk.fc": vals[:first_inf + 1]}), RuleConfig())
+    assert len(f) == 1 and f[0].module == "blk.fc", [x.one_line() for x in f]
+    ev = f[0].evidence
+    assert f[0].step <= first_inf - 10 and ev["forecast_step"] > f[0].step, (f[0].step, first_inf, ev)
+    assert 0.5 * 0.036 <= -ev["rate_bits_per_step"] <= 2.0 * 0.036, ev
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noise_near_the_max_and_a_slow_drift_on_every_step_are_silent(seed):
+    """The healthy twins of the runaway above, as noisy and on every step: 3 bits from the max with no trend, and a
+    drift of 0.015 bits a step (half the rule's MIN_RATE) from 3.4 bits to about 1.2, near enough that only its rate
+    keeps it below the rule's reach (its forecast is inside the horizon)."""
+    flat = noisy_bits(3.0, 0.0, 400, 0.4, seed)
+    drift = noisy_bits(3.4, 0.015, 150, 0.4, seed)
+    for vals in (flat, drift):
+        assert headroom_trend(run_of({"blk.fc": vals}), RuleConfig()) == []
 
 
 def test_one_finding_per_chain_at_the_producer():

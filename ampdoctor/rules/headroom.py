@@ -92,6 +92,12 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
         last = None if fitting is not None or phase != "forward" else max(
             (i for i, p in pts.items() if p), key=lambda i: order.get(mods[i][0], -1), default=None)
         fits = {i: fitting for i in pts} if last is None else {last: fitting_predicate(run, pts[last])}
+        if phase == "forward":
+            # an output no gradient reached (an EMA teacher's, a detached target's) fits nothing the loss asks
+            # for, though the model returns it: where gradients were recorded, such a module is not exempt
+            grads = {i for i in range(len(mods)) if series(run, i, "backward")}
+            if grads:
+                fits = {i: f for i, f in fits.items() if i in grads}
         warn = {i: w for i, p in pts.items() if (w := first_warning(p, cfg, fits.get(i))) is not None}
         # a parent whose child warns too only passes the child's value on
         warn = {i: w for i, w in warn.items()
@@ -124,7 +130,7 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
             if _failed_by(bad_steps(), names, w["step"], phase):
                 continue  # reached only after these layers had already overflowed: no early warning (that finding says it)
             out.append(_finding(run, phase, mods[prod], pts[prod], w, mods[first][0], w["step"],
-                                _came_true(run, w, names, bad())))
+                                _came_true(run, w, names, bad()), own=prod == i))
     # a module warned at the same step and phase as one inside it says the same thing (its output is that one's,
     # passed on): the inner one stands for both
     return [f for f in out if not any(g is not f and g.phase == f.phase and g.step == f.step and g.severity ==
@@ -199,11 +205,14 @@ def _came_true(run: RunData, w: dict, chain: list[str], bad: int | None) -> dict
     return None
 
 
-def _finding(run, phase, mod, pts, w, first_name: str, step: int, came: dict | None = None) -> Finding:
+def _finding(run, phase, mod, pts, w, first_name: str, step: int, came: dict | None = None,
+             own: bool = False) -> Finding:
+    """`own`: the warning `w` is this module's own series' (its rate is the one its forecast was made with);
+    otherwise the producer's rate is read from its series at the step."""
     name, typ = mod[0], mod[1]
     cur = [p for p in pts if p[0] <= step]
     bits = cur[-1][1] if cur else w["bits"]
-    rate = rate_at(pts, step) or w["rate"]
+    rate = w["rate"] if own else rate_at(pts, step) or w["rate"]
     dt = dtype_name(w["dtype"])
     what = "output" if phase == "forward" else "gradient (unscaled) flowing into its output"
     via = "" if first_name == name else f"; `{first_name}`, which takes its values, is the first to reach the max"

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from ..records import DTYPE_LIMITS
 from .registry import RuleConfig, RunData
 
-__all__ = ["WINDOW", "MIN_RATE", "MAX_BITS", "HORIZON", "STEADY", "series", "trend", "first_warning", "rate_at",
-           "bits_at", "fitting_predicate", "median", "dtype_name"]
+__all__ = ["WINDOW", "LONG_SPAN", "MIN_RATE", "MAX_BITS", "HORIZON", "STEADY", "series", "trend", "windows",
+           "first_warning", "rate_at", "bits_at", "fitting_predicate", "median", "dtype_name"]
 
 WINDOW = 12          # points in the trend window
 MIN_RATE = 0.03      # bits/step: slower declines are drift, not a trend
@@ -68,46 +68,79 @@ def trend(pts: list[tuple[int, float, str]], k: int, window: int = WINDOW) -> tu
     return slope, sum(1 for d in far if d < 0) / len(far)
 
 
+LONG_SPAN = 48
+"""Steps a trend window spans at least, in points up to 4 x WINDOW, when the 12 points of `WINDOW` span fewer (a
+dense series: every=1, or the series on every step while a layer creeps towards the max): 12 steps of a slow
+runaway (0.036 bits/step) fall by less than its batch-to-batch noise, 48 steps by 4 times it (see `windows`)."""
+
+
+def windows(pts, k: int) -> list[int]:
+    """The trend windows (in points) tried at index k: WINDOW, then, where WINDOW's points span fewer than
+    LONG_SPAN steps, the points of the last LONG_SPAN steps (at most 4 x WINDOW) as a second, longer look."""
+    out = [WINDOW]
+    if k + 1 > WINDOW and pts[k][0] - pts[k + 1 - WINDOW][0] < LONG_SPAN:
+        n = sum(1 for j in range(max(0, k + 1 - 4 * WINDOW), k + 1) if pts[k][0] - pts[j][0] < LONG_SPAN)
+        if n > WINDOW and k + 1 >= n:
+            out.append(n)
+    return out
+
+
 def first_warning(pts, cfg: RuleConfig, fitting=None):
     """The first point where the series is close, falling steadily and forecast to reach zero in time
-    (`fitting(window)`: the window's values are the model's output growing towards what the loss asks for)."""
-    low = math.inf  # the lowest headroom before the current window (its history)
+    (`fitting(window)`: the window's values are the model's output growing towards what the loss asks for). Each
+    point is judged over `windows`: its 12 points, and on a dense series the last LONG_SPAN steps as well."""
+    lows = [math.inf]  # lows[j]: the lowest headroom of the points before index j (the history of a window at j)
+    levels = [math.inf]  # levels[j]: the same of the medians of 5 consecutive points (see `_warning`)
+    for i, p in enumerate(pts):
+        lows.append(min(lows[-1], p[1]))
+        levels.append(min(levels[-1], median([q[1] for q in pts[i - 4:i + 1]])) if i >= 4 else math.inf)
     floor = math.inf  # after a refuted forecast: warn again only a bit below where it was refuted
     for k in range(len(pts)):
-        if k >= WINDOW:
-            low = min(low, pts[k - WINDOW][1])
         bits = pts[k][1]
-        if bits >= floor:
+        if bits >= floor or bits > cfg.headroom_max_bits:
             continue
-        if bits > cfg.headroom_max_bits:
-            continue
-        t = trend(pts, k)
-        if t is None or fitting is not None and fitting(pts[k + 1 - WINDOW:k + 1]):
-            continue
-        slope, steady = t
-        if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope) \
-                or _settling(pts, k, slope) or _jump(pts, k):
-            continue
-        # the level the window's trend line gives at this step (the median of its points carried along the
-        # slope): one batch of outliers — heavy-tailed inputs — dips a single point, not the line
-        step = pts[k][0]
-        level = median([b + slope * (step - s) for s, b, _ in pts[k + 1 - WINDOW:k + 1]])
-        if level > cfg.headroom_max_bits or low < math.inf and level >= low - _noise(pts, k + 1 - WINDOW):
-            # ... and below anything the layer showed before the window, by more than its step-to-step noise: a
-            # layer that has sat near the max for a long time (a stable hot unit, a level it reached early)
-            # shows chance runs of rising values, and now and then a new low by a hair; a layer running out of
-            # range goes where it has never been
-            continue
-        bits = max(bits, level)
-        left = max(bits, 0.0) / -slope
-        if left > cfg.headroom_horizon:
-            continue
-        if _refuted(pts, k, pts[k][0] + math.ceil(left), min(bits, pts[k][1]), slope):
-            floor = min(bits, pts[k][1]) - 1.0  # the same fall seen from the next points is refuted too
-            continue
-        return {"step": pts[k][0], "bits": bits, "rate": slope, "forecast": pts[k][0] + math.ceil(left),
-                "dtype": pts[k][2]}
+        refuted = None
+        for win in windows(pts, k):
+            w = _warning(pts, k, win, cfg, fitting, (lows if win == WINDOW else levels)[max(k + 1 - win, 0)])
+            if w is None:
+                continue
+            if not _refuted(pts, k, w["forecast"], min(w["bits"], bits), w["rate"]):
+                return w
+            # a 12-point slope steepened by noise forecasts too early and is refuted; the longer window's may not be
+            refuted = w if refuted is None else refuted
+        if refuted is not None:
+            floor = min(refuted["bits"], bits) - 1.0  # the same fall seen from the next points is refuted too
     return None
+
+
+def _warning(pts, k: int, win: int, cfg: RuleConfig, fitting, low: float) -> dict | None:
+    """The warning the `win` points ending at index k give (before `_refuted` looks at what came after), or None:
+    falling steadily, significantly, not settling nor by one jump, the trend line's level below the layer's history
+    (`low`: the lowest point before the window; for a longer window, the lowest median of 5 consecutive points, so
+    that one outlier batch long ago — a heavy-tailed input that dipped the headroom by bits for a step — does not
+    set the bar) and the forecast within the horizon."""
+    t = trend(pts, k, win)
+    if t is None or fitting is not None and fitting(pts[k + 1 - win:k + 1]):
+        return None
+    slope, steady = t
+    if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope, win) \
+            or _settling(pts, k, slope, win) or _jump(pts, k, win):
+        return None
+    # the level the window's trend line gives at this step (the median of its points carried along the slope):
+    # one batch of outliers — heavy-tailed inputs — dips a single point, not the line
+    step = pts[k][0]
+    level = median([b + slope * (step - s) for s, b, _ in pts[k + 1 - win:k + 1]])
+    if level > cfg.headroom_max_bits or low < math.inf and level >= low - _noise(pts, k + 1 - win):
+        # ... and below anything the layer showed before the window, by more than its step-to-step noise: a layer
+        # that has sat near the max for a long time (a stable hot unit, a level it reached early) shows chance runs
+        # of rising values, and now and then a new low by a hair; a layer running out of range goes where it has
+        # never been
+        return None
+    bits = max(pts[k][1], level)
+    left = max(bits, 0.0) / -slope
+    if left > cfg.headroom_horizon:
+        return None
+    return {"step": step, "bits": bits, "rate": slope, "forecast": step + math.ceil(left), "dtype": pts[k][2]}
 
 
 JUMP_BITS = 1.0
@@ -115,26 +148,37 @@ JUMP_BITS = 1.0
 window's fall together, is a step change (see _jump)."""
 
 
-def _jump(pts, k: int) -> bool:
+def _jump(pts, k: int, window: int = WINDOW) -> bool:
     """Whether the window's fall is one step change, not a trend: a single change between consecutive points of at
     least JUMP_BITS beyond what the rest of the window's rate gives over its steps, and half the window's fall or
     more (a layer's scale that jumped once, by an injected or restored weight or a curriculum stage's inputs, and
     then stayed: the points before and after it make a steep Theil-Sen slope; a layer running out of range falls
     point after point, and across a gap in the series — sparse points, then every step — by its rate times the
-    gap)."""
-    w = pts[k + 1 - WINDOW:k + 1]
+    gap). Over a longer window than WINDOW, a fall that the next points undo (one outlier batch) or that only ends a
+    rise the points before it did not have (a spike's end) is no step change either: a noisy series has such pairs
+    in any 48 points."""
+    w = pts[k + 1 - window:k + 1]
     total = w[0][1] - w[-1][1]
     pairs = list(zip(w, w[1:]))
     rates = [(a[1] - b[1]) / max(b[0] - a[0], 1) for a, b in pairs]  # falls per step
     for j, (a, b) in enumerate(pairs):
         drop = a[1] - b[1]
-        if drop < JUMP_BITS or drop < 0.5 * total:
+        if drop < JUMP_BITS or drop < 0.5 * total or window > WINDOW and _passing(w, j, drop):
             continue
         rest = median(rates[:j] + rates[j + 1:])
         excess = drop - max(rest, 0.0) * (b[0] - a[0] - 1)
         if excess >= JUMP_BITS and excess >= 0.5 * total:
             return True
     return False
+
+
+def _passing(w, j: int, drop: float) -> bool:
+    """Whether the fall of `drop` between points j and j + 1 of window `w` does not stay: the next (up to 3) points
+    come back over half of it, or the (up to 3) points before j sit over half of it below point j."""
+    after = [p[1] for p in w[j + 2:j + 5]]
+    before = [p[1] for p in w[max(0, j - 3):j]]
+    return bool(after) and median(after) > w[j + 1][1] + 0.5 * drop \
+        or bool(before) and median(before) < w[j][1] - 0.5 * drop
 
 
 REFUTED_BITS = 2.0
@@ -179,24 +223,24 @@ SIGNIFICANT = 3.0
 """A window's slope must be this many standard errors from zero (see _significant)."""
 
 
-def _significant(pts, k: int, slope: float) -> bool:
+def _significant(pts, k: int, slope: float, window: int = WINDOW) -> bool:
     """Whether the window's slope stands out of its own noise: a drift of 0.02 bits/step under batch-to-batch noise
     of ~0.3 bits reads 0.04 bits/step over some 12-point windows. The noise is estimated from consecutive changes
     within the window (median |change| / 0.954 for normal noise; a steady trend adds only its rate to each change),
     the slope's standard error as for a least-squares line through the window's steps."""
-    w = pts[k + 1 - WINDOW:k + 1]
+    w = pts[k + 1 - window:k + 1]
     sigma = median([abs(b[1] - a[1]) for a, b in zip(w, w[1:])]) / 0.954
     mean = sum(p[0] for p in w) / len(w)
     spread = sum((p[0] - mean) ** 2 for p in w)
     return spread > 0 and -slope >= SIGNIFICANT * sigma / math.sqrt(spread)
 
 
-def _settling(pts, k: int, slope: float) -> bool:
+def _settling(pts, k: int, slope: float, window: int = WINDOW) -> bool:
     """Whether the window's latest half has stopped falling at its rate: the median slope over the pairs of that
     half is under a third of the window's. A layer fitting its targets falls fast, then flattens (a regression
     head reaching the targets' magnitude); over sparse points (the series on every few steps) a window can hold
     both, and its slope is the early fall's. A runaway keeps its rate or speeds up."""
-    w = pts[k + 1 - WINDOW // 2:k + 1]
+    w = pts[k + 1 - window // 2:k + 1]
     rec = [(b[1] - a[1]) / max(b[0] - a[0], 1) for i, a in enumerate(w) for b in w[i + 1:]]
     return bool(rec) and median(rec) > slope / 3
 
@@ -210,14 +254,20 @@ def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:
 
 
 def rate_at(pts, step: int) -> float | None:
-    """The series' steady slope at `step` (None when it is not falling steadily there)."""
+    """The series' steady slope at `step` (None when it is not falling steadily there): its 12-point window's, unless
+    on a dense series the last LONG_SPAN steps fall at under half that rate (a flat layer's 12 noisy points read a
+    slope as often as not); then the longer window's, when it falls steadily."""
     idx = [i for i, p in enumerate(pts) if p[0] <= step]
     if not idx:
         return None
-    t = trend(pts, idx[-1])
-    if t is None or t[1] < STEADY or t[0] > -MIN_RATE:
-        return None
-    return t[0]
+    fits = [trend(pts, idx[-1], win) for win in windows(pts, idx[-1])]
+    short, longer = fits[0], fits[1] if len(fits) > 1 else None
+    if short is not None and short[1] >= STEADY and short[0] <= -MIN_RATE \
+            and (longer is None or longer[0] <= 0.5 * short[0]):
+        return short[0]
+    if longer is not None and longer[1] >= STEADY and longer[0] <= -MIN_RATE:
+        return longer[0]
+    return None
 
 
 def bits_at(pts, step: int) -> float:
