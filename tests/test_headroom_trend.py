@@ -17,15 +17,15 @@ MODS = [["", "Net", 0], ["blk", "Block", 1], ["blk.fc", "Linear", 2], ["blk.act"
         ["blk.proj", "Linear", 2], ["ln", "LayerNorm", 1]]
 
 
-def run_of(values: dict[str, list[float]], dtype="h", scaler=True, scale=65536.0):
-    """Steps whose forward abs-max per module is given (other modules unmeasured)."""
+def run_of(values: dict[str, list[float]], dtype="h", scaler=True, scale=65536.0, losses=None):
+    """Steps whose forward abs-max per module is given (other modules unmeasured), and their losses if given."""
     n = max(len(v) for v in values.values())
     steps = []
     for s in range(n):
         fwd = [values[m[0]][s] if m[0] in values else None for m in MODS]
         dts = "".join((dtype if m[0] != "ln" else "f") if m[0] in values else "-" for m in MODS)
-        steps.append(StepRecord(step=s, scale=scale, headroom={"fwd": fwd, "bwd": [None] * len(MODS),
-                                                               "dtype": dts}))
+        steps.append(StepRecord(step=s, scale=scale, loss=None if losses is None else losses[s],
+                                headroom={"fwd": fwd, "bwd": [None] * len(MODS), "dtype": dts}))
     return RunData(RunMeta(modules=MODS, scaler={"enabled": True} if scaler else {}), steps)
 
 
@@ -95,6 +95,18 @@ def test_noise_near_the_max_and_a_slow_drift_on_every_step_are_silent(seed):
     drift = noisy_bits(3.4, 0.015, 150, 0.4, seed)
     for vals in (flat, drift):
         assert headroom_trend(run_of({"blk.fc": vals}), RuleConfig()) == []
+
+
+def test_the_model_output_under_a_loss_below_zero_is_no_fit():
+    """The model's own output growing while the loss falls is a fit, exempt (a regression head reaching targets in
+    the thousands); a loss that is an unbounded -score, already below zero and falling with the output, has no
+    target to reach (test_early_warning2's embedding_frequent_token): the growth is warned."""
+    vals = grow(300.0, 1.1, 40)   # the root's output: 7.8 bits left, then 0.14 bits/step to 2.4 bits
+    fit = [((16000.0 - v) / 16000.0) ** 2 for v in vals]    # a squared error to targets of 1.6e4
+    score = [-v / 1000.0 for v in vals]                      # -score: falls for ever
+    assert headroom_trend(run_of({"": vals}, losses=fit), RuleConfig()) == []
+    f = headroom_trend(run_of({"": vals}, losses=score), RuleConfig())
+    assert [x.module for x in f] == [""] and f[0].step <= 30, [x.one_line() for x in f]
 
 
 def test_one_finding_per_chain_at_the_producer():

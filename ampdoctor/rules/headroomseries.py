@@ -99,6 +99,8 @@ def first_warning(pts, cfg: RuleConfig, fitting=None):
         bits = pts[k][1]
         if bits >= floor or bits > cfg.headroom_max_bits:
             continue
+        if fitting is not None and k + 1 >= WINDOW and fitting(pts[k + 1 - WINDOW:k + 1]):
+            continue  # the recent points are a fit (a longer window may reach back past a change of targets)
         refuted = None
         for win in windows(pts, k):
             w = _warning(pts, k, win, cfg, fitting, (lows if win == WINDOW else levels)[max(k + 1 - win, 0)])
@@ -120,7 +122,7 @@ def _warning(pts, k: int, win: int, cfg: RuleConfig, fitting, low: float) -> dic
     that one outlier batch long ago — a heavy-tailed input that dipped the headroom by bits for a step — does not
     set the bar) and the forecast within the horizon."""
     t = trend(pts, k, win)
-    if t is None or fitting is not None and fitting(pts[k + 1 - win:k + 1]):
+    if t is None or win > WINDOW and fitting is not None and fitting(pts[k + 1 - win:k + 1]):
         return None
     slope, steady = t
     if slope > -cfg.headroom_min_rate or steady < STEADY or not _significant(pts, k, slope, win) \
@@ -310,10 +312,13 @@ def _fit_beyond(window, losses: dict) -> bool:
     """Whether the output grows towards targets beyond the dtype's range (raw units nobody normalised): the loss,
     as a line in the output's abs-max over the window (Theil-Sen), reaches zero only past BEYOND x the dtype's max.
     A loss that falls faster than linearly as the output nears its targets (a squared error) reaches zero on that
-    line before the targets do, and a loss floor after it: a fit within range stays a fit."""
+    line before the targets do, and a loss floor after it: a fit within range stays a fit. A loss below zero over
+    the window's last half (-score, a reward) has no such floor: no fit."""
     xy = [(_MAX[dt] / 2.0 ** b, v) for s, b, dt in window if (v := losses.get(s)) is not None]
     if len(xy) < WINDOW // 2 or not all(math.isfinite(x) and x > 0 for x, _ in xy):
         return False
+    if max(v for _, v in xy[len(xy) // 2:]) < 0:
+        return True  # a loss below zero (an unbounded -score) has no floor at zero to reach: no target in sight
     slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(xy) for b in xy[i + 1:] if b[0] != a[0]]
     if not slopes:
         return False
