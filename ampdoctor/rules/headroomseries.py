@@ -1,6 +1,7 @@
 """The headroom series of one module and its maths (rules/headroom.py's headroom_trend reads them): the series from
 the records (`series`: log2(dtype max / abs-max) per step, backward values unscaled), its robust trend (`trend`: a
-Theil-Sen slope over the last `WINDOW` points and how steady it is), the first point worth a warning
+Theil-Sen slope over the last `WINDOW` points, or on a dense series the last `LONG_SPAN` steps (`windows`), and how
+steady it is), the first point worth a warning
 (`first_warning`: close, falling steadily and significantly, not settling, below anything the layer showed before,
 forecast to reach zero within the horizon and not refuted by what the run did next) and the predicate that tells
 the model's own output fitting its targets (`fitting_predicate`). Pure functions of records and lists of points."""
