@@ -258,15 +258,16 @@ def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:
 
 def rate_at(pts, step: int) -> float | None:
     """The series' steady slope at `step` (None when it is not falling steadily there): its 12-point window's, unless
-    on a dense series the last LONG_SPAN steps fall at under half that rate (a flat layer's 12 noisy points read a
-    slope as often as not); then the longer window's, when it falls steadily."""
+    on a dense series the last LONG_SPAN steps do not fall at MIN_RATE (a flat layer's 12 noisy points read a slope
+    as often as not; a growth that speeds up falls faster over its last 12 points than over 48, and keeps their
+    rate); then the longer window's, when it falls steadily."""
     idx = [i for i, p in enumerate(pts) if p[0] <= step]
     if not idx:
         return None
     fits = [trend(pts, idx[-1], win) for win in windows(pts, idx[-1])]
     short, longer = fits[0], fits[1] if len(fits) > 1 else None
     if short is not None and short[1] >= STEADY and short[0] <= -MIN_RATE \
-            and (longer is None or longer[0] <= 0.5 * short[0]):
+            and (longer is None or longer[0] <= -MIN_RATE):
         return short[0]
     if longer is not None and longer[1] >= STEADY and longer[0] <= -MIN_RATE:
         return longer[0]
