@@ -82,10 +82,12 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
     out: list[Finding] = []
     root = next((i for i, m in enumerate(mods) if m[0] == ""), None)
     owners = {p[1] for p in run.meta.params}  # the modules with weights of their own
+    # every module's series, read once: the forward phase asks which outputs had a gradient at all
+    both = {phase: {i: series(run, i, phase) for i in range(len(mods))} for phase in ("forward", "backward")}
     for phase in ("forward", "backward"):
         if phase == "backward" and not run.has_scaler and (run.meta.optimizer or {}).get("masters"):
             continue  # scaled by a loss scaler of the loop's own, which the records do not hold (see above)
-        pts = {i: series(run, i, phase) for i in range(len(mods))}
+        pts = both[phase]
         fitting = fitting_predicate(run, pts[root]) if phase == "forward" and root is not None and pts[root] else None
         # a root whose output is not read (fp32: `.float()` logits, a returned loss): the model's prediction is
         # the last module in forward order that has a series, its own reference
@@ -95,7 +97,7 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
         if phase == "forward":
             # an output no gradient reached (an EMA teacher's, a detached target's) fits nothing the loss asks
             # for, though the model returns it: where gradients were recorded, such a module is not exempt
-            grads = {i for i in range(len(mods)) if series(run, i, "backward")}
+            grads = {i for i, p in both["backward"].items() if p}
             if grads:
                 fits = {i: f for i, f in fits.items() if i in grads}
         warn = {i: w for i, p in pts.items() if (w := first_warning(p, cfg, fits.get(i))) is not None}
