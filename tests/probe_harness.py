@@ -424,6 +424,14 @@ def real_fwd_after_backoffs(r, name, step, call=None):
         assert r["rep"] is not None and r["rep"].findings, r
 
 
+def same_losses(a, b):
+    """Watching changed no loss: the two runs' `.losses` are the same length and bitwise equal step by step (NaN
+    where both are NaN)."""
+    assert len(a.losses) == len(b.losses), (len(a.losses), len(b.losses))
+    diff = [i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if not (x == y or math.isnan(x) and math.isnan(y))]
+    assert not diff, ("watching changed the losses at", diff[:5])
+
+
 def quiet_twin(r, skips=(), fall=1.0):
     """A probe's twin (the fix applied) was healthy and ampdoctor is quiet: every loss finite, the last three
     below `fall` x the first three, no producer, no skip after the first steps' ordinary backoffs but `skips`, no

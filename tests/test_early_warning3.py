@@ -128,6 +128,7 @@ import torch.nn.functional as F
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
+from probe_harness import same_losses  # noqa: E402
 from scenarios import alarms, gen, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -255,13 +256,6 @@ def run(sc: Scenario, *, watched: bool, stop=True, steps=None) -> Run:
         r.lines = [f.one_line() for f in r.findings]
         r.trend = sorted((f for f in r.findings if f.rule == "headroom_trend"), key=lambda f: f.step)
     return r
-
-
-def same_losses(a: Run, b: Run):
-    assert len(a.losses) == len(b.losses), (len(a.losses), len(b.losses))
-    diff = [i for i, (x, y) in enumerate(zip(a.losses, b.losses))
-            if not (x == y or (math.isnan(x) and math.isnan(y)))]
-    assert not diff, ("watching changed the losses", diff[:5])
 
 
 def series(r: Run, module: str, kind="out") -> dict[int, float]:

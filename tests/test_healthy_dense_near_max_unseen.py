@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_harness import WrongAnswer, wrong  # noqa: E402
+from probe_harness import WrongAnswer, same_losses, wrong  # noqa: E402
 from scenarios import alarms, gen, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -363,11 +363,6 @@ def oracle(name):
     assert noise(o, n - TAIL, n) >= 0.05, describe(o, n)
     _ORACLES[name] = o
     return o
-
-
-def same_losses(o, r):
-    diff = [i for i, (a, b) in enumerate(zip(o.losses, r.losses)) if a != b]
-    assert len(o.losses) == len(r.losses) and not diff, ("watching changed the losses at", diff[:5])
 
 
 def check_quiet(name, o, r):

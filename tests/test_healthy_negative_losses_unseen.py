@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_harness import WrongAnswer, wrong  # noqa: E402
+from probe_harness import WrongAnswer, same_losses, wrong  # noqa: E402
 from scenarios import alarms, gen, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -386,11 +386,6 @@ def oracle(name):
         assert o.grad == {False}, o.grad
     _ORACLES[name] = o
     return o
-
-
-def same_losses(o, r):
-    diff = [i for i, (a, b) in enumerate(zip(o.losses, r.losses)) if a != b]
-    assert len(o.losses) == len(r.losses) and not diff, ("watching changed the losses at", diff[:5])
 
 
 def check_quiet(name, o, r):

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import ampdoctor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_harness import WrongAnswer, wrong  # noqa: E402,F401
+from probe_harness import WrongAnswer, same_losses, wrong  # noqa: E402,F401
 from scenarios import alarms, gen, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -280,12 +280,6 @@ def run(sc, *, watch_kw=None, steps=None, run_dir=None):
         r.rep = w.report()
         r.lines = [f.one_line() for f in r.rep.findings]
     return r
-
-
-def same_losses(a, b):
-    assert len(a.losses) == len(b.losses)
-    diff = [i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if not (x == y or math.isnan(x) and math.isnan(y))]
-    assert not diff, ("watching changed the losses at", diff[:5])
 
 
 def rate(r, lo, hi):
