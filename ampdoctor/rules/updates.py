@@ -81,6 +81,13 @@ def _clipped(r: StepRecord) -> str:
     return "before" if step_at is None or clips[0] < step_at else "after"
 
 
+def _spike(p, factor: float, before: float, after: float, step: int, span: list, updates: int, rms_before: float,
+           **extra) -> dict:
+    """One parameter's spike, as _spikes reports it (`extra`: `bound` for a zero-born weight, `before_update`)."""
+    return {"name": p.name, "module": p.module, "factor": factor, "before": before, "after": after, "step": step,
+            "between": span, "updates": updates, "rms_before": rms_before, "lr": p.lr, **extra}
+
+
 def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
     """Per parameter: the first window (one update on a sampled step, or the updates between two sampled
     steps) over which its weight norm grew by `factor` (one update) or `window_factor` (several)."""
@@ -117,19 +124,15 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                     # it was already there when this step began: moved between the last look and this step, by
                     # the updates in between or by code outside the optimizer (a write under no_grad)
                     upd = between(s0, r.step)
-                    out[p.name] = {"name": p.name, "module": p.module, "factor": p.weight_norm / bound,
-                                   "before": ref[p.name][1] if p.name in ref else 0.0, "after": p.weight_norm,
-                                   "step": upd[0] if len(upd) == 1 else s0 + 1, "between": [s0, r.step],
-                                   "updates": len(upd), "rms_before": rms, "lr": p.lr, "bound": bound,
-                                   "before_update": True}
+                    out[p.name] = _spike(p, p.weight_norm / bound, ref[p.name][1] if p.name in ref else 0.0,
+                                         p.weight_norm, upd[0] if len(upd) == 1 else s0 + 1, [s0, r.step],
+                                         len(upd), rms, bound=bound, before_update=True)
                     continue
                 if bound and p.weight_norm_after >= _BROKE * bound:
                     # a zero-born weight has no scale to multiply, but an Adam-type optimizer's own steps bound how
                     # far it can move: far past that, the update was not Adam's ±lr (its second moment underflowed)
-                    out[p.name] = {"name": p.name, "module": p.module, "factor": p.weight_norm_after / bound,
-                                   "before": p.weight_norm, "after": p.weight_norm_after, "step": r.step,
-                                   "between": [r.step, r.step + 1], "updates": 1, "rms_before": rms, "lr": p.lr,
-                                   "bound": bound}
+                    out[p.name] = _spike(p, p.weight_norm_after / bound, p.weight_norm, p.weight_norm_after,
+                                         r.step, [r.step, r.step + 1], 1, rms, bound=bound)
                     continue
             if p.name in ref and not young and not ref[p.name][3]:  # several updates since the last sampled step
                 # (not from a norm taken while the weight was still young: a zero-born weight's first updates
@@ -142,10 +145,8 @@ def _spikes(run: RunData, factor: float, window_factor: float) -> list[dict]:
                 applied_bad = any(s0 <= b < r.step for b in bad_grad.get(p.name, ()))
                 if rms0 >= _MIN_RMS and n_upd and (f >= _HUGE or (f >= window_factor and n_upd <= _WINDOW_UPDATES)) \
                         and _by_updates(run, p.weight_norm - n0, n_upd, numel) and not applied_bad:
-                    first = upd[0]
-                    out[p.name] = {"name": p.name, "module": p.module, "factor": f, "before": n0,
-                                   "after": p.weight_norm, "step": first if n_upd == 1 else s0 + 1,
-                                   "between": [s0, r.step], "updates": n_upd, "rms_before": rms0, "lr": p.lr}
+                    out[p.name] = _spike(p, f, n0, p.weight_norm, upd[0] if n_upd == 1 else s0 + 1, [s0, r.step],
+                                         n_upd, rms0)
                     continue
             # (an update that applied a non-finite gradient is that gradient's consequence: the overflow or
             # nan_origin finding names where it came from)
