@@ -42,7 +42,7 @@ reason says what it reported instead.
 
 ampdoctor got wrong: none of the twelve attributions, nor the four twins (all quiet); two spurious error findings
 beside right ones, each a strict xfail of its own (both fixed since: a bound of exactly -1 is no vanished guard, and
-pow's zero input is a singular point only with a negative exponent, replay/optrace._has_pole):
+pow's zero input is a singular point only with a negative exponent, replay/opevent.has_pole):
 - KoLeo (11): '[error] eps_underflow at koleo aten::fill_ step 4 ... uses the bound -1.0 (1 - 0e+00), which rounds
   to exactly -1 in float16' for the diagonal's fill_(-1), which is exact and no guard
   (ampdoctor/replay/constants.py check_op: `v != 1.0 and abs(abs(v) - 1.0) < 1e-2` lets v = -1.0 through, so any

@@ -57,7 +57,7 @@ findings (at every=1 too for 7, 9, 11), with no error at the neighbours, and the
 overflows) called it `aten::div ... hit its singular point (an input is 0 / -1)` and added a spurious `[error]
 underflow ... the zeros that aten::div turned into +inf are not zero in fp32` (in 10 the second of the first three
 slots): replay/optrace.py counted a zero in any input of div as the singular point (exact zeros of the numerator);
-it now counts the divisor's (`_pole_inputs`).
+it now counts the divisor's (`replay/opevent.pole_inputs`).
 """
 import copy
 import math

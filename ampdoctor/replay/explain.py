@@ -16,7 +16,7 @@ import math
 from ..findings import Finding
 from ..fixes import fp32_snippet, module_label, modules_related
 from .constants import is_mask_like
-from .optrace import OpEvent
+from .opevent import OpEvent
 
 __all__ = ["needs_fp32_check", "build_findings", "chain"]
 
