@@ -46,12 +46,12 @@ fixed since (19 pass).
  F4 PASS "[error] overflow at stem.0 aten::_to_copy step 5: aten::_to_copy in `stem.0` produced +inf from finite
    inputs" (the autocast cast of 2.9e5 to fp16).
  F7 PASS "[error] nan_origin at norm aten::div step 5"; F8 PASS "[error] nan_origin at attn aten::_softmax step 5".
- F2, F3 XFAIL when written (wrong answer; fixed since: rules/outside._inf_from_operand, an inf loss whose ops ran
+ F2, F3 XFAIL when written (wrong answer; fixed since: rules/lossorigin._inf_from_operand, an inf loss whose ops ran
    in fp32 and make no inf from finite values names the target or a loss weight, with a data fix): "[error] overflow at (run) step 5: The loss became inf outside the watched model (in
    the loss computation) while the model's outputs were finite." with the fix "Compute the loss in fp32 ... sums of
    many fp16 values overflow" - but the loss already ran in fp32 on finite outputs (F.mse_loss / F.huber_loss make
    no inf from finite values of this size); the -inf / +inf was in the TARGET. For a NaN target the same rule says
-   "an operand from outside the model - the target or a loss weight - held NaN/inf" (rules/outside._nan_from_operand);
+   "an operand from outside the model - the target or a loss weight - held NaN/inf" (rules/lossorigin._nan_from_operand);
    the inf-loss branch has no such check, so the user is sent to the loss code, not to the data. Rule, module (None)
    and step are right; the message/fix blame the loss computation. (F3 is also the one case where training went on:
    the scaler did not skip, the weights stayed finite, only the logged loss is inf.)

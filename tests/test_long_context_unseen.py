@@ -65,9 +65,9 @@ Result when written (torch 2.13 CPU, 2 runs identical): 9 pass, 1 xfail, the who
  1 span_logsoftmax  WRONG when written: `[error] overflow at (run) step 5: The loss became inf outside the watched
                     model (in the loss computation) while the model's outputs were finite.` ranked first; the right
                     one, `[error] overflow at span aten::sum step 5: aten::sum in `span` produced +inf from finite
-                    inputs`, second. span's output is all -inf (s - log(inf)), read as a mask (rules/outside.py: an
+                    inputs`, second. span's output is all -inf (s - log(inf)), read as a mask (rules/lossorigin.py: an
                     output that is only -inf counts as finite / mask_like), so the loss was blamed. Fixed since
-                    (thirty-seventh session): an output whose every value is -inf is no mask (outside._only_neginf,
+                    (thirty-seventh session): an output whose every value is -inf is no mask (lossorigin._only_neginf,
                     producers.mask_like); the span finding is first.
  2 chunked_acc      `[error] overflow at attn aten::add step 5: aten::add in `attn` produced +inf from finite inputs;
                     it propagates to aten::addmm in `head``.

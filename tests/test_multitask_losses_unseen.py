@@ -79,7 +79,7 @@ start-up). Top findings:
                      model (in the loss computation) while the model's outputs were finite (its ops: Mean, Pow, Prod,
                      Stack, Sub, ToCopy; of those, in fp16: a power (a square past 255.9))` - rule, module, step
                      right, but the hint sends the reader to the squares, none of which passed 255.9; the op that made
-                     the inf, Prod (a product of many values), is not among rules/outside.py's _OP_HINTS (nor Prod in
+                     the inf, Prod (a product of many values), is not among rules/lossorigin.py's _OP_HINTS (nor Prod in
                      _INF_FROM_FINITE). It should name the product of the task losses. Fixed since (thirty-seventh
                      session): the hint also names `a product (of several values, e.g. losses)`.
  Twins: no warning or error (rcnn_box_fp32_sum, moe_cv_fp32 report nothing; the others only `[info]` scaler backoffs).

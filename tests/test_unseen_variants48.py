@@ -63,7 +63,7 @@ What ampdoctor says (torch 2.13 CPU; 9 of 9 right; 4 and 8 were wrong when writt
 - 8, wrong when written (a strict xfail then): `[error] nan_origin at (run) step 0: The loss became
   NaN outside the watched model (in the loss computation)`: a false alarm. The critic's loss (scaled through the
   shared scaler) is NaN at the opening search, skipped as the recipe intends; with G watched the step record holds
-  the critic's loss, G's own step is not skipped, so rules/outside.py outside_model() finds it outside
+  the critic's loss, G's own step is not skipped, so rules/lossorigin.py outside_model() finds it outside
   benign_backoff() and calls it an error (case 7, D watched, the same NaN is read as the search). Fixed since: the
   losses scaled before another model's optimizer's scaler.step are that network's and leave the watched step's
   record (record/monitorsink.py, `_Step.loss_mark`); 8 is quiet.

@@ -9,8 +9,8 @@ from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .backoff import benign_backoff, loop_opening_search
 from .steps import absorbed, first_unlocated_skip, onset_step
-from .outside import absorbed_unsampled, bad_buffers, bad_data, bad_weights, output_grad_nonfinite, outside_model, \
-    unlocated
+from .outside import absorbed_unsampled, bad_buffers, bad_data, bad_weights, unlocated
+from .lossorigin import output_grad_nonfinite, outside_model
 
 
 def autocast_device(run: RunData) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..findings import Finding
 from ..records import CallEvent, StepRecord
 from .registry import RuleConfig, RunData, register
-from .outside import output_grad_nonfinite
+from .lossorigin import output_grad_nonfinite
 from .backoff import BACKOFF_MIN_SCALE, LATER_SKIPS_SHORT, benign_backoff, recurring, scale_restarts
 
 ORDER = ("scaler.scale(loss).backward()\n"
