@@ -62,6 +62,16 @@ def _forward_went_bad(st) -> bool:
         return False
 
 
+def _unstepped_since_scale(events) -> bool:
+    """No unscale_, step or optimizer step since the iteration's last scale() (the scaled gradients are unread)."""
+    for e in reversed(events):
+        if e.kind == "scale":
+            return True
+        if e.kind in ("unscale_", "step", "optimizer.step", "update"):
+            return False
+    return False
+
+
 class OptimizerCallbacks:
     """Mixin of StepMachine: the optimizer's step() and zero_grad calls, and whether an optimizer is this model's."""
 
@@ -89,15 +99,19 @@ class OptimizerCallbacks:
         self.st.zeroed.append((ev, optimizer, _grad_versions(optimizer)))
 
     def discards_iteration(self, optimizer) -> bool:
-        """This zero_grad throws an iteration away: no GradScaler, the step is open after a forward and no optimizer
-        step came, and the gradients it clears hold inf/NaN (read now: only a loop that skips its own step gets here).
-        A loop that keeps its own loss scale (fairseq's DynamicLossScaler, Megatron's, apex's FP16_Optimizer) skips
-        the optimizer step on an overflow and zeroes the gradients: the iterations it threw away join the step that
-        comes (rules/backoff.loop_opening_search), whose record counts them (`StepRecord.discarded`; steps stay
+        """This zero_grad throws an iteration away: the step is open after a forward and no optimizer step came, and
+        the gradients it clears hold inf/NaN (read now: only a loop that skips its own step gets here). A loop that
+        keeps its own loss scale (fairseq's DynamicLossScaler, Megatron's, apex's FP16_Optimizer; no GradScaler)
+        skips the optimizer step on an overflow and zeroes the gradients: the iterations it threw away join the step
+        that comes (rules/backoff.loop_opening_search), whose record counts them (`StepRecord.discarded`; steps stay
         numbered by optimizer step, as CONTRACT.md's `step` is, and as fairseq's own `num_updates` counts: rules/
-        ownscale.py). Finite gradients cleared between backwards (an adversarial step, PCGrad) are no skip."""
+        ownscale.py). With a GradScaler, only a zero_grad after a scaled loss and before any unscale_/step of this
+        iteration (a guard that skips bad batches behind the scaler's back: update() never runs, the scale never
+        backs off). Finite gradients cleared between backwards (an adversarial step, PCGrad) are no skip."""
         st = self.st
-        if self.w.scaler is not None or st.phase is not StepPhase.OPEN or not st.micro or in_backward():
+        if st.phase is not StepPhase.OPEN or not st.micro or in_backward():
+            return False
+        if self.w.scaler is not None and not (st.scaled_since_update and _unstepped_since_scale(st.events)):
             return False
         grads = [p.grad for g in optimizer.param_groups for p in g["params"]
                  if isinstance(p.grad, torch.Tensor) and p.grad.is_floating_point()]

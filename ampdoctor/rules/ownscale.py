@@ -3,7 +3,11 @@ GradScaler): the iterations it throws away. Such a loop skips the optimizer step
 zeroes them; the recorder counts each in the step that comes (`StepRecord.discarded`). Its opening search (the first
 step) is GradScaler's opening backoffs in another form (rules/backoff.loop_opening_search); a scale that grows back
 every few iterations throws one away now and then, as GradScaler's growth probes do. A loop that throws away a
-quarter of its iterations or more after that trains on the rest only: `skipped_steps`."""
+quarter of its iterations or more after that trains on the rest only: `skipped_steps`.
+
+A loop with a GradScaler that throws iterations away itself (a guard that zeroes inf/NaN gradients after the scaled
+backward, before unscale_/step) hides them from the scaler: update() never runs for them, the scale never backs off,
+and the same scale overflows again (`guard_skips`)."""
 from __future__ import annotations
 
 from ..findings import Finding
@@ -43,3 +47,39 @@ def own_scale_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
         "use torch.amp.GradScaler.",
         {"thrown_away": n, "iterations": iterations, "share": share,
          "steps": [r.step for r in later][:100], "per_step": [r.discarded for r in later][:100], "rank_hint": 70})]
+
+
+@register("guard_skips", emits=("skipped_steps",))
+def guard_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
+    """Iterations a GradScaler loop threw away behind the scaler's back (StepRecord.discarded with a scaler: their
+    inf/NaN gradients zeroed after the scaled backward, before unscale_/step), a quarter of them or more, or the
+    run's last ones in a row."""
+    steps = run.steps
+    if not run.has_scaler or not any(r.discarded for r in steps):
+        return []
+    later = [r for r in steps if r.discarded]
+    n = sum(r.discarded for r in later)
+    # each record: its thrown-away iterations, and its own when the loop reached the scaler's step in it
+    iterations = sum(r.discarded + (r.discarded == 0 or any(e.kind in ("step", "optimizer.step") for e in r.events)
+                                    or r.skipped) for r in steps)
+    share = n / max(iterations, 1)
+    last = steps[-1]
+    tail = last is later[-1] and last.discarded >= cfg.skipped_min
+    if not tail and (n < cfg.skipped_min or share < THROWN_SHARE):
+        return []
+    first = later[0].step
+    scales = sorted({r.scale for r in later if r.scale is not None})
+    held = f" (it stayed at {scales[0]:g})" if len(scales) == 1 else ""
+    return [Finding(
+        "skipped_steps", "error" if share >= 0.5 or tail else "warning", "scaler", None, None, first,
+        f"The loop threw away {n} of {iterations} iterations from step {first} on, behind GradScaler's back: it "
+        "zeroed their inf/NaN gradients after the scaled backward, before `scaler.unscale_()` / `scaler.step()`, so "
+        f"the scaler never saw them and `scaler.update()` never lowered the loss scale{held}. "
+        + ("Every iteration since then was thrown away: at an unchanged scale the same gradients overflow again, and "
+           "the model stopped training." if tail else "Those batches did not train the model."),
+        "Let GradScaler handle inf/NaN gradients: call `scaler.step(optimizer)` and `scaler.update()` every "
+        "iteration (step() skips the update itself when the gradients hold inf/NaN, and update() lowers the scale). "
+        "A guard that must skip a batch should still call `scaler.update()` (after `scaler.unscale_()`, so that the "
+        "scaler has recorded the inf), or check the loss before the backward instead.",
+        {"thrown_away": n, "iterations": iterations, "share": share, "scales": scales[:10],
+         "steps": [r.step for r in later][:100], "per_step": [r.discarded for r in later][:100], "rank_hint": 9})]
