@@ -378,10 +378,10 @@ class StepRecord:
     `sampled`: full per-module statistics were taken this step. `skipped`: the scaler found inf/NaN and the
     optimizer step was skipped. `scale`: the loss scale the backward used. `loss`: the last loss seen (the value
     passed to `scaler.scale` or `.backward()`, or the model's scalar/`.loss` output). `micro_batches`: forwards of
-    the root module counted into this step (gradient accumulation). `discarded`: iterations the loop threw away before this
-    step's optimizer step, their inf/NaN gradients zeroed without one (a loop that keeps its own loss scale; or, with
-    a GradScaler, a guard that zeroes them before unscale_/step; steps are numbered by optimizer step: these
-    iterations have no number of their own). `output_finite`: the
+    the root module counted into this step (gradient accumulation). `discarded`: iterations the loop threw away
+    before this step's optimizer step, their inf/NaN gradients zeroed without one (a loop that keeps its own loss
+    scale; or, with a GradScaler, a guard that zeroes them before unscale_/step; steps are numbered by optimizer step:
+    these iterations have no number of their own). `output_finite`: the
     model's outputs held no inf/NaN — an output holding -inf only (a mask of illegal actions or tokens) while the
     loss stayed finite counts as finite.
     """
