@@ -148,6 +148,7 @@ class _Step:
     #                                                  node, micro-batch) per scale() (assemble.unpropagated)
     micro_stepped: int | None = None  # `micro` at the step's first unscale_/step
     discarded: int = 0  # iterations the loop threw away in this step (optsink.discards_iteration)
+    discard_micro: int = -1  # `micro` when a GradScaler loop's last such iteration was looked at (one per forward)
     scale_reads: int = 0  # scaler.get_scale() calls so far (monitorsink.scale_read)
     scaled_node: object = None  # the last scale()'s output node: a scale() of it scales the loss twice (monitorsink)
     folds: bool = False  # the rest of a step that a mid-run report finished (StepMachine.finish_open_step): its

@@ -111,8 +111,10 @@ class OptimizerCallbacks:
         st = self.st
         if st.phase is not StepPhase.OPEN or not st.micro or in_backward():
             return False
-        if self.w.scaler is not None and not (st.scaled_since_update and _unstepped_since_scale(st.events)):
-            return False
+        if self.w.scaler is not None:
+            if not (st.scaled_since_update and _unstepped_since_scale(st.events)) or st.discard_micro == st.micro:
+                return False  # (one per forward: PCGrad zeroes the gradients between the tasks of one iteration)
+            st.discard_micro = st.micro
         grads = [p.grad for g in optimizer.param_groups for p in g["params"]
                  if isinstance(p.grad, torch.Tensor) and p.grad.is_floating_point()]
         return bool(grads) and not bool(torch.isfinite(norms(grads, math.inf)).all())

@@ -53,11 +53,16 @@ def own_scale_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
 def guard_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Iterations a GradScaler loop threw away behind the scaler's back (StepRecord.discarded with a scaler: their
     inf/NaN gradients zeroed after the scaled backward, before unscale_/step), a quarter of them or more, or the
-    run's last ones in a row."""
+    run's last ones in a row, while the scale never came down from where it was at the first of them."""
     steps = run.steps
     if not run.has_scaler or not any(r.discarded for r in steps):
         return []
     later = [r for r in steps if r.discarded]
+    since = [r.scale for r in steps[steps.index(later[0]):] if r.scale is not None]
+    if since and min(since) < since[0]:
+        # the scaler backed off after them: it saw the overflows itself (the iterations went on to its step: PCGrad
+        # zeroing the gradients between tasks, a diagnostic backward before the real one), nothing hid them
+        return []
     n = sum(r.discarded for r in later)
     # each record: its thrown-away iterations, and its own when the loop reached the scaler's step in it
     iterations = sum(r.discarded + (r.discarded == 0 or any(e.kind in ("step", "optimizer.step") for e in r.events)
