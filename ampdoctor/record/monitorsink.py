@@ -214,6 +214,7 @@ class MonitorCallbacks:
             out.grad_fn.register_prehook(functools.partial(_ran, ran))
             node = getattr(loss, "grad_fn", None)
             st.scaled_outs.append((ev, ran, None if node is None else id(node), st.micro))
+            st.scaled_micros.add(st.micro)
         if ev.kind == "unscale_" and opt is not None and st.sampled and self.owns(opt):  # (sampled steps only)
             grads_after_unscale(self, opt)
         if ev.kind == "update" and st.phase is StepPhase.OPEN and st.in_scaler_step == 0 and any(

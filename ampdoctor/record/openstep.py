@@ -147,6 +147,7 @@ class _Step:
     scaled_outs: list = field(default_factory=list)  # (scale CallEvent, [backward ran through it], id of the loss's
     #                                                  node, micro-batch) per scale() (assemble.unpropagated)
     micro_stepped: int | None = None  # `micro` at the step's first unscale_/step
+    scaled_micros: set = field(default_factory=set)  # the micro-batches whose output a scale() took (transfer.resolve)
     discarded: int = 0  # iterations the loop threw away in this step (optsink.discards_iteration)
     discard_micro: int = -1  # `micro` when a GradScaler loop's last such iteration was looked at (one per forward)
     scale_reads: int = 0  # scaler.get_scale() calls so far (monitorsink.scale_read)

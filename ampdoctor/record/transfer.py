@@ -244,8 +244,12 @@ def resolve(m) -> None:
     st.loss_node = None
     bad_fwd = any(not math.isfinite(v) for v in losses) or st.exception is not None or st.output_finite is False
     if bad_fwd and st.batches:  # did the batch itself hold inf/NaN? (bad steps only)
-        b = st.batches[st.bad_batch] if st.bad_batch >= 0 else st.batches[-1]
-        st.bad_input = nonfinite_input(b[0], b[1])
+        i = st.bad_batch if st.bad_batch >= 0 else len(st.batches) - 1
+        st.bad_input = nonfinite_input(st.batches[i][0], st.batches[i][1])
+        if st.bad_input and st.scaled_micros and st.micro - (len(st.batches) - 1 - i) not in st.scaled_micros:
+            # with a GradScaler, the loop scaled later micro-batches' losses and never this one's: it skipped the
+            # batch before its backward (a NaN guard on the loss), so the batch trained nothing (rules/outside.py)
+            st.bad_input["unscaled"] = True
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
     if st.sampled or bad_fwd or bad_bwd:
         w_bad = _bad_weights(m, st, host, bad_fwd, bad_bwd)

@@ -132,16 +132,20 @@ def bad_data_finding(b: dict, step: int | None, capture: str | None) -> Finding:
     name = f"argument {arg}" if isinstance(arg, int) else f"`{arg}`"
     vals = ", ".join(f"{n} {w}" for n, w in ((nan, "NaN"), (b.get("posinf", 0), "+inf"), (b.get("neginf", 0), "-inf"))
                      if n)
+    skipped = bool(b.get("unscaled"))
     return Finding(
-        "nan_origin" if nan else "overflow", "error", "forward", None, None, step,
+        "nan_origin" if nan else "overflow", "info" if skipped else "error", "forward", None, None, step,
         f"The batch of step {step} already held {vals} (model input {name}, {b.get('numel')} {b.get('dtype')} "
         "values) when the model received it: the data, not a layer, brought the non-finite values; every module "
-        "after it only passed them on.",
+        "after it only passed them on." + (
+            " The loop skipped this batch before its backward (no scaled loss came from it), so it trained nothing; "
+            "the data pipeline still has a bad sample." if skipped else ""),
         "Find the bad sample in the data pipeline (a division by a zero std in normalisation, a corrupt record, an "
         "fp16 cast of values past 65504) and filter or repair it; a guard in the loop: "
         "`assert torch.isfinite(x).all(), idx`.",
         {"input": arg, "nan": nan, "posinf": b.get("posinf", 0), "neginf": b.get("neginf", 0),
-         "numel": b.get("numel"), "dtype": b.get("dtype"), "capture": capture, "rank_hint": 9})
+         "numel": b.get("numel"), "dtype": b.get("dtype"), "capture": capture, "skipped_by_loop": skipped,
+         "rank_hint": 9})
 
 
 def unlocated(run: RunData) -> list[Finding]:
