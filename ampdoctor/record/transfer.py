@@ -246,8 +246,10 @@ def resolve(m) -> None:
     if bad_fwd and st.batches:  # did the batch itself hold inf/NaN? (bad steps only)
         i = st.bad_batch if st.bad_batch >= 0 else len(st.batches) - 1
         st.bad_input = nonfinite_input(st.batches[i][0], st.batches[i][1])
-        if st.bad_input and st.scaled_micros and st.micro - (len(st.batches) - 1 - i) not in st.scaled_micros:
-            # with a GradScaler, the loop scaled later micro-batches' losses and never this one's: it skipped the
+        micro = st.micro - (len(st.batches) - 1 - i)
+        if st.bad_input and st.exception is None and micro not in st.scaled_micros and \
+                max(st.scaled_micros, default=0) > micro:
+            # with a GradScaler, the loop scaled a later micro-batch's loss and never this one's: it skipped the
             # batch before its backward (a NaN guard on the loss), so the batch trained nothing (rules/outside.py)
             st.bad_input["unscaled"] = True
     bad_bwd = (found_inf or 0) > 0 or grad_finite is False
