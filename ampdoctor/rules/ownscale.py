@@ -57,8 +57,9 @@ def guard_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
     steps = run.steps
     if not run.has_scaler or not any(r.discarded for r in steps):
         return []
-    later = [r for r in steps if r.discarded]
-    since = [r.scale for r in steps[steps.index(later[0]):] if r.scale is not None]
+    at = next(i for i, r in enumerate(steps) if r.discarded)
+    later = [r for r in steps[at:] if r.discarded]
+    since = [r.scale for r in steps[at:] if r.scale is not None]
     if since and min(since) < since[0]:
         # the scaler backed off after them: it saw the overflows itself (the iterations went on to its step: PCGrad
         # zeroing the gradients between tasks, a diagnostic backward before the real one), nothing hid them
