@@ -6,101 +6,16 @@ run directory round-trips exactly (see ampdoctor/rundir.py for the on-disk layou
 """
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from .recordcodec import _check_scalars, _fromd, _int_inputs, _short, plain
+from .thresholds import (ACCUMULATING, BACKOFF_MAX_STREAK, COLLAPSE, DTYPE_LIMITS, LOSS_JUMP, ROUNDED_AWAY_SHARE,
+                         ROUNDING_MIN_SAMPLED, SQUARE_OVERFLOW, STAT_FIELDS)
+
 __all__ = ["TensorStats", "ModuleCall", "ParamStat", "CallEvent", "MISUSE_FLAGS", "Producer", "StepRecord", "RunMeta",
-           "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK", "LOSS_JUMP"]
-
-# Order of the numbers in a device-side stats vector (ampdoctor/record/stats.py) and in TensorStats.
-STAT_FIELDS = ("numel", "nan", "posinf", "neginf", "zeros", "absmax", "min_nonzero", "near_max", "subnormal",
-               "overflow_as_ref")
-
-# Limits per reference dtype: (max finite, smallest normal, near-max threshold).
-# near-max threshold is 2^15 for fp16 (one bit of headroom left), max/2 for the others.
-# module types whose output is a sum of products: -inf there from finite inputs is an overflow, never a mask
-# (shared by the recorder's producers and the rules)
-ACCUMULATING = frozenset({"Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-                          "ConvTranspose3d", "Bilinear", "Conv1D", "LazyLinear", "NonDynamicallyQuantizableLinear",
-                          "Embedding", "EmbeddingBag"})
-
-DTYPE_LIMITS = {
-    "float16": (65504.0, 2.0 ** -14, 2.0 ** 15),
-    "bfloat16": (3.3895313892515355e38, 1.1754943508222875e-38, 2.0 ** 127),
-    "float32": (3.4028234663852886e38, 1.1754943508222875e-38, 2.0 ** 127),
-    "float64": (1.7976931348623157e308, 2.2250738585072014e-308, 2.0 ** 1023),
-}
-
-LOSS_JUMP = 1e3
-"""A loss that moves by this factor or more in one step has jumped (a loss weight gone wrong, a divergence starting):
-the recorder samples the step after it (record/autocapture.py), and the rules read the regime it begins
-(rules/underflow.py: underflow after a fall, vanished_gradient's onset). One definition for both."""
-
-ROUNDED_AWAY_SHARE = 0.5
-ROUNDING_MIN_SAMPLED = 16
-"""update_underflow: a module whose sampled updated elements (ROUNDING_MIN_SAMPLED or more, those with a nonzero
-gradient) did not change in ROUNDED_AWAY_SHARE of them or more is rounding its updates away. One definition for the
-recorder (which ends its extra rounding checks when it sees this: record/params.py) and the rule (rules/weights.py;
-RuleConfig.rounded_away_share defaults to the same share)."""
-
-COLLAPSE = 16.0
-SQUARE_OVERFLOW = 256.0
-"""An fp16 norm flushed by an overflow inside it (x**2 > 65504 from |x| >= SQUARE_OVERFLOW, sqrt(65504) = 255.9): its
-output's abs-max falls COLLAPSE-fold (to zeros or only its bias), or the input that feeds it rises COLLAPSE-fold
-past SQUARE_OVERFLOW. One definition for the recorder (which samples the step after such a change:
-record/autocapture.CapturePolicy.collapse) and the rule (rules/numeric.silent_zeros, which dates the finding by
-it)."""
-
-BACKOFF_MAX_STREAK = 10
-"""A streak of this many skipped steps in a row is a collapse, never GradScaler's normal search for a loss scale:
-one definition for the recorder (which bad steps get a capture) and the rules (rules/backoff.benign_backoff; the
-`loss_scale_collapse` rule's `collapse_consecutive` defaults to the same number)."""
-
-
-_STEP_INTS = ("step", "micro_batches", "discarded")
-_STEP_FLOATS = ("loss", "scale", "next_scale", "grad_norm")
-_STEP_BOOLS = ("sampled", "loss_finite", "found_inf", "skipped", "grad_finite", "output_finite", "loss_in_model",
-               "loss_low", "loss_consts")
-_STEP_STRS = ("autocast", "capture")
-
-
-_MAX_INT = 2 ** 53
-"""A JSON integer at or beyond this is no step, count or measurement ampdoctor wrote (json reads any size of integer:
-10**400 would reach float() and TensorBoard's int64 steps)."""
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:20] + f"... ({len(r)} characters)"
-
-
-def _check_scalars(d: dict) -> None:
-    """A step record's scalar fields have their types (a record from disk is a stranger's data: a step of "2",
-    NaN or 1e999 would reach the reporters' int()/float() calls). Raises ValueError naming the field."""
-    for k in _STEP_INTS:
-        v = d.get(k, 0)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= _MAX_INT:
-            raise ValueError(f"{k} must be a non-negative integer below 2**53, not {_short(v)}"[:120])
-    for k in _STEP_FLOATS:
-        v = d.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or isinstance(v, int) and abs(v) >= _MAX_INT):
-            raise ValueError(f"{k} must be a number within float range, not {_short(v)}"[:120])
-    for k in _STEP_BOOLS:
-        v = d.get(k)
-        if v is not None and not isinstance(v, bool):
-            raise ValueError(f"{k} must be true/false, not {v!r}"[:120])
-    for k in _STEP_STRS:
-        v = d.get(k)
-        if v is not None and not isinstance(v, str):
-            raise ValueError(f"{k} must be a string, not {v!r}"[:120])
-
-
-def _fromd(cls, d: dict):
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
+           "STAT_FIELDS", "DTYPE_LIMITS", "BACKOFF_MAX_STREAK", "LOSS_JUMP", "ACCUMULATING", "COLLAPSE",
+           "SQUARE_OVERFLOW", "ROUNDED_AWAY_SHARE", "ROUNDING_MIN_SAMPLED", "plain"]
 
 
 @dataclass
@@ -319,58 +234,6 @@ class Producer:
         return _fromd(cls, d)
 
 
-_FIELDS: dict = {}
-
-
-def plain(obj):
-    """`dataclasses.asdict` for the records: nested dataclasses, lists, tuples and dicts rebuilt (nothing mutable
-    shared with the record), primitives as they are. asdict deep-copies every value through a generic recursion;
-    a sampled step (~80 module calls) took 12 ms that way, and each is written to the run dir and the spill file."""
-    t = type(obj)
-    if t in _PRIMITIVE:
-        return obj
-    names = _FIELDS.get(t)
-    if names is None:
-        if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
-            names = _FIELDS[t] = tuple(f.name for f in fields(obj))
-        elif isinstance(obj, list):
-            return [v if type(v) in _PRIMITIVE else plain(v) for v in obj]
-        elif isinstance(obj, dict):
-            return {k: v if type(v) in _PRIMITIVE else plain(v) for k, v in obj.items()}
-        elif isinstance(obj, tuple):  # a namedtuple keeps its type, as with asdict
-            return t(*(plain(v) for v in obj)) if hasattr(obj, "_fields") else t(plain(v) for v in obj)
-        else:
-            return _builtin(obj)
-    d = getattr(obj, "__dict__", None)
-    if d is not None and len(d) == len(names):  # the fields themselves, in their order (set by __init__): copied
-        d = d.copy()                            # in one move, nested values rebuilt (0.6x of getattr per field)
-        for k, v in d.items():
-            if type(v) not in _PRIMITIVE:
-                d[k] = plain(v)
-        return d
-    d = {}
-    for k in names:
-        v = getattr(obj, k)
-        d[k] = v if type(v) in _PRIMITIVE else plain(v)
-    return d
-
-
-_PRIMITIVE = frozenset({int, float, str, bool, type(None)})
-
-
-def _builtin(obj):
-    """A number or string of another type (numpy's float64, a `str` Enum) as the built-in value JSON writes for it,
-    so that every writer of a record (the run directory's JSON, the spill file's marshal: record/storage.py) reads
-    back the same value; anything else as it is."""
-    if isinstance(obj, str):
-        return str.__str__(obj)
-    if isinstance(obj, numbers.Integral):  # (a bool is a _PRIMITIVE: it never comes here)
-        return int(obj)
-    if isinstance(obj, numbers.Real):
-        return float(obj)
-    return obj
-
-
 @dataclass
 class StepRecord:
     """Everything recorded for one optimizer step (0-based `step`).
@@ -496,21 +359,6 @@ class StepRecord:
         if d.get("int_inputs") is not None:
             d["int_inputs"] = _int_inputs(d["int_inputs"])
         return _fromd(cls, d)
-
-
-def _int_inputs(v) -> list:
-    """StepRecord.int_inputs from disk: a list of {"module": str, "type": str, "dtype": str, numbers...}."""
-    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
-        raise ValueError(f"int_inputs must be a list of objects, not {_short(v)}"[:120])
-    for x in v:
-        if not isinstance(x.get("module"), str) or not isinstance(x.get("type", ""), str) \
-                or not isinstance(x.get("dtype", ""), str):
-            raise ValueError(f"int_inputs entries need string module/type/dtype, not {_short(x)}"[:120])
-        for k in ("max", "exact_up_to", "rounds_products_from"):
-            n = x.get(k, 0)
-            if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
-                raise ValueError(f"int_inputs {k} must be a finite number, not {_short(n)}"[:120])
-    return v
 
 
 @dataclass
