@@ -1,47 +1,20 @@
 """Weight rules: fp16_master_weights (optimizer holds low-precision parameters, or GradScaler refused fp16
-gradients) and update_underflow (low-precision updates that round away: w + Δw == w)."""
+gradients), update_underflow (low-precision updates that round away: w + Δw == w) and optimizer_eps (an eps that
+vanishes in fp16; which groups: rules/epsgroups.py)."""
 from __future__ import annotations
-
-import math
-
-import os
 
 from ..findings import Finding
 from ..records import ROUNDING_MIN_SAMPLED
+from .epsgroups import common_module, eps_broke, finite_norm, trained_names, vanished_eps, vanished_state_eps, went_bad
 from .registry import RuleConfig, RunData, register
-from .outside import weights_found_bad
 from .steps import crash
 
 _FP16_GRADS = "Attempting to unscale FP16 gradients"
 
 
-def _finite(v) -> bool:
-    """A weight norm that is a finite number (None: not measured, taken as finite)."""
-    return v is None or (v == v and abs(v) != float("inf"))
-
-
-def _common_module(names: list[str]) -> str:
-    """The deepest module that contains all the given parameter names ('' = root)."""
-    mods = [n.rpartition(".")[0] for n in names]
-    if not mods:
-        return ""
-    parts = os.path.commonprefix([m.split(".") for m in mods])
-    return ".".join(parts)
-
-
-def _trained(run: RunData) -> set:
-    """Names of the parameters that can be updated: requiring grad when the watch began, or with a gradient on a
-    recorded step (unfrozen later). A frozen fp16 embedding that the optimizer holds but never gets a gradient
-    is never updated: it needs no master copy and its eps never divides anything."""
-    names = {p[0] for p in run.meta.params if len(p) < 6 or p[5] is not False}
-    for r in run.steps:
-        names.update(p.name for p in r.params if p.grad_absmax is not None)
-    return names
-
-
 @register("fp16_master_weights", emits=("fp16_master_weights",))
 def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
-    trained = _trained(run)
+    trained = trained_names(run)
     # held by the watched optimizer (True), or, where no optimizer was given (None), seen updated by one: an
     # fp16 model whose optimizer steps fp32 master copies (the classic mixed-precision recipe) updates none
     updated = {p.name for r in run.steps for p in r.params if p.update_sampled > 0} \
@@ -71,7 +44,7 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not low and err_ev is None:
         return []
     names = [p[0] for p in low]
-    module = _common_module(names) if names else None
+    module = common_module(names) if names else None
     total = sum(p[3] for p in run.meta.params) or 1
     share = sum(p[3] for p in low) / total
     ev = {"params": names[:50], "n_params": len(names), "share_of_elements": share,
@@ -83,7 +56,7 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
         r, e = err_ev
         if not names and e.extra.get("fp16_params"):  # held by a group added after the watch began
             names = [n for n in e.extra["fp16_params"] if n != "?"]
-            module = _common_module(names) if names else None
+            module = common_module(names) if names else None
             ev.update(params=names, n_params=len(names))
         ev.update({"api": "GradScaler.unscale_", "file": e.file, "line": e.line, "error": e.error})
         return [Finding("fp16_master_weights", "error", "optimizer", module, None, r.step,
@@ -96,7 +69,7 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     rounds = any(held.intersection(v[2]) for v in _rounded(run, cfg).values())  # (as update_underflow counts them)
     # an Adam-style eps that vanishes on them (optimizer_eps) breaks the run through the same missing master copy:
     # the two are one cause, and the master copy is the fix for both
-    vanished = _vanished_eps(run)
+    vanished = vanished_eps(run)
     eps_vanishes = any(held.intersection(low) for _, _, low, _ in vanished)
     # the run died of a dtype clash once they were made fp16 mid-run (AdamW's fp32 moments beside parameters an
     # eval callback `.half()`d): the crash is theirs
@@ -111,7 +84,7 @@ def fp16_master_weights(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if eps_vanishes:
         # right after the eps (how the updates broke), before their consequences; after it also when the eps broke
         # the run at a later step (the step would otherwise rank this step-0 finding first)
-        ev["rank_hint"] = 11 if held & _eps_broke(vanished) else 7
+        ev["rank_hint"] = 11 if held & eps_broke(vanished) else 7
     at = run.steps[0].step if run.steps else None
     if names and all(p[2] != "float16" for p in low):  # every one of them made fp16 during the run
         at = min(became[n] for n in names)
@@ -144,7 +117,7 @@ def update_underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             out.extend(_rounding_finding(mod, worst[mod], []) for mod in mods)
         else:
             out.append(_rounding_finding(mods[0], worst[mods[0]], mods[1:]))
-    broke = _eps_broke(_vanished_eps(run))
+    broke = eps_broke(vanished_eps(run))
     for f in out:
         if broke.intersection(f.evidence.get("params") or ()):
             f.evidence["rank_hint"] = 17  # (a stall, beside the vanished eps that ended the run: after it)
@@ -179,7 +152,7 @@ def _rounded(run: RunData, cfg: RuleConfig) -> dict[str, tuple]:
     for r in run.steps:
         by_module: dict[str, list] = {}
         for p in r.params:
-            if p.update_sampled <= 0 or not _finite(p.weight_norm) or p.grad_nonfinite:
+            if p.update_sampled <= 0 or not finite_norm(p.weight_norm) or p.grad_nonfinite:
                 continue  # inf + Δw == inf and NaN updates say nothing about rounding: a consequence, not this
             by_module.setdefault(p.module, []).append(p)
         for module, ps in by_module.items():
@@ -254,7 +227,7 @@ def _outside_updates(run: RunData, cfg: RuleConfig) -> list[Finding]:
             continue
         names = sorted({i[1] for i in items})
         dt = dtypes.get(names[0], "float16")
-        module = _common_module(names)
+        module = common_module(names)
         out.append(Finding(
             "update_underflow", "error", "optimizer", module, None, min(i[0] for i in items),
             f"`{module or '(root)'}`'s {dt} weights are written in place outside the optimizer (an EMA or momentum "
@@ -304,40 +277,22 @@ def _masters_not_copied(run: RunData) -> list[Finding]:
          "rank_hint": 6})]
 
 
-_FP16_TINY = 2.0 ** -24  # smallest fp16 subnormal: anything below half of it rounds to 0
-
-
-def _broken_at(run: RunData, names: set) -> int | None:
-    """The step whose update the vanished eps broke: the first sampled update that left one of `names` non-finite,
-    else the update just before the run's first bad step (when that step itself was fine); None when neither."""
-    prev = None
-    for r in run.steps:
-        # (weights non-finite before the update, or a bad step's gradients applied: broken before)
-        if not r.bad and any(p.name in names and p.weight_norm_after is not None and _finite(p.weight_norm)
-                             and not math.isfinite(p.weight_norm_after) for p in r.params):
-            return r.step
-        if r.bad:
-            return prev.step if prev is not None and not prev.bad and prev.step == r.step - 1 else None
-        prev = r
-    return None
-
-
 @register("optimizer_eps", emits=("eps_underflow",))
 def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
     """Adam-style eps that vanishes in fp16 optimizer state: sqrt(v) + eps == sqrt(v), so v == 0 divides by 0."""
     out = []
-    for gi, eps, low, broke in _vanished_eps(run):
+    for gi, eps, low, broke in vanished_eps(run):
         out.append(Finding(
-            "eps_underflow", "error", "optimizer", _common_module(_went_bad(run, low) or low), None, broke,
+            "eps_underflow", "error", "optimizer", common_module(went_bad(run, low) or low), None, broke,
             f"{run.meta.optimizer.get('class')} uses eps={eps:g} on fp16 parameters: it rounds to 0 in fp16, so "
             "the update divides by sqrt(v) + 0 and any parameter with v == 0 gets inf/NaN.",
             "Keep fp32 master weights (parameters in fp32 + autocast), or use an eps that exists in fp16 "
             "(>= 1e-4 for fp16 optimizer state, e.g. `torch.optim.Adam(params, eps=1e-4)`).",
             {"api": "optimizer.step", "eps": eps, "group": gi, "params": low[:20], "rank_hint": 6}))
-    for gi, eps, low, broke in _vanished_state_eps(run):
+    for gi, eps, low, broke in vanished_state_eps(run):
         out.append(Finding(
             "eps_underflow", "error" if broke is not None else "warning", "optimizer",
-            _common_module(_went_bad(run, low) or low), None, broke,
+            common_module(went_bad(run, low) or low), None, broke,
             f"{run.meta.optimizer.get('class')} keeps its optimizer state in fp16 for {len(low)} parameter(s) that "
             f"are not fp16 themselves, with eps={eps:g}, below fp16's smallest value: where g² underflows in that "
             "state (v == 0 while the gradient is not 0), the update divides by ~0 (inf/NaN, or a step of lr·m/eps)"
@@ -347,58 +302,3 @@ def optimizer_eps(run: RunData, cfg: RuleConfig) -> list[Finding]:
             {"api": "optimizer.step", "eps": eps, "group": gi, "params": low[:20], "state_dtype": "float16",
              "rank_hint": 6}))
     return out
-
-
-def _vanished_state_eps(run: RunData) -> list[tuple]:
-    """As `_vanished_eps`, for parameters that are not fp16 but whose optimizer state is (ParamStat.state_dtype,
-    recorded on sampled steps)."""
-    narrow = {p.name for r in run.steps for p in r.params if p.state_dtype == "float16"}
-    if not narrow:
-        return []
-    return _eps_groups(run, lambda name, dtype: dtype != "float16" and name in narrow)
-
-
-def _vanished_eps(run: RunData) -> list[tuple]:
-    """(group index, eps, its trained fp16 parameters, the step whose update the eps broke or None) per optimizer
-    group whose eps rounds to 0 in fp16. Not a fused optimizer's: its kernel adds eps in fp32 (torch's fused
-    Adam/AdamW compute in float whatever the parameters' dtype), so eps does not vanish there."""
-    trained = _trained(run)
-    return _eps_groups(run, lambda name, dtype: dtype == "float16" and (name in trained or name == "?"),
-                       skip_fused=True)
-
-
-def _eps_groups(run: RunData, low, skip_fused: bool = False) -> list[tuple]:
-    """(group index, eps, the group's parameters `low(name, dtype)` picks, the step whose update the eps broke or
-    None) per optimizer group whose eps rounds to 0 in fp16 and that holds such parameters (`skip_fused`: not a
-    fused optimizer's group)."""
-    out = []
-    for gi, g in enumerate(run.meta.optimizer.get("groups") or []):
-        if skip_fused and g.get("fused") is True:
-            continue
-        eps = g.get("eps")
-        if isinstance(eps, list):  # a pair (Adafactor): the smallest one given
-            eps = min((e for e in eps if isinstance(e, (int, float)) and e > 0), default=None)
-        names = [p[0] for p in g.get("params") or [] if isinstance(p, (list, tuple)) and len(p) == 2
-                 and low(p[0], p[1])]
-        if not isinstance(eps, (int, float)) or not names or eps >= _FP16_TINY / 2:
-            continue
-        out.append((gi, eps, names, _broken_at(run, set(names))))
-    return out
-
-
-def _eps_broke(vanished: list[tuple]) -> set:
-    """The fp16 parameters of the groups (`_vanished_eps`) whose vanished eps broke the run (a step's update went
-    non-finite): their other findings (no master copy, updates rounding away) rank after the eps that ended the
-    run."""
-    return {n for _, _, low, broke in vanished if broke is not None for n in low}
-
-
-def _went_bad(run: RunData, names: list[str]) -> list[str]:
-    """Those of `names` whose module held non-finite weights on the first step that found any (as
-    rules/outside.bad_weights reads them: `weights_found_bad`): where the vanished eps divided by 0. Empty when
-    none was found."""
-    for r in run.steps:
-        mods = {b[0] for b in weights_found_bad(r, {})}
-        if mods:
-            return [n for n in names if n.rpartition(".")[0] in mods]
-    return []
