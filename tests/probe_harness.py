@@ -16,6 +16,8 @@ copied from one another. It owns
   `fp16_accelerator` (the body of their `fp16_on_cpu` fixture);
 - `xf`: a strict xfail mark;
 - `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines;
+- `HealthyLoop`, `healthy_run`, `same_run`, `quiet_healthy`: the healthy probes' loop, its watched and unwatched
+  runs, the bitwise comparison of the two and the check that the report is quiet;
 - `misuse_net`, `misuse_batch`: the loop-misuse files' small regression model and its data;
 - `DynamicLossScaler`: fairseq's loss scaler, for loops that keep their own loss scale (no GradScaler);
 - the hostile-input files' harness (test_hostile_*): `snapshot` (hashes of what a probe guards), `stderr_lines`,
@@ -40,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -611,6 +614,68 @@ def quiet_report(rep, saw_steps=True):
     assert not alarms(rep.findings), lines(rep)
     if saw_steps:
         assert rep.summary["steps"] >= 1, rep.summary
+
+
+class HealthyLoop:
+    """What a healthy probe's case builds: the model, optimizer and scaler the user hands to the watch, and
+    `step(i)` -> the loss it logged (a float). `skipped` collects the iterations whose update the scaler skipped (its
+    scale fell); `extra`, anything else the case compares between the watched and unwatched runs."""
+
+    def __init__(self, model, optimizer, scaler, step, extra=()):
+        self.model, self.optimizer, self.scaler, self.step_fn = model, optimizer, scaler, step
+        self.extra, self.skipped = list(extra), []
+
+    def step(self, i):
+        s = self.scaler.get_scale()
+        loss = self.step_fn(i)
+        if self.scaler.get_scale() < s:
+            self.skipped.append(i)
+        return loss
+
+
+def healthy_run(loop, steps, watch_kw=None, run_dir=None, around=None):
+    """Run a HealthyLoop for `steps` iterations: unwatched (`watch_kw` None) or under ampdoctor.watch(model,
+    optimizer=, scaler=, run_dir=, **watch_kw), closed and reported; inside a warnings recorder. `around(i, loop,
+    run_iteration)`, where given, runs each iteration (to look at the weights around it). Returns a namespace:
+    losses, rep (None unwatched), warns (the `ampdoctor...` Python warnings), weights (the final state_dict),
+    skipped, loop."""
+    r = SimpleNamespace(losses=[], rep=None, warns=[], loop=loop)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        w = None
+        if watch_kw is not None:
+            w = ampdoctor.watch(loop.model, optimizer=loop.optimizer, scaler=loop.scaler, run_dir=run_dir,
+                                **watch_kw)
+        for i in range(steps):
+            r.losses.append(loop.step(i) if around is None else around(i, loop, loop.step))
+        if w is not None:
+            w.close()
+            r.rep = w.report()
+    r.warns = [str(x.message) for x in seen if str(x.message).startswith("ampdoctor")]
+    r.weights = {k: v.detach().clone() for k, v in loop.model.state_dict().items()}
+    r.skipped = list(loop.skipped)
+    return r
+
+
+def same_run(rw, ru):
+    """Watching changed nothing: the losses bitwise (same_losses), the skipped iterations, every final weight and
+    buffer, the loop's extras."""
+    same_losses(rw, ru)
+    assert rw.skipped == ru.skipped, (rw.skipped, ru.skipped)
+    for k, v in ru.weights.items():
+        assert torch.equal(rw.weights[k], v), k
+    assert rw.loop.extra == ru.loop.extra
+
+
+def quiet_healthy(r):
+    """A healthy run's report after close(): no warning or error finding, exit code 0, steps seen, and no
+    `ampdoctor...` Python warning; otherwise WrongAnswer (a probe's strict xfail quotes it)."""
+    rep = r.rep
+    if alarms(rep.findings) or rep.exit_code != 0:
+        raise WrongAnswer(f"false alarm: {lines(rep)}")
+    if r.warns:
+        raise WrongAnswer(f"ampdoctor warned: {r.warns}")
+    quiet_report(rep)
 
 
 def keep_stepped(opt, params):

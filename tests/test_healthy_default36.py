@@ -10,9 +10,9 @@ UNWATCHED (shared by both modes) and once under each watch.
 - The unwatched run carries the oracle, independent of ampdoctor (`healthy`; a failure is a plain failure): every
   loss finite, the mean of the last 5 losses <= 0.9 x the first 5's, the scaler skipped no step but the opening
   ones (< 3; in fact none of the six skips any), every final weight and buffer finite.
-- The watched run must train bitwise identically (`identical`): the losses (probe_harness.same_losses), the
+- The watched run must train bitwise identically (probe_harness.same_run): the losses, the
   skipped steps, every final weight and buffer, the case's extras (the Lagrange multiplier's trace).
-- Then (`judge`) w.report() after close() holds no warning and no error, exit code 0, at least one step seen, and
+- Then (probe_harness.quiet_healthy) w.report() after close() holds no warning and no error, exit code 0, at least one step seen, and
   no `ampdoctor...` Python warning; otherwise WrongAnswer, a strict xfail (probe_harness.wrong) quoting ampdoctor.
 
 Left out (grep of tests/test_healthy*.py docstrings and code): the brief's suggestions are all there already -- LoRA
@@ -59,7 +59,6 @@ import functools
 import math
 import os
 import sys
-import warnings
 from pathlib import Path
 from types import SimpleNamespace as ns
 
@@ -68,11 +67,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ampdoctor
-
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_harness import WrongAnswer, same_losses, wrong  # noqa: E402
-from scenarios import alarms, gen, lines, one_thread  # noqa: E402
+from probe_harness import HealthyLoop, healthy_run, quiet_healthy, same_run, wrong  # noqa: E402
+from scenarios import gen, lines, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -90,22 +87,6 @@ def case(steps, fall=0.9):
         CASES[fn.__name__] = ns(build=fn, steps=steps, fall=fall)
         return fn
     return reg
-
-
-class Loop:
-    """What a case builds: the model, optimizer and scaler the user hands to the watch, and `step(i)` -> the loss
-    it logged (a float). `skipped` collects the iterations whose update the scaler skipped (its scale fell)."""
-
-    def __init__(self, model, optimizer, scaler, step, extra=()):
-        self.model, self.optimizer, self.scaler, self.step_fn = model, optimizer, scaler, step
-        self.extra, self.skipped = list(extra), []
-
-    def step(self, i):
-        s = self.scaler.get_scale()
-        loss = self.step_fn(i)
-        if self.scaler.get_scale() < s:
-            self.skipped.append(i)
-        return loss
 
 
 def amp_update(model, optimizer, scaler, loss, clip=1.0, params=None, after_unscale=None):
@@ -180,7 +161,7 @@ def nca_growing_pattern():
         loss = F.mse_loss(x[:, :4].float(), target.expand(4, -1, -1, -1))
         amp_update(model, opt, scaler, loss, clip=None, after_unscale=per_param_norm)
         return loss.item()
-    return Loop(model, opt, scaler, step)
+    return HealthyLoop(model, opt, scaler, step)
 
 
 # ------------------------------------------------------------------ 2. NeuMF recommender, BPR loss
@@ -223,7 +204,7 @@ def neumf_bpr_implicit():
         loss = -F.logsigmoid(d.float()).mean()
         amp_update(model, opt, scaler, loss)
         return loss.item()
-    return Loop(model, opt, scaler, step)
+    return HealthyLoop(model, opt, scaler, step)
 
 
 # ------------------------------------------------------------------ 3. SegNet, MaxUnpool2d with pooling indices
@@ -269,7 +250,7 @@ def segnet_maxunpool_shapes():
         loss = F.cross_entropy(out.float(), y)
         amp_update(model, opt, scaler, loss)
         return loss.item()
-    return Loop(model, opt, scaler, step)
+    return HealthyLoop(model, opt, scaler, step)
 
 
 # ------------------------------------------------------------------ 4. generator trained by sliced Wasserstein
@@ -296,7 +277,7 @@ def sliced_wasserstein_generator():
         loss = (pf - pr).pow(2).mean()
         amp_update(model, opt, scaler, loss)
         return loss.item()
-    return Loop(model, opt, scaler, step)
+    return HealthyLoop(model, opt, scaler, step)
 
 
 # ------------------------------------------------------------------ 5. Lagrangian constraint, multiplier ascent
@@ -324,7 +305,7 @@ def lagrangian_logit_budget():
         amp_update(model, opt, scaler, loss, params=list(model.parameters()))
         lams.append(float(lam))
         return loss.item()
-    return Loop(model, opt, scaler, step, extra=[lams])
+    return HealthyLoop(model, opt, scaler, step, extra=[lams])
 
 
 # ------------------------------------------------------------------ 6. Performer (FAVOR+) linear attention
@@ -400,30 +381,14 @@ def performer_favor_majority():
         loss = F.cross_entropy(logits.float(), y)
         amp_update(model, opt, scaler, loss)
         return loss.item()
-    return Loop(model, opt, scaler, step)
+    return HealthyLoop(model, opt, scaler, step)
 
 
 # ---------------------------------------------------------------------------------------------------- the runs
 def run(name, mode=None, run_dir=None):
-    """The case's loop for CASES[name].steps iterations: unwatched (mode None) or under ampdoctor.watch(model,
-    optimizer=, scaler=, run_dir=) with MODES[mode]; inside a warnings recorder."""
+    """The case's loop for CASES[name].steps iterations: unwatched (mode None) or watched with MODES[mode]."""
     cs = CASES[name]
-    c = cs.build()
-    r = ns(losses=[], rep=None, warns=[], c=c)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        w = None
-        if mode is not None:
-            w = ampdoctor.watch(c.model, optimizer=c.optimizer, scaler=c.scaler, run_dir=run_dir, **MODES[mode])
-        for i in range(cs.steps):
-            r.losses.append(c.step(i))
-        if w is not None:
-            w.close()
-            r.rep = w.report()
-    r.warns = [str(x.message) for x in seen if str(x.message).startswith("ampdoctor")]
-    r.weights = {k: v.detach().clone() for k, v in c.model.state_dict().items()}
-    r.skipped = list(c.skipped)
-    return r
+    return healthy_run(cs.build(), cs.steps, None if mode is None else MODES[mode], run_dir)
 
 
 @functools.lru_cache(maxsize=None)
@@ -441,24 +406,6 @@ def healthy(r, fall):
     assert all(torch.isfinite(v).all() for v in r.weights.values() if v.is_floating_point())
 
 
-def identical(rw, ru):
-    same_losses(rw, ru)
-    assert rw.skipped == ru.skipped, (rw.skipped, ru.skipped)
-    for k, v in ru.weights.items():
-        assert torch.equal(rw.weights[k], v), k
-    assert rw.c.extra == ru.c.extra
-
-
-def judge(r):
-    """No warning or error finding, exit code 0, steps seen, no `ampdoctor...` Python warning: else WrongAnswer."""
-    rep = r.rep
-    if alarms(rep.findings) or rep.exit_code != 0:
-        raise WrongAnswer(f"false alarm: {lines(rep)}")
-    if r.warns:
-        raise WrongAnswer(f"ampdoctor warned: {r.warns}")
-    assert rep.summary["steps"] >= 1, rep.summary
-
-
 @pytest.mark.parametrize("name,mode", [pytest.param(n, m, marks=wrong(XFAIL[n, m]) if (n, m) in XFAIL else ())
                                        for n in CASES for m in MODES])
 def test_healthy36(name, mode, tmp_path):
@@ -470,5 +417,5 @@ def test_healthy36(name, mode, tmp_path):
     rw = run(name, mode, tmp_path / "run")
     if DEBUG:
         print(name, mode, lines(rw.rep))
-    identical(rw, ru)
-    judge(rw)
+    same_run(rw, ru)
+    quiet_healthy(rw)

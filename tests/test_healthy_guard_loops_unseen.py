@@ -14,9 +14,9 @@ once UNWATCHED (shared by both modes) and once under each watch.
   change at them), the mean of the last 5 finite losses <= 0.9 x the first 5's, the scaler skipped only opening
   steps (every skip before step 8; `opening` > 0 where a case needs them: the skips really happened), every final
   weight finite.
-- The watched run must train bitwise identically: the losses (probe_harness.same_losses), the skipped steps, every
+- The watched run must train bitwise identically (probe_harness.same_run): the losses, the skipped steps, every
   final weight.
-- Then w.report() after close() holds no warning and no error (probe_harness.quiet_report), exit code 0, and no
+- Then w.report() after close() holds no warning and no error (probe_harness.quiet_healthy), exit code 0, and no
   `ampdoctor...` Python warning; otherwise WrongAnswer, a strict xfail (probe_harness.wrong) quoting ampdoctor.
 
 The cases:
@@ -80,7 +80,6 @@ import functools
 import math
 import os
 import sys
-import warnings
 from pathlib import Path
 from types import SimpleNamespace as ns
 
@@ -89,11 +88,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ampdoctor
-
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_harness import WrongAnswer, quiet_report, same_losses, wrong  # noqa: E402
-from scenarios import alarms, lines, one_thread, randn  # noqa: E402
+from probe_harness import HealthyLoop, healthy_run, quiet_healthy, same_run, wrong  # noqa: E402
+from scenarios import lines, one_thread, randn  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -113,20 +110,6 @@ def case(steps, opening=False, planted=()):
         CASES[fn.__name__] = ns(build=fn, steps=steps, opening=opening, planted=tuple(planted))
         return fn
     return reg
-
-
-class Loop:
-    """What a case builds: the model, optimizer and scaler handed to the watch, `step(i)` -> the logged loss."""
-
-    def __init__(self, model, optimizer, scaler, step):
-        self.model, self.optimizer, self.scaler, self.step_fn, self.skipped = model, optimizer, scaler, step, []
-
-    def step(self, i):
-        s = self.scaler.get_scale()
-        loss = self.step_fn(i)
-        if self.scaler.get_scale() < s:
-            self.skipped.append(i)
-        return loss
 
 
 def mlp(d_in, d_out, hid=32, seed=0):
@@ -176,7 +159,7 @@ def nan_batches_guard_before_backward():
         sc.step(opt)
         sc.update()
         return loss.item()
-    return Loop(m, opt, sc, step)
+    return HealthyLoop(m, opt, sc, step)
 
 
 # ------------------------------------------------------------------ 2. the documented guard after unscale_
@@ -202,7 +185,7 @@ def documented_guard_after_unscale():
         sc.step(opt)
         sc.update()
         return loss.item()
-    return Loop(m, opt, sc, step)
+    return HealthyLoop(m, opt, sc, step)
 
 
 # ------------------------------------------------------------------ 3. gradient accumulation
@@ -227,7 +210,7 @@ def grad_accum_4_zero_after_step():
         sc.update()
         opt.zero_grad(set_to_none=True)
         return tot
-    return Loop(m, opt, sc, step)
+    return HealthyLoop(m, opt, sc, step)
 
 
 # ------------------------------------------------------------------ 4. PCGrad
@@ -283,7 +266,7 @@ def pcgrad_five_tasks():
         sc.step(opt)
         sc.update()
         return sum(lt.item() for lt in losses)
-    return Loop(m, opt, sc, step)
+    return HealthyLoop(m, opt, sc, step)
 
 
 # ------------------------------------------------------------------ 5. gradient-noise-scale diagnostic
@@ -320,7 +303,7 @@ def grad_noise_diagnostic():
         sc.step(opt)
         sc.update()
         return loss.item()
-    return Loop(m, opt, sc, step)
+    return HealthyLoop(m, opt, sc, step)
 
 
 # ------------------------------------------------------------------ 6. GAN on one GradScaler
@@ -354,7 +337,7 @@ def gan_one_scaler():
         sc.step(optG)
         sc.update()
         return lossD.item()
-    return Loop(gd, optD, sc, step)
+    return HealthyLoop(gd, optD, sc, step)
 
 
 # ------------------------------------------------------------------ 7. SAM
@@ -395,7 +378,7 @@ def sam_two_updates():
         sc.step(opt)
         sc.update()
         return loss.item()
-    return Loop(m, opt, sc, step)
+    return HealthyLoop(m, opt, sc, step)
 
 
 # ------------------------------------------------------------------ 8. opening search skipped by scaler.step
@@ -418,32 +401,24 @@ def opening_search_zero_at_start():
         sc.update()
         opt.zero_grad(set_to_none=False)
         return loss.item()
-    return Loop(m, opt, sc, step)
+    return HealthyLoop(m, opt, sc, step)
 
 
 # ------------------------------------------------------------------ the runner and the checks
 def run(name, mode=None, run_dir=None):
-    """The case's loop: unwatched (mode None) or under ampdoctor.watch(model, optimizer=, scaler=, run_dir=) with
-    MODES[mode]; inside a warnings recorder. Keeps the weights before and after each planted iteration."""
+    """The case's loop: unwatched (mode None) or watched with MODES[mode]. Keeps whether the weights were the same
+    before and after each planted iteration."""
     cs = CASES[name]
-    c = cs.build()
-    r = ns(losses=[], rep=None, warns=[], planted_same=[])
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        w = None
-        if mode is not None:
-            w = ampdoctor.watch(c.model, optimizer=c.optimizer, scaler=c.scaler, run_dir=run_dir, **MODES[mode])
-        for i in range(cs.steps):
-            before = [p.detach().clone() for p in c.model.parameters()] if i in cs.planted else None
-            r.losses.append(c.step(i))
-            if before is not None:
-                r.planted_same.append(all(torch.equal(a, p) for a, p in zip(before, c.model.parameters())))
-        if w is not None:
-            w.close()
-            r.rep = w.report()
-    r.warns = [str(x.message) for x in seen if str(x.message).startswith("ampdoctor")]
-    r.weights = {k: v.detach().clone() for k, v in c.model.state_dict().items()}
-    r.skipped = list(c.skipped)
+    planted_same = []
+
+    def around(i, loop, step):
+        before = [p.detach().clone() for p in loop.model.parameters()] if i in cs.planted else None
+        loss = step(i)
+        if before is not None:
+            planted_same.append(all(torch.equal(a, p) for a, p in zip(before, loop.model.parameters())))
+        return loss
+    r = healthy_run(cs.build(), cs.steps, None if mode is None else MODES[mode], run_dir, around=around)
+    r.planted_same = planted_same
     return r
 
 
@@ -467,23 +442,6 @@ def healthy(r, cs):
     assert all(torch.isfinite(v).all() for v in r.weights.values() if v.is_floating_point())
 
 
-def identical(rw, ru):
-    same_losses(rw, ru)
-    assert rw.skipped == ru.skipped, (rw.skipped, ru.skipped)
-    for k, v in ru.weights.items():
-        assert torch.equal(rw.weights[k], v), k
-
-
-def judge(r):
-    """No warning or error finding, exit code 0, steps seen, no `ampdoctor...` Python warning: else WrongAnswer."""
-    rep = r.rep
-    if alarms(rep.findings) or rep.exit_code != 0:
-        raise WrongAnswer(f"false alarm: {lines(rep)}")
-    if r.warns:
-        raise WrongAnswer(f"ampdoctor warned: {r.warns}")
-    quiet_report(rep)
-
-
 @pytest.mark.parametrize("name,mode", [pytest.param(n, m, marks=wrong(XFAIL[n, m]) if (n, m) in XFAIL else ())
                                        for n in CASES for m in MODES])
 def test_healthy_guard_loop(name, mode, tmp_path):
@@ -495,5 +453,5 @@ def test_healthy_guard_loop(name, mode, tmp_path):
     rw = run(name, mode, tmp_path / "run")
     if DEBUG:
         print(name, mode, lines(rw.rep))
-    identical(rw, ru)
-    judge(rw)
+    same_run(rw, ru)
+    quiet_healthy(rw)
