@@ -13,7 +13,8 @@ UNWATCHED (shared by both modes) and once under each watch.
 - The watched run must train bitwise identically (probe_harness.same_run): the losses, the
   skipped steps, every final weight and buffer, the case's extras.
 - Then (probe_harness.quiet_healthy) w.report() after close() holds no warning and no error, exit code 0, at least
-  one step seen, and no `ampdoctor...` Python warning; otherwise WrongAnswer, a strict xfail (probe_harness.wrong) quoting ampdoctor.
+  one step seen, and no `ampdoctor...` Python warning; otherwise WrongAnswer, a strict xfail (probe_harness.wrong)
+  quoting ampdoctor.
 
 Left out (grep of tests/test_healthy*.py docstrings and code): every suggestion of the brief is probed already --
 Mamba's selective scan, Hyena's FFT long conv and RWKV (test_healthy_arch), VQ-VAE with an EMA codebook, SimSiam,
