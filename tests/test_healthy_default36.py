@@ -13,7 +13,8 @@ UNWATCHED (shared by both modes) and once under each watch.
 - The watched run must train bitwise identically (probe_harness.same_run): the losses, the
   skipped steps, every final weight and buffer, the case's extras (the Lagrange multiplier's trace).
 - Then (probe_harness.quiet_healthy) w.report() after close() holds no warning and no error, exit code 0, at least
-  one step seen, and no `ampdoctor...` Python warning; otherwise WrongAnswer, a strict xfail (probe_harness.wrong) quoting ampdoctor.
+  one step seen, and no `ampdoctor...` Python warning; otherwise WrongAnswer, a strict xfail (probe_harness.wrong)
+  quoting ampdoctor.
 
 Left out (grep of tests/test_healthy*.py docstrings and code): the brief's suggestions are all there already -- LoRA
 (16 files), gradient accumulation (37), _foreach / EMA teachers (11), CLIP's logit_scale (7), focal + smooth-L1
