@@ -16,6 +16,8 @@ copied from one another. It owns
   `fp16_accelerator` (the body of their `fp16_on_cpu` fixture);
 - `xf`: a strict xfail mark;
 - `tag_line`, `expect`, `quiet_report`: the loop-misuse files' checks of a report against `# @tag` lines;
+- `variant_run`, `variant_named_at_producer`, `variant_twin_quiet` (+ `same_bits`, `variant_fp32_loss`): the
+  unseen-variant sets' case run, its check at the producer and its twin's check;
 - `HealthyLoop`, `healthy_run`, `same_run`, `quiet_healthy`: the healthy probes' loop, its watched and unwatched
   runs, the bitwise comparison of the two and the check that the report is quiet;
 - `misuse_net`, `misuse_batch`: the loop-misuse files' small regression model and its data;
@@ -39,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
@@ -446,6 +449,90 @@ def quiet_twin(r, skips=(), fall=1.0):
     assert r.get("warns", []) == [], r["warns"]
     rep = r["rep"]
     assert alarms(rep.findings) == [] and rep.exit_code == 0, lines(rep)
+
+
+VARIANT_RULES = ("overflow", "nan_origin")
+
+
+def _own_loss(out, y):
+    return out
+
+
+def variant_run(case, steps, run_dir, *, fix=False, watch=True, snap_at=None, debug=False):
+    """The unseen-variant sets' run of one case (test_unseen_variants63-65, ...): `case["make"](fix=)` is a model
+    that computes its own loss from `case["batch"](i)`; probe_run at the default watch, the oracle a Producer with
+    keyword inputs and per-call counting from the first call; `case["params"](m)` (optional) the optimizer's
+    parameters, `case["lr"]` (optional) its learning rate."""
+    torch.manual_seed(0)
+    m = case["make"](fix=fix)
+    params = case["params"](m) if "params" in case else None
+    r = probe_run(m, case["batch"], _own_loss, steps, run_dir, params=params, lr=case.get("lr", 1e-3), watch=watch,
+                  snap_at=snap_at, oracle=lambda m: Producer(m, with_kwargs=True, call_in_first=True))
+    if debug and watch:
+        print(case["name"], "fix" if fix else "", "first", r["first"], "bad", r["bad_loss"][:3], "skip",
+              r["skipped"][:6])
+        print("losses", [round(v, 3) for v in r["losses"]])
+        print("\n".join(lines(r["rep"])[:5]))
+    return r
+
+
+def same_bits(a, b) -> bool:
+    """Bitwise-equal loss lists (NaN equal to NaN)."""
+    return [struct.pack("d", x) for x in a] == [struct.pack("d", x) for x in b]
+
+
+def variant_fp32_loss(case, r):
+    """The bad step's weights (run with snap_at) run the bad batch in float32: no autocast, data stored in fp16 read
+    as float32."""
+    torch.manual_seed(0)
+    m = case["make"]()
+    m.load_state_dict(r["sd"])
+    args, _ = case["batch"](case["bad"])
+    args = [a.float() if torch.is_tensor(a) and a.dtype == torch.float16 else a for a in args]
+    with torch.no_grad():
+        return m(*args).item()
+
+
+def variant_named_at_producer(case, tmp_path, debug=False):
+    """An unseen-variant failure: proven by its oracle first (the producer, call and step `case["name"]`,
+    `case["call"]`, `case["bad"]`; the loss first non-finite there; skipped unless `case["skips"]` is False; before
+    it only the opening backoffs; the unwatched run's losses bitwise the same; the bad batch finite in float32); then
+    overflow/nan_origin must be an error at the producer at that step among the report's first three findings, with
+    no such error at that step naming a module that only passed the value on; else WrongAnswer."""
+    bad = case["bad"]
+    r = variant_run(case, bad + 3, tmp_path / "run", snap_at=bad, debug=debug)
+    plain = variant_run(case, bad + 3, tmp_path / "plain", watch=False)
+    assert r["first"] == (case["name"], bad, case["call"]), r["first"]
+    assert r["bad_loss"] and r["bad_loss"][0] == bad, r["losses"]
+    assert all(s < 3 for s in r["skipped"] if s < bad), r["skipped"]
+    assert (bad in r["skipped"]) == case.get("skips", True), r["skipped"]
+    assert same_bits(r["losses"], plain["losses"]), (r["losses"], plain["losses"])
+    assert math.isfinite(variant_fp32_loss(case, r))
+    rep = r["rep"]
+    f = next((f for f in rep.findings[:3] if f.rule in VARIANT_RULES and f.module == case["name"] and f.step == bad
+              and f.severity == "error"), None)
+    if f is None:
+        raise WrongAnswer(f"wanted {VARIANT_RULES} at {case['name']!r} step {bad}; top 3: {lines(rep)[:3]}")
+    passed_on = [x.one_line() for x in rep.findings[:3] if x.step == bad and x.rule in VARIANT_RULES
+                 and x.severity == "error" and x.module not in (case["name"], None)]
+    if passed_on:
+        raise WrongAnswer(f"a carrier blamed: {passed_on}; top 3: {lines(rep)[:3]}")
+
+
+def variant_twin_quiet(case, tmp_path, debug=False):
+    """An unseen-variant's twin (the fix applied) for `case["bad"] + 6` steps: the same losses unwatched, healthy
+    and quiet (quiet_twin, `case["twin_skips"]` the skips it may have); a report that is not quiet on a healthy run
+    is WrongAnswer."""
+    steps = case["bad"] + 6
+    r = variant_run(case, steps, tmp_path / "run", fix=True, debug=debug)
+    plain = variant_run(case, steps, tmp_path / "plain", fix=True, watch=False)
+    assert same_bits(r["losses"], plain["losses"]), (r["losses"], plain["losses"])
+    try:
+        quiet_twin(r, skips=case.get("twin_skips", ()), fall=0.95)
+    except AssertionError as e:
+        if not all(map(math.isfinite, r["losses"])) or r["first"] is not None:
+            raise
+        raise WrongAnswer(f"false alarm on a healthy twin: {lines(r['rep'])[:4]} ({str(e)[:400]})") from None
 
 
 def real_bwd(r, name, step):

@@ -46,47 +46,19 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probe_harness import Producer, WrongAnswer, probe_run, quiet_twin
-from scenarios import gen, lines, one_thread
+from probe_harness import variant_named_at_producer, variant_twin_quiet
+from scenarios import gen, one_thread
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
-FWD = ("overflow", "nan_origin")
 DEBUG = os.environ.get("AMPDOCTOR_PROBE_DEBUG")
-
-
-def own_loss(out, y):
-    return out
-
-
-def oracle(m):
-    return Producer(m, with_kwargs=True, call_in_first=True)
-
-
-def run(case, steps, run_dir, *, fix=False, watch=True, snap_at=None):
-    torch.manual_seed(0)
-    m = case["make"](fix=fix)
-    r = probe_run(m, case["batch"], own_loss, steps, run_dir, oracle=oracle, lr=case.get("lr", 1e-3), watch=watch,
-                  snap_at=snap_at)
-    if DEBUG and watch:
-        print(case["name"], "fix" if fix else "", "first", r["first"], "bad", r["bad_loss"][:3], "skip",
-              r["skipped"][:6])
-        print("losses", [round(v, 3) for v in r["losses"]])
-        print("\n".join(lines(r["rep"])[:5]))
-    return r
-
-
-def same(a, b):
-    """Bitwise-equal loss lists (NaN equal to NaN)."""
-    return [struct.pack("d", x) for x in a] == [struct.pack("d", x) for x in b]
 
 
 # ======================================================================================================================
@@ -306,50 +278,11 @@ CASES = {
 }
 
 
-def fp32_loss(case, r):
-    """The bad step's weights run the bad batch in float32 (no autocast; data stored in fp16 read as float32)."""
-    torch.manual_seed(0)
-    m = case["make"]()
-    m.load_state_dict(r["sd"])
-    args, _ = case["batch"](case["bad"])
-    args = [a.float() if torch.is_tensor(a) and a.dtype == torch.float16 else a for a in args]   # fp16-stored data
-    with torch.no_grad():
-        return m(*args).item()
-
-
 @pytest.mark.parametrize("key", list(CASES))
 def test_failure_named_at_the_producer(tmp_path, key):
-    case = CASES[key]
-    bad = case["bad"]
-    r = run(case, bad + 3, tmp_path / "run", snap_at=bad)
-    plain = run(case, bad + 3, tmp_path / "plain", watch=False)
-    # the oracle: producer, call, step; the loss first non-finite there; skipped; before it only the opening backoffs
-    assert r["first"] == (case["name"], bad, case["call"]), r["first"]
-    assert r["bad_loss"] and r["bad_loss"][0] == bad, r["losses"]
-    assert bad in r["skipped"] and all(s < 3 for s in r["skipped"] if s < bad), r["skipped"]
-    assert same(r["losses"], plain["losses"]), (r["losses"], plain["losses"])
-    assert math.isfinite(fp32_loss(case, r))
-    rep = r["rep"]
-    f = next((f for f in rep.findings[:3] if f.rule in FWD and f.module == case["name"] and f.step == bad
-              and f.severity == "error"), None)
-    if f is None:
-        raise WrongAnswer(f"wanted {FWD} at {case['name']!r} step {bad}; top 3: {lines(rep)[:3]}")
-    passed_on = [x.one_line() for x in rep.findings[:3] if x.step == bad and x.rule in FWD and x.severity == "error"
-                 and x.module not in (case["name"], None)]
-    if passed_on:
-        raise WrongAnswer(f"a carrier blamed: {passed_on}; top 3: {lines(rep)[:3]}")
+    variant_named_at_producer(CASES[key], tmp_path, debug=DEBUG)
 
 
 @pytest.mark.parametrize("key", list(CASES))
 def test_twin_with_the_fix_stays_quiet(tmp_path, key):
-    case = CASES[key]
-    steps = case["bad"] + 6
-    r = run(case, steps, tmp_path / "run", fix=True)
-    plain = run(case, steps, tmp_path / "plain", fix=True, watch=False)
-    assert same(r["losses"], plain["losses"]), (r["losses"], plain["losses"])
-    try:
-        quiet_twin(r, fall=0.95)
-    except AssertionError as e:
-        if not all(map(math.isfinite, r["losses"])) or r["first"] is not None:
-            raise
-        raise WrongAnswer(f"false alarm on a healthy twin: {lines(r['rep'])[:4]} ({str(e)[:400]})") from None
+    variant_twin_quiet(CASES[key], tmp_path, debug=DEBUG)
