@@ -20,12 +20,20 @@ _STEPS = ("step", "optimizer.step")  # between two unscale_s: a zero_grad, or a 
 #  iteration unscaling again after its step)
 
 
+def _unscaled_in_step(e) -> bool:
+    """An unscale_ call made inside scaler.step() that raised because that step had unscaled its optimizer."""
+    return e.internal and e.kind == "unscale_" and _UNSCALE_TWICE in (e.error or "")
+
+
 @register("call_order", emits=("scaler_misorder", "missing_scaler_update"))
 def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler and not any(e.kind in ("scale", "unscale_", "update") for r in run.steps for e in r.events):
         return []
     out: list[Finding] = []
-    events = [e for r in run.steps for e in r.events if not e.internal]
+    # (GradScaler's own calls inside scaler.step are left out; an unscale_ that raised 'already been called' inside
+    # scaler.step is no GradScaler's own, which runs only on an optimizer not unscaled yet: a user's, from an optimizer
+    # step hook or the optimizer's own step())
+    events = [e for r in run.steps for e in r.events if not e.internal or _unscaled_in_step(e)]
     first_scale = next((k for k, e in enumerate(events) if e.kind == "scale"), None)  # (_stepped_again)
     guarded = _guards_direct_steps(run.steps)  # direct optimizer steps after unscale_ that skip on inf themselves
     steps = {r.step: r for r in run.steps}
@@ -127,6 +135,12 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran before `scaler.step()` in this "
                     "iteration: the scale is adjusted from stale inf checks (GradScaler asserts 'No inf checks').",
                     "Call update() after step():\n" + ORDER)
+        elif _unscaled_in_step(e):
+            add("scaler_misorder", e, f"`scaler.unscale_()` at {_loc(e)} ran inside `scaler.step()` (from an "
+                "optimizer step hook, or the optimizer's own step()), after `scaler.step()` had already unscaled "
+                "this optimizer's gradients: GradScaler raises 'unscale_() has already been called', and the step "
+                "raised with it.", "Unscale once, before `scaler.step()`; inside the step the gradients are already "
+                "unscaled, so a hook there can read them (e.g. their norm) without calling unscale_:\n" + ORDER)
         elif e.kind == "unscale_" and (_UNSCALE_TWICE in (e.error or "") or
                                         any(p.kind == "unscale_" for p in since_update)):
             first_u = next((k for k, p in enumerate(since_update) if p.kind == "unscale_"), len(since_update))
