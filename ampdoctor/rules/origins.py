@@ -8,7 +8,7 @@ from ..records import ACCUMULATING, ModuleCall, StepRecord
 from .registry import RuleConfig, RunData, register
 from ..fixes import fp32_snippet
 from .backoff import benign_backoff, loop_opening_search
-from .steps import absorbed, first_unlocated_skip, onset_step
+from .steps import absorbed, first_unlocated_skip, onset_step, series_onset
 from .outside import absorbed_unsampled, bad_buffers, bad_data, bad_weights, unlocated
 from .lossorigin import output_grad_nonfinite, outside_model
 
@@ -109,6 +109,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
     by_loop = loop_opening_search(run.steps, run.has_scaler)
     benign |= by_loop
     dev = autocast_device(run)
+    slots = {m[0]: i for i, m in enumerate(run.meta.modules or []) if m}
     for (phase, module, kind), recs in groups.items():
         if phase == "forward" and all(r.bad_input and _fed_nonfinite(r, r.forward_producer) for r in recs):
             continue  # the batch brought the inf (bad_data says so): this module only made NaN of it (inf - inf)
@@ -133,6 +134,8 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
         step = onset_step(run.steps, r0.step, phase)  # the first bad step, when only the trip-wire saw it
         if phase == "backward" and kind == "inf" and step == r0.step and r0.step not in benign:
             step = first_unlocated_skip(run.steps, step, benign)  # skips that began before the follow-ups
+        if phase == "forward" and step == r0.step and module in slots:
+            step = series_onset(run.steps, slots[module], kind, step)  # the always-on series saw it begin earlier
         if step != r0.step:
             ev["observed_step"] = r0.step
         at = where(module)

@@ -11,7 +11,7 @@ from ..records import ModuleCall, StepRecord
 from .backoff import benign_backoff
 
 __all__ = ["absorbed", "absorbed_modules", "real_bad", "real_bad_steps", "first_bad_step", "onset_step", "first_unlocated_skip",
-           "crash", "unfinished", "parents", "descendants"]
+           "series_onset", "crash", "unfinished", "parents", "descendants"]
 
 
 def absorbed(recs: list[StepRecord]) -> bool:
@@ -83,6 +83,31 @@ def onset_step(steps: list[StepRecord], observed: int, phase: str) -> int:
             break
         k -= 1
     return k
+
+
+def series_onset(steps: list[StepRecord], slot: int, kind: str, located: int) -> int:
+    """A forward failure of the module at `slot` (RunMeta.modules) located on sampled step `located`: the run's first
+    step whose forward went bad, when it came earlier on a routine step and that step's always-on headroom series saw
+    this module's output go non-finite first, the same way (`first_bad` of StepRecord.headroom; `kind` "inf" or
+    "nan"), with nothing else located or brought by the data: the same producer, dated where it began (finite steps
+    may lie between: a batch that overflows, then one that does not). `located` otherwise."""
+    for r in steps:
+        if r.step >= located:
+            return located
+        p = r.forward_producer
+        if p is not None and not p.detail.get("mask_like"):
+            return located
+        if not (r.loss_finite is False or r.output_finite is False or r.exception):
+            continue
+        h = r.headroom or {}
+        fwd = h.get("fwd") or ()
+        if r.modules or r.bad_input or r.bad_weights or h.get("first_bad") != slot or slot >= len(fwd):
+            return located
+        v = fwd[slot]
+        if not isinstance(v, (int, float)) or (v != v) != (kind == "nan"):
+            return located
+        return r.step
+    return located
 
 
 def first_unlocated_skip(steps: list[StepRecord], located: int, benign: set[int]) -> int:
