@@ -18,6 +18,17 @@ THROWN_SHARE = 0.25
 grows after every 8 clean iterations (a short window) throws away about one in nine (11%)."""
 
 
+def _thrown(steps: list, later: list, n: int, iterations: int, cfg: RuleConfig) -> tuple | None:
+    """(share, tail) of the thrown-away iterations when they make a finding: a quarter of the iterations or more
+    (and at least `cfg.skipped_min`), or the run's last ones in a row (`tail`: the run ended in a streak it threw
+    away, its last step never reached an update); None otherwise."""
+    share = n / max(iterations, 1)
+    tail = steps[-1] is later[-1] and steps[-1].discarded >= cfg.skipped_min
+    if not tail and (n < cfg.skipped_min or share < THROWN_SHARE):
+        return None
+    return share, tail
+
+
 @register("own_scale_skips", emits=("skipped_steps",))
 def own_scale_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
     steps = run.steps
@@ -27,11 +38,10 @@ def own_scale_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
     n = sum(r.discarded for r in later)
     last = steps[-1]
     iterations = sum(1 + r.discarded for r in steps[1:])  # (each step: its thrown-away iterations and its own)
-    share = n / max(iterations, 1)
-    # the run ended in a streak the loop threw away (the last step never reached an update): it never recovered
-    tail = last is later[-1] and last.discarded >= cfg.skipped_min
-    if not tail and (n < cfg.skipped_min or share < THROWN_SHARE):
+    judged = _thrown(steps, later, n, iterations, cfg)
+    if judged is None:
         return []
+    share, tail = judged
     first = last.step if tail else later[0].step
     return [Finding(
         "skipped_steps", "error" if share >= 0.5 or tail else "warning", "scaler", None, None, first,
@@ -68,11 +78,10 @@ def guard_skips(run: RunData, cfg: RuleConfig) -> list[Finding]:
     # each record: its thrown-away iterations, and its own when the loop reached the scaler's step in it
     iterations = sum(r.discarded + (r.discarded == 0 or any(e.kind in ("step", "optimizer.step") for e in r.events)
                                     or r.skipped) for r in steps)
-    share = n / max(iterations, 1)
-    last = steps[-1]
-    tail = last is later[-1] and last.discarded >= cfg.skipped_min
-    if not tail and (n < cfg.skipped_min or share < THROWN_SHARE):
+    judged = _thrown(steps, later, n, iterations, cfg)
+    if judged is None:
         return []
+    share, tail = judged
     first = later[0].step
     scales = sorted({r.scale for r in later if r.scale is not None})
     held = f" (it stayed at {scales[0]:g})" if len(scales) == 1 else ""
