@@ -332,9 +332,10 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         if not any(g.rule == f.rule and g.module == f.module for g in findings):
             # a constant the replay found feeding the failure (a -1e9 mask, an eps that is 0 in fp16) is the root
             # cause of the inf/NaN a finding names in the same module: ranked before it
+            # (or of a loss that went non-finite outside the model at that step: a row the -1e9 masked entirely)
             cause = f.rule in _CONSTANTS and f.severity == "error" and any(
                 g.rule in ("overflow", "nan_origin") and g.severity == "error" and g.phase == f.phase
-                and modules_related(g.module, f.module) for g in findings)
+                and (modules_related(g.module, f.module) or g.module is None and g.step == f.step) for g in findings)
             f.evidence["rank_hint"] = (9 if cause else 13) if f.severity == "error" else f.evidence.get("rank_hint", 30)
             f.evidence["from_replay"] = cap
             if f.step is None:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["check_op", "MASK_OPS", "EPS_OPS", "LOW_DTYPES", "is_mask_like"]
+__all__ = ["check_op", "check_setitem", "MASK_OPS", "EPS_OPS", "LOW_DTYPES", "is_mask_like"]
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 # Ops where a huge constant is a mask/fill value (a huge constant in div, or in mul on anything but a 0/1 mask, is
@@ -105,6 +105,27 @@ def _reached(short: str, args, bound: bool, rounded: float) -> int | None:
     with torch.no_grad():
         a = x.detach().abs()
         return int((a >= 1.0).sum() if bound else (a <= abs(rounded)).sum())
+
+
+_INDEX_PUT = torch.ops.aten.index_put_.default
+
+
+def check_setitem(tr, args) -> None:
+    """`t[idx] = v` with a Python number `v` past the range of `t`'s float16/bfloat16 (a mask written by indexed
+    assignment: `scores[visited] = -1e9`): torch turns `v` into a tensor of `t`'s dtype (-inf) before any ATen op
+    sees it, so it is read here, at the Python call (optrace's function mode), recorded as the index_put_ it runs."""
+    if len(args) < 3:
+        return
+    t, v = args[0], args[2]
+    if not isinstance(t, torch.Tensor) or t.dtype not in LOW_DTYPES or isinstance(v, bool) \
+            or not isinstance(v, (int, float)):
+        return
+    v, fi = float(v), torch.finfo(t.dtype)
+    if math.isfinite(v) and abs(v) > fi.max:
+        dname = str(t.dtype).replace("torch.", "")
+        _record(tr, "mask_value_overflow", _INDEX_PUT, t.dtype, "value", v, math.copysign(math.inf, v),
+                f"{v:g} is outside the {dname} range (max {fi.max:g}): indexed assignment makes it "
+                f"{'-inf' if v < 0 else 'inf'}")
 
 
 def check_op(tr, func, args, kwargs) -> None:

@@ -57,6 +57,7 @@ def source_line() -> str | None:
 
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+_SETITEM = torch.Tensor.__setitem__
 _SOFTMAX = {"aten::_softmax", "aten::softmax", "aten::_safe_softmax", "aten::_log_softmax", "aten::log_softmax"}
 
 
@@ -66,6 +67,8 @@ class _FnMode(TorchFunctionMode):
         self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _SETITEM and self.tracer.phase == "forward":
+            constants.check_setitem(self.tracer, args)  # (the number it writes, before torch casts it)
         sdpa = func is _SDPA
         self.tracer.sdpa_depth += sdpa
         self.tracer.sdpa_used |= sdpa

@@ -48,6 +48,9 @@ def overflow_risk(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 continue
             if o.dtype != o.ref and o.absmax >= 1e30:
                 continue  # an fp32 mask constant (finfo.min) among the outputs, not an activation
+            if o.absmax == DTYPE_LIMITS.get(o.ref, DTYPE_LIMITS["float32"])[0]:
+                continue  # exactly the dtype's max: a constant written there (finfo(float16).min as a mask, a
+                #           clamp to it), not a computed value coming close
             if _near(c.inp, cfg.near_max_bits) and c.inp.absmax >= 0.5 * o.absmax:
                 continue  # its input was already there: it passed the value on (dropout, a residual add, ...)
             if not _low(o) and not any(d.seq > c.seq for d in readers):
