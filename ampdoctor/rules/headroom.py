@@ -121,7 +121,8 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 chain.append(i)
             prod = min(chain, key=lambda j: order.get(mods[j][0], 0))
             first = min(chain, key=lambda j: bits_at(pts[j], w["step"]))
-            if mods[prod][0] not in owners:
+            if mods[prod][0] not in owners and not any(_inside(o, mods[prod][0]) for o in owners):
+                # (weightless all the way down: a module whose children hold weights grows by them)
                 factors = _factors(pts, mods, order, prod, w, named, owners)
                 if factors:  # a product of growing inputs (q @ k^T): its growth is theirs
                     chain += factors
