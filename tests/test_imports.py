@@ -13,8 +13,8 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ampdoctor")
 
 STAGES = {
-    0: ("ampdoctor", "errors", "config", "records", "findings", "fixes", "tensors", "fsutil", "env", "capture",
-        "capturecheck", "capturestruct"),
+    0: ("ampdoctor", "errors", "config", "records", "recordcodec", "thresholds", "findings", "fixes", "tensors",
+        "fsutil", "env", "capture", "capturecheck", "capturestruct"),
     1: ("record", "watch", "exits", "rundir",
         "integrations.deepspeed"),   # DeepSpeed's engine patch is a recorder part (like monitor's scaler patch)
     2: ("rules",),
