@@ -20,7 +20,8 @@ copied from one another. It owns
   unseen-variant sets' case run, its check at the producer and its twin's check;
 - `HealthyLoop`, `healthy_run`, `same_run`, `quiet_healthy`: the healthy probes' loop, its watched and unwatched
   runs, the bitwise comparison of the two and the check that the report is quiet;
-- `misuse_net`, `misuse_batch`: the loop-misuse files' small regression model and its data;
+- `misuse_net`, `misuse_batch`: the loop-misuse files' small regression model and its data; `misuse_run`,
+  `misuse_both`: their runner, watched and unwatched;
 - `DynamicLossScaler`: fairseq's loss scaler, for loops that keep their own loss scale (no GradScaler);
 - the hostile-input files' harness (test_hostile_*): `snapshot` (hashes of what a probe guards), `stderr_lines`,
   `error_line`, `no_traceback`, `one_line_or_report` (the CLI's answer to bad input), `strict_json`, `copy`,
@@ -799,6 +800,40 @@ def misuse_named(rep, rule, step, tags=None, severity=("error",), *, src):
         raise
     except AssertionError as e:
         raise WrongAnswer(f"top3={lines(rep)[:3]} ({str(e)[:700]})") from None
+
+
+def misuse_run(make, steps, watched, run_dir=None):
+    """The loop-misuse files' runner (test_loop_misuse_unseen3/4): make() -> a namespace with m, opt, sc, body(i)
+    (returns the iteration's loss, or a list of them); runs `steps` iterations watched (`ampdoctor.watch(m,
+    optimizer=opt, scaler=sc, run_dir=run_dir)`, closed, reported into `.rep`) or not. An exception torch raises
+    stops the loop: `.raised` = (iteration, message, the traceback's function names)."""
+    c = make()
+    c.watched, c.losses, c.raised = watched, [], None
+    w = ampdoctor.watch(c.m, optimizer=c.opt, scaler=c.sc, run_dir=run_dir) if watched else None
+    try:
+        for i in range(steps):
+            out = c.body(i)
+            c.losses.extend(out if isinstance(out, list) else [out])
+    except (RuntimeError, AssertionError) as e:
+        tb, funcs = e.__traceback__, []
+        while tb is not None:
+            funcs.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        c.raised = (i, str(e), funcs)
+    finally:
+        if w is not None:
+            w.close()
+    c.rep = w.report() if w is not None else None
+    return c
+
+
+def misuse_both(make, steps, run_dir=None):
+    """The watched run and the unwatched run of `make` (the oracles that need copies of the model run in the
+    unwatched one), with bitwise the same losses."""
+    a = misuse_run(make, steps, True, run_dir)
+    b = misuse_run(make, steps, False)
+    same_losses(a, b)
+    return a, b
 
 
 def misuse_quiet(rep):

@@ -81,10 +81,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ampdoctor
 from scenarios import one_thread
-from probe_harness import (gnorm, keep_stepped, learned, misuse_batch, misuse_named, misuse_net, misuse_quiet, near,
-                           ratio, same_losses, wrong)
+from probe_harness import (gnorm, keep_stepped, learned, misuse_batch, misuse_both, misuse_named, misuse_net,
+                           misuse_quiet, misuse_run, near, ratio, wrong)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -128,32 +127,7 @@ def weights(m):
     return [p.detach().clone() for p in m.parameters()]
 
 
-def run(make, steps, watched):
-    """make() -> a namespace with m, opt, sc, body(i) (returns the iteration's loss, or a list of them); runs `steps`
-    iterations (an exception torch raises stops the loop: c.raised = (iteration, message)), watched or not."""
-    c = make()
-    c.watched, c.losses, c.raised = watched, [], None
-    w = ampdoctor.watch(c.m, optimizer=c.opt, scaler=c.sc) if watched else None
-    try:
-        for i in range(steps):
-            out = c.body(i)
-            c.losses.extend(out if isinstance(out, list) else [out])
-    except (RuntimeError, AssertionError) as e:
-        c.raised = (i, str(e))
-    finally:
-        if w is not None:
-            w.close()
-    c.rep = w.report() if w is not None else None
-    return c
-
-
-def both(make, steps):
-    """The watched run and the unwatched run (the oracles that need copies of the model run there); bitwise the same
-    losses."""
-    a = run(make, steps, True)
-    b = run(make, steps, False)
-    same_losses(a, b)
-    return a, b
+run, both = misuse_run, misuse_both
 
 
 def named(rep, rule, step, tags=None, severity=ERR):

@@ -86,10 +86,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ampdoctor
 from scenarios import one_thread
-from probe_harness import (MISUSE_W, gnorm, keep_stepped, learned, misuse_batch, misuse_named, misuse_net,
-                           misuse_quiet, near, ratio, same_losses, wrong)
+from probe_harness import (MISUSE_W, gnorm, keep_stepped, learned, misuse_batch, misuse_both, misuse_named,
+                           misuse_net, misuse_quiet, near, ratio, wrong)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -127,37 +126,8 @@ def true_grads(m, idx, loss=fwd_loss):
     return [p.grad.detach().clone() for p in c.parameters()]
 
 
-def run(make, steps, watched, run_dir):
-    """make() -> a namespace with m, opt, sc, body(i) (returns the iteration's loss, or a list of them); runs `steps`
-    iterations (an exception torch raises stops the loop: c.raised = (iteration, message, traceback's functions)),
-    watched or not."""
-    c = make()
-    c.watched, c.losses, c.raised = watched, [], None
-    w = ampdoctor.watch(c.m, optimizer=c.opt, scaler=c.sc, run_dir=run_dir) if watched else None
-    try:
-        for i in range(steps):
-            out = c.body(i)
-            c.losses.extend(out if isinstance(out, list) else [out])
-    except (RuntimeError, AssertionError) as e:
-        tb, funcs = e.__traceback__, []
-        while tb is not None:
-            funcs.append(tb.tb_frame.f_code.co_name)
-            tb = tb.tb_next
-        c.raised = (i, str(e), funcs)
-    finally:
-        if w is not None:
-            w.close()
-    c.rep = w.report() if w is not None else None
-    return c
-
-
 def both(make, steps, tmp_path):
-    """The watched run and the unwatched run (the oracles that need copies of the model run there); bitwise the same
-    losses."""
-    a = run(make, steps, True, tmp_path / "run")
-    b = run(make, steps, False, None)
-    same_losses(a, b)
-    return a, b
+    return misuse_both(make, steps, tmp_path / "run")
 
 
 def named(rep, rule, step, tags=None, severity=ERR):
