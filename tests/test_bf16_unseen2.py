@@ -54,7 +54,8 @@ Result when written (torch 2.13 CPU; two runs identical, ~12 s): 5 pass, 3 stric
  F4 PASS  top3: `[error] overflow at arc aten::rsqrt step 0: the backward of AcosBackward0 in `arc` (aten::rsqrt)
     produced +inf from finite gradients ...`, `[error] eps_underflow at arc aten::clamp step 0: aten::clamp in `arc`
     uses the bound -0.999 (1 - 1e-03), which rounds to exactly -1 in bfloat16 ... the guard does nothing` (right;
-    it quotes the lower bound, the upper one 0.999 -> 1.0 is the one that fires). Only two findings.
+    it quotes the lower bound, the upper one 0.999 -> 1.0 is the one that fires). Only two findings. Since
+    (replay/constants._reached counts a bound's values on its own side): it quotes the bound 0.999.
  Twins T1-T4: quiet (no warning, no error), bitwise identical watched / unwatched, the loss falls.
 """
 from __future__ import annotations

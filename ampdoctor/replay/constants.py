@@ -97,14 +97,17 @@ _GUARDED = ("clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_ma
 
 def _reached(short: str, args, bound: bool, rounded: float) -> int | None:
     """How many values of the guarded tensor sit where the guard was meant to act but its rounded constant does not:
-    zeros (|x| <= the eps that became 0) or, for a 1 - eps bound that became 1, |x| >= 1. None where the op has
-    no guarded tensor (a fill, a where)."""
+    zeros (|x| <= the eps that became 0) or, for a 1 - eps bound that became ±1, values at or past it on its own
+    side (x >= 1 for an upper bound, x <= -1 for a lower one: `clamp(-1 + 1e-3, 1 - 1e-3)` before an acos names
+    the bound the values reached). None where the op has no guarded tensor (a fill, a where)."""
     x = args[0] if args else None
     if short not in _GUARDED or not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return None
     with torch.no_grad():
-        a = x.detach().abs()
-        return int((a >= 1.0).sum() if bound else (a <= abs(rounded)).sum())
+        if bound:
+            x = x.detach()
+            return int((x >= 1.0).sum() if rounded > 0 else (x <= -1.0).sum())
+        return int((x.detach().abs() <= abs(rounded)).sum())
 
 
 _INDEX_PUT = torch.ops.aten.index_put_.default
