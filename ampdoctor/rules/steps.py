@@ -96,8 +96,8 @@ def series_onset(steps: list[StepRecord], slot: int, kind: str, located: int) ->
             return located
         p = r.forward_producer
         if p is not None and not p.detail.get("mask_like"):
-            return located
-        if not (r.loss_finite is False or r.output_finite is False or r.exception):
+            return located  # located on a step of its own
+        if not r.forward_bad:
             continue
         h = r.headroom or {}
         fwd = h.get("fwd") or ()
