@@ -18,8 +18,8 @@ STAGES = {
     1: ("record", "watch", "exits", "rundir",
         "integrations.deepspeed"),   # DeepSpeed's engine patch is a recorder part (like monitor's scaler patch)
     2: ("rules",),
-    3: ("analysis", "analysis.ranking", "analysis.panels", "analysis.merging", "analysis.replaychoice", "analysis.replayfold", "summary",
-        "doctor", "replay"),
+    3: ("analysis", "analysis.ranking", "analysis.panels", "analysis.merging", "analysis.replaychoice", "analysis.replayfold",
+        "analysis.replayscaler", "summary", "doctor", "replay"),
     4: ("report",),
     5: ("cli", "__main__", "integrations"),
 }

@@ -1,10 +1,11 @@
 """Folding a replay into a report: re-run a bad step's capture (the one replaychoice.py chooses) with op-level
 instrumentation and let its findings refine the watch's module-level ones (the op, the layer inside the module),
-add what only the replay saw, and re-rank; the scaler findings follow a producer the replay located more
-precisely."""
+add what only the replay saw, and re-rank; the scaler findings then follow what the replay proved
+(replayscaler.py)."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 
 from ..errors import BadInput
 from ..findings import Finding, Report
@@ -13,6 +14,7 @@ from ..records import StepRecord
 from ..summary import verdict
 from .ranking import rank
 from .replaychoice import alarming, choose_replay, unexplained_skips
+from .replayscaler import applied, benign_backward, follow_refined, no_search, replay_stayed_finite
 
 __all__ = ["merge_capture_replay", "merge_replay", "run_replay", "fold_replay"]
 
@@ -55,79 +57,6 @@ def merge_capture_replay(rep: Report, steps: list[StepRecord], model, loss_fn=No
     replay that fails raises (BadInput); otherwise it only warns and the report stands as it was."""
     cap, rr = choose_replay(rep, steps, lambda c: run_replay(c, model, loss_fn, strict=strict))
     return rep if rr is None else fold_replay(rep, steps, cap, rr)
-
-
-def _follow_refined(findings: list[Finding], refined: set[int], before: list[str | None]) -> None:
-    """The scaler findings that named a producer module (loss_scale_collapse, skipped_steps: "it comes from X")
-    follow the replay where it located that producer more precisely inside X (under torch.compile the watch sees
-    only the root module; the replay of the capture names the layer), or where the hooks' producer was seen on a
-    later sampled step (evidence.observed_step) and the replay of the step itself named another module: the
-    scaler findings took their producer from those same later steps."""
-    moved: dict[str | None, str] = {}
-    for i, old in enumerate(before):
-        f = findings[i]
-        later = f.evidence.get("observed_step") not in (None, f.step)
-        if id(f) in refined and old is not None and f.module and f.module != old and (
-                not old or f.module.startswith(old + ".") or later):
-            moved.setdefault(old, f.module)
-    for i, f in enumerate(findings):
-        if f.phase == "scaler" and f.module in moved and id(f) not in refined:
-            new = moved[f.module]
-            msg = f.message.replace(f"`{f.module or '(root)'}`", f"`{new}`")
-            findings[i] = Finding(f.rule, f.severity, f.phase, new, f.op, f.step, msg, f.fix, f.evidence)
-
-
-def _benign_backward(findings: list[Finding], cap_step: int, search: dict) -> None:
-    """The replay of the captured step found its forward finite and its backward finite at a smaller loss scale
-    (`scaler_search.finite_at`): a backward overflow the records located at that step, and at no other, is
-    GradScaler's search (it skips the step and halves the scale), as the default sampling reads the same step from
-    the capture alone. `info`, as there; a backward that overflows again on later steps keeps its error."""
-    from ..replay.explain import scaler_search_text  # (the replay's own words for it; imported with the replay)
-    for i, g in enumerate(findings):
-        steps = g.evidence.get("steps") or [g.step]
-        if g.severity != "error" or g.phase != "backward" or g.rule not in ("overflow", "nan_origin") or \
-                g.step != cap_step or any(s != cap_step for s in steps):
-            continue
-        msg, fix = scaler_search_text(g.message.rstrip("."), search)
-        findings[i] = Finding(g.rule, "info", g.phase, g.module, g.op, g.step, msg, fix,
-                              dict(g.evidence, scaler_search=search))
-
-
-def _applied(rec: StepRecord | None) -> bool:
-    """The step's non-finite gradients were applied: the loop stepped the optimizer itself (`optimizer.step()`, not
-    `scaler.step()`) and nothing skipped the step. Its backward overflow is then no GradScaler search, whatever
-    loss scale would have made it finite (rules/callorder.py names the call)."""
-    return rec is not None and not rec.skipped and rec.grad_finite is False and any(
-        e.kind == "optimizer.step" and not e.via_scaler and not e.error for e in rec.events)
-
-
-def _replay_stayed_finite(findings: list[Finding], cap_step: int | None) -> None:
-    """The step's unlocated finding, when the replay of its capture made no inf/NaN at all: asking for that replay
-    would send the user in a circle. The step depended on something the capture does not hold."""
-    for i, g in enumerate(findings):
-        if g.evidence.get("unlocated") and g.step == cap_step and cap_step is not None:
-            msg = g.message.split("; replay its capture")[0]
-            findings[i] = Finding(
-                g.rule, g.severity, g.phase, g.module, g.op, g.step,
-                msg + "; the replay of its capture (run for this report) stayed finite, so the step depended on "
-                "something the capture does not hold: module state it could not keep (over 8 MiB of it, or first "
-                "changed late in the run), data the loop changed after the forward, or a nondeterministic kernel.",
-                "Watch with every=1 (full statistics every step) to name the layer on the step itself.",
-                dict(g.evidence, replay_finite=True))
-
-
-def _no_search(findings: list[Finding], cap_step: int | None) -> None:
-    """The replay found the captured step non-finite at every loss scale down to 1: a `skipped_steps` the records
-    took for a normal rate of GradScaler's search (info) is no search; it becomes a warning that says why."""
-    for j, k in enumerate(findings):
-        if k.rule == "skipped_steps" and k.severity == "info" and k.evidence.get("benign_backoff"):
-            findings[j] = Finding(
-                k.rule, "warning", k.phase, k.module, k.op, k.step,
-                f"GradScaler skipped {k.evidence.get('skipped', '?')} of {k.evidence.get('steps', '?')} "
-                f"steps; the replay of step {cap_step} finds its gradients non-finite at every loss scale "
-                f"down to 1, so step {cap_step}'s skip is not the scaler's search (see the finding above).",
-                "Fix the producer of the inf/NaN (the finding above); no loss scale can.",
-                dict(k.evidence, benign_backoff=False, rank_hint=70))
 
 
 def _of_step(g: Finding, step: int | None) -> bool:
@@ -184,29 +113,34 @@ def _skip_explained_by_forward(rr: Report, steps: list[StepRecord], cap: str) ->
             return
 
 
-def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> Report:
-    """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied).
-    Into a report with nothing wrong (the replay of an `unexplained_skip`) only the replay's errors go: a step that
-    no loss scale makes finite; a gradient spike the scaler handles leaves the report as it was."""
-    rr = Report.from_dict(rr.to_dict())
-    by_step = {r.step: r.capture for r in steps if r.capture}
-    # the replay tells what happened at the capture's step: a finding it confirms there (first seen on a later
-    # sampled step, the capture's own step being a routine one) dates from that step, its onset
-    cap_step = next((s for s, c in by_step.items() if c == cap), None)
-    if cap in unexplained_skips(steps):
-        _skip_explained_by_forward(rr, steps, cap)
-    if not alarming(rep):
-        rr.findings = [f for f in rr.findings if f.severity == "error"]
-        if not rr.findings:
-            return rep
-    findings = list(rep.findings)
-    before = [f.module for f in findings]
+@dataclass
+class _Fold:
+    """What folding reads of the replay: the capture `cap` (its step `cap_step`, that step's record `rec`), the
+    run's step records, the replay's report `rr`, its op events and its loss-scale search."""
+    cap: str
+    cap_step: int | None
+    steps: list[StepRecord]
+    rr: Report
+    ops: list = field(default_factory=list)
+    search: dict = field(default_factory=dict)
 
-    def onset(step):
-        return cap_step if cap_step is not None and step is not None and cap_step < step else step
+    @property
+    def rec(self) -> StepRecord | None:
+        return next((r for r in self.steps if self.cap_step is not None and r.step == self.cap_step), None)
+
+    def onset(self, step):
+        """A finding the replay confirms at the captured step (first seen on a later sampled step, the capture's
+        own step a routine one) dates from that step."""
+        cs = self.cap_step
+        return cs if cs is not None and step is not None and cs < step else step
+
+
+def _refine_producers(findings: list[Finding], x: _Fold, by_step: dict) -> set[int]:
+    """The op inside each module-level producer, from the replay's op events: each overflow/nan_origin warning or
+    error the replay locates is replaced (in place) by its op-level form. Returns the ids of those replaced."""
+    steps, cap, cap_step, rr, ops, onset = x.steps, x.cap, x.cap_step, x.rr, x.ops, x.onset
     refined: set[int] = set()
-    ops = (rr.data.get("replay") or {}).get("ops") or []
-    for i, g in enumerate(findings):  # the op inside each module-level producer, from the replay's op events
+    for i, g in enumerate(findings):
         # a module seen on a later sampled step (evidence.observed_step) went bad on another batch: the replay of
         # the capture of the step itself says which module made the inf/NaN there
         unlocated = bool(g.evidence.get("unlocated")) or (
@@ -248,19 +182,17 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
         findings[i] = Finding(rule, g.severity, ev.get("phase") or g.phase, ev["module"], ev.get("op"), onset(g.step),
                               msg, twin.fix if twin else g.fix, evd)
         refined.add(id(findings[i]))
-    fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
-    search = (rr.data.get("replay") or {}).get("scaler_search") or {}
-    # (not when the loss scale collapsed from that step on: finite at a smaller scale, but the run's scaler never
-    # settled there, as the records' loss_scale_collapse says; its skips are no search)
-    collapsed = any(f.rule == "loss_scale_collapse" and f.severity == "error" and f.step == cap_step for f in findings)
-    cap_rec = next((r for r in steps if cap_step is not None and r.step == cap_step), None)
-    if search.get("finite_at") is not None and not fwd_bad and cap_step is not None and not collapsed \
-            and not _applied(cap_rec):
-        _benign_backward(findings, cap_step, search)
+    return refined
+
+
+def _fold_findings(findings: list[Finding], refined: set[int], x: _Fold, fwd_bad: bool, any_scale: bool) -> None:
+    """The replay's own op-level findings, ranked root cause first, folded into `findings` (in place): each refines
+    the first watch finding it matches (the first op-level match per watch finding wins), promotes an info finding
+    the replay proves wrong, or is added as what only the replay saw."""
+    steps, cap, cap_step, rr, search, onset = x.steps, x.cap, x.cap_step, x.rr, x.search, x.onset
+    cap_rec = x.rec
     cap_bad_fwd = cap_rec is not None and (cap_rec.loss_finite is False or cap_rec.output_finite is False)
-    any_scale = bool(search.get("tried")) and search.get("finite_at") is None and any(
-        t.get("scale") == 1.0 and t.get("finite") is False for t in search["tried"])
-    for f in rr.findings:  # ranked root cause first: the first op-level match per watch finding wins
+    for f in rr.findings:
         if f.rule not in _OPLEVEL or f.severity == "info":
             continue
         if f.phase == "backward" and fwd_bad:
@@ -273,7 +205,7 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                 findings[i] = _promoted(f, findings[i], cap, onset, " No loss scale makes it finite (the replay "
                                         "tried down to 1).", scaler_search=search)
                 refined.add(id(findings[i]))
-                _no_search(findings, cap_step)  # nor are the skips it caused a normal rate
+                no_search(findings, cap_step)  # nor are the skips it caused a normal rate
                 continue
         if f.rule in ("overflow", "nan_origin") and f.severity == "error" and f.phase == "forward" \
                 and f.module is not None and cap_bad_fwd:
@@ -298,11 +230,11 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
                 g = findings[i]
                 other_way = "; the model's outputs stayed finite: its inf/NaN reached the loss another way (a value " \
                     "the module keeps, e.g. as an attribute, that the loss reads)"
+                ev = dict(g.evidence, **{k: v for k, v in f.evidence.items() if k != "rank_hint"},
+                          module_level_rule=g.rule, from_replay=cap)
+                outs_finite = cap_rec is not None and cap_rec.output_finite is True
                 findings[i] = Finding(f.rule, "error", f.phase, f.module, f.op, onset(g.step),
-                                      f.message + (other_way if cap_rec is not None and cap_rec.output_finite is True
-                                                   else ""), f.fix, dict(g.evidence, **{k: v for k, v in f.evidence.items()
-                                                                            if k != "rank_hint"},
-                                                            module_level_rule=g.rule, from_replay=cap))
+                                      f.message + (other_way if outs_finite else ""), f.fix, ev)
                 refined.add(id(findings[i]))
                 continue
         if f.rule in ("overflow", "nan_origin"):
@@ -341,14 +273,11 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             if f.step is None:
                 f.step = next((g.step for g in findings if g.module == f.module), None)
             findings.append(f)
-    _follow_refined(findings, refined, before)
-    if any_scale and any(f.severity == "error" and f.rule in ("overflow", "nan_origin") and f.module is not None
-                         and f.evidence.get("from_replay") == cap for f in findings):
-        _no_search(findings, cap_step)  # (an error the replay added to a report with nothing else wrong, too)
-    if not any(o.get("kind") in ("overflow", "nan_origin") for o in ops):
-        _replay_stayed_finite(findings, cap_step)
-    # two module-level findings refined onto the same op of the same step (a later step's finding re-dated to the
-    # captured one) say one thing: keep one
+
+
+def _one_per_op(findings: list[Finding]) -> list[Finding]:
+    """Two module-level findings refined onto the same op of the same step (a later step's finding re-dated to the
+    captured one) say one thing: the first is kept."""
     seen: set = set()
     unique = []
     for f in findings:
@@ -357,7 +286,48 @@ def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> R
             continue
         seen.add(key)
         unique.append(f)
-    rep.findings = rank(unique)
+    return unique
+
+
+def fold_replay(rep: Report, steps: list[StepRecord], cap: str, rr: Report) -> Report:
+    """Fold the replay `rr` of capture `cap` into `rep` (`rr` itself is left as it was: its findings are copied).
+    Into a report with nothing wrong (the replay of an `unexplained_skip`) only the replay's errors go: a step that
+    no loss scale makes finite; a gradient spike the scaler handles leaves the report as it was."""
+    rr = Report.from_dict(rr.to_dict())
+    by_step = {r.step: r.capture for r in steps if r.capture}
+    # the replay tells what happened at the capture's step: a finding it confirms there (first seen on a later
+    # sampled step, the capture's own step being a routine one) dates from that step, its onset
+    cap_step = next((s for s, c in by_step.items() if c == cap), None)
+    if cap in unexplained_skips(steps):
+        _skip_explained_by_forward(rr, steps, cap)
+    if not alarming(rep):
+        rr.findings = [f for f in rr.findings if f.severity == "error"]
+        if not rr.findings:
+            return rep
+    findings = list(rep.findings)
+    before = [f.module for f in findings]
+    x = _Fold(cap, cap_step, steps, rr, (rr.data.get("replay") or {}).get("ops") or [],
+              (rr.data.get("replay") or {}).get("scaler_search") or {})
+    refined = _refine_producers(findings, x, by_step)
+    fwd_bad = any(f.phase == "forward" and f.rule in ("overflow", "nan_origin") for f in rr.findings)
+    search = x.search
+    # (not when the loss scale collapsed from that step on: finite at a smaller scale, but the run's scaler never
+    # settled there, as the records' loss_scale_collapse says; its skips are no search)
+    collapsed = any(f.rule == "loss_scale_collapse" and f.severity == "error" and f.step == cap_step for f in findings)
+    cap_rec = x.rec
+    if search.get("finite_at") is not None and not fwd_bad and cap_step is not None and not collapsed \
+            and not applied(cap_rec):
+        benign_backward(findings, cap_step, search)
+    any_scale = bool(search.get("tried")) and search.get("finite_at") is None and any(
+        t.get("scale") == 1.0 and t.get("finite") is False for t in search["tried"])
+    _fold_findings(findings, refined, x, fwd_bad, any_scale)
+    follow_refined(findings, refined, before)
+    if any_scale and any(f.severity == "error" and f.rule in ("overflow", "nan_origin") and f.module is not None
+                         and f.evidence.get("from_replay") == cap for f in findings):
+        no_search(findings, cap_step)  # (an error the replay added to a report with nothing else wrong, too)
+    if not any(o.get("kind") in ("overflow", "nan_origin") for o in x.ops):
+        replay_stayed_finite(findings, cap_step)
+    rep.findings = rank(_one_per_op(findings))
     if rr.data.get("replay"):
         rep.data["replay"] = rr.data["replay"]
     rep.summary["verdict"] = verdict(rep.findings, rep.summary.get("steps", len(steps)), rep.summary.get("crash"),
