@@ -118,7 +118,11 @@ class MonitorCallbacks:
                 _refilled(st, opt)
             if kind == "unscale_":
                 st.unscaled_opts.append(opt)
-        ev.internal = st.in_scaler_step > 0  # e.g. the unscale_ that scaler.step() does itself
+        # e.g. the unscale_ that scaler.step() does itself; it never calls update(): an update inside it is the
+        # user's, from an optimizer step hook (rules/callorder.py)
+        ev.internal = st.in_scaler_step > 0 and kind != "update"
+        if kind == "update" and st.in_scaler_step > 0:
+            ev.extra["in_step"] = True
         if kind == "scale":
             if st.scaled_outs and not st.scale_reads and any(r[1] for _, r, _, _ in st.scaled_outs):
                 # the gradients of a scaled loss were taken with create_graph (torch.autograd.grad: a gradient

@@ -99,11 +99,13 @@ class StepEnds:
             if (st.phase is StepPhase.OPEN and st.exception is None and (mid_run or self.records)
                     and not any(e.error for e in st.events)):
                 fwd_ok, grads_ok = self._open_finite()
-                if fwd_ok and grads_ok and (mid_run or not st.discarded):
+                if fwd_ok and grads_ok and (mid_run or not st.discarded) and (mid_run or not _read_scaled(st)):
                     # an iteration not (yet) at its optimizer step, with nothing non-finite in it and no call that
                     # raised (a scaler error the loop caught): a report taken inside it leaves it to the iteration;
                     # at the end it is no step (a loop that stopped after the backward), unless it holds iterations
-                    # the loop threw away (kept: they are the run's last ones)
+                    # the loop threw away (kept: they are the run's last ones), or it read the gradients' norm while
+                    # they were scaled (a spike guard reading the scaled norm skips every iteration: kept, so the
+                    # rules see the read, rules/clipscaled.py)
                     return
                 if fwd_ok and not grads_ok and not mid_run and self.threw_away and self.w.scaler is None:
                     # a loop that keeps its own loss scale, ended on an iteration it threw away (its growth probe
@@ -131,6 +133,11 @@ class StepEnds:
             return False, False
         _, grads = model_grads(self)
         return True, not grads or bool(torch.isfinite(norms(grads, math.inf)).all())
+
+
+def _read_scaled(st) -> bool:
+    """A clip or norm read on the open step's gradients while they were still multiplied by the loss scale."""
+    return any(e.kind.startswith(("clip_grad", "get_total_norm")) and e.scaled for e in st.events)
 
 
 def _held(opts) -> set:

@@ -77,6 +77,13 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "fp16 gradients had no protection from underflow and the scaler cannot unscale or skip them.",
                 "Backpropagate the scaled loss — `scaler.scale(loss).backward()`, or the framework's own "
                 "backward (`accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`):\n" + ORDER)
+        elif e.kind == "update" and e.extra.get("in_step"):
+            add("scaler_misorder", e, f"`scaler.update()` at {_loc(e)} ran inside `scaler.step()` (from an optimizer "
+                "step hook, or the optimizer's own step()): on a step GradScaler skips (inf/NaN gradients) the "
+                "optimizer's step and its hooks never run, so the scale is not lowered and the next `unscale_` "
+                "raises; before the optimizer's step it clears the inf checks, so an `update()` after the step "
+                "finds none.", "Call `scaler.update()` once per iteration in the loop, after `scaler.step()`; a "
+                "hook inside the step may read `scaler.get_scale()`, not update it:\n" + ORDER)
         elif e.kind in ("unscale_", "step") and not e.error and enabled and last_update is not None and \
                 not e.extra.get("adopted") and \
                 first_scale is not None and first_scale < last_update and _unscaled_since_update(since_update) \
@@ -228,10 +235,14 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "no protection from underflow.",
                 "Backpropagate the scaled loss: `scaler.scale(loss).backward()`:\n" + ORDER)
         elif e.kind == "optimizer.step" and (again := _stepped_again(events, i, first_scale)) is not None:
-            add("scaler_misorder", e, f"`optimizer.step()` ran twice in one iteration on the same gradients (first "
+            add("scaler_misorder", e, (f"`optimizer.step()` at {_loc(e)} ran after `scaler.step()` at {_loc(again)} "
+                "on the same gradients: GradScaler skipped that step (its gradients held inf/NaN) and this call "
+                "applied them anyway, so the weights take the inf/NaN; on steps the scaler does not skip it applies "
+                "every update twice." if again.kind == "step" else
+                f"`optimizer.step()` ran twice in one iteration on the same gradients (first "
                 f"at {_loc(again)}{' through scaler.step()' if again.via_scaler else ''}, again at {_loc(e)}), with no "
                 "backward between them: every update is applied twice, the second time on gradients a second "
-                "GradScaler divided again, or without the scaler's inf check.",
+                "GradScaler divided again, or without the scaler's inf check."),
                 "Step each optimizer once per iteration through one GradScaler: backpropagate every loss through "
                 "the same scaler (`scaler.scale(l_main + l_aux).backward()`), then one `scaler.step(optimizer)` and "
                 "one `scaler.update()`:\n" + ORDER, {"first_step_line": again.line})

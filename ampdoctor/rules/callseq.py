@@ -71,7 +71,8 @@ def _zeroed_between_backwards(since_update: list[CallEvent], e: CallEvent, micro
 def _stepped_again(events: list[CallEvent], i: int, first_scale: int | None) -> CallEvent | None:
     """The earlier `optimizer.step` of the same optimizer as `events[i]` with no scaled backward or zero_grad between
     them (an update() between them does not count): the same gradients stepped twice (one GradScaler per loss, each
-    stepping the one optimizer; `scaler.step(opt)` then `opt.step()`; a helper's step + update and the loop's again).
+    stepping the one optimizer; `scaler.step(opt)` then `opt.step()`; a helper's step + update and the loop's again),
+    or the `scaler.step(opt)` that skipped them (inf/NaN) before a direct `opt.step()` applied them.
     Only in a loop that scales its losses: one whose scaler is off may backpropagate the raw loss and zero the
     gradients through the module (neither is a recorded call): `first_scale`, the index of the run's first scale."""
     e = events[i]
@@ -81,7 +82,9 @@ def _stepped_again(events: list[CallEvent], i: int, first_scale: int | None) -> 
         p = events[j]
         if p.kind in ("scale", "zero_grad"):
             return None
-        if p.kind == "optimizer.step" and p.opt == e.opt and not p.error:
+        if p.kind == "optimizer.step" and p.opt == e.opt and not p.error or \
+                p.kind == "step" and p.opt == e.opt and not p.error and not e.via_scaler:
+            # (a `scaler.step` of the optimizer with no optimizer step after it: GradScaler skipped it, inf/NaN)
             return p if first_scale is not None and first_scale < j else None
     return None
 

@@ -27,14 +27,23 @@ def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
     clipping = clip is not None
     norm = e.total_norm
     then = f"; `{clip.kind}` at {_loc(clip)} then clipped with it" if clipping and clip is not e else ""
-    msg = (f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}){then} — "
-           f"{'the scaled norm was clipped, so the real update is shrunk by ~the scale factor' if clipping else 'the norm it read is scale× too large'}"
-           f" (seen on {len(hits)} step(s)).")
-    ev = {"api": f"torch.nn.utils.{e.kind}", "file": e.file, "line": e.line, "stage": e.stage, "loss_scale": r.scale, "norm_seen": norm,
-          "norm_unscaled_estimate": norm / r.scale if norm and r.scale else None, "calls": len(hits),
+    n_steps = len({rr.step for rr, _ in hits})
+    seen = f"{n_steps} step(s)" + (f", {len(hits)} calls" if len(hits) > n_steps else "")
+    # the step never reached an optimizer step over several iterations: the loop acted on the scaled norm by
+    # skipping them (a spike guard), and training stopped there (record/stepends.py keeps such a step)
+    stopped = r.micro_batches > 1 and not any(x.kind in ("step", "optimizer.step") for x in r.events)
+    harm = ('the scaled norm was clipped, so the real update is shrunk by ~the scale factor' if clipping
+            else 'the norm it read is scale× too large')
+    if stopped:
+        harm += (f"; from step {r.step} on the loop stepped no optimizer in its last {r.micro_batches} iterations "
+                 "(a guard that skips on a large norm skips them all: training stopped there)")
+    msg = f"`{e.kind}` at {_loc(e)} ran on gradients still multiplied by the loss scale ({r.scale:g}){then} — " \
+          f"{harm} (seen on {seen})."
+    ev = {"api": f"torch.nn.utils.{e.kind}", "file": e.file, "line": e.line, "stage": e.stage, "loss_scale": r.scale,
+          "norm_seen": norm, "norm_unscaled_estimate": norm / r.scale if norm and r.scale else None, "calls": len(hits),
           "sequence": _seq(r.events), "rank_hint": 3}
-    return [Finding("clip_before_unscale", "error" if clipping else "warning", "optimizer", None, None, r.step, msg,
-                    "Call `scaler.unscale_(optimizer)` before clipping:\n" + ORDER, ev)]
+    return [Finding("clip_before_unscale", "error" if clipping or stopped else "warning", "optimizer", None, None,
+                    r.step, msg, "Call `scaler.unscale_(optimizer)` before clipping:\n" + ORDER, ev)]
 
 
 def _penalty_scaled(run: RunData) -> list[Finding]:
