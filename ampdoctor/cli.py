@@ -96,6 +96,13 @@ def _check_outputs(args, src: str) -> None:
         resolve(args.loss, "--loss")
     if hasattr(args, "no_html") and not args.no_html:
         check_out_dir(args.out or _default_out(src), "--out", force=args.force)
+        if getattr(args, "json", None):  # (the HTML would be written over the JSON, or the JSON over a plot)
+            from .fsutil import OUT_MARKER
+            from .report.plots import PLOT_FILES
+            out, j = os.path.realpath(args.out or _default_out(src)), os.path.realpath(args.json)
+            if os.path.dirname(j) == out and os.path.basename(j) in {"index.html", OUT_MARKER, *PLOT_FILES.values()}:
+                raise BadInput(f"--json {args.json}: the HTML report writes {os.path.basename(j)} into its --out "
+                               "directory; write the JSON elsewhere")
     if getattr(args, "tensorboard", None):
         check_out_dir(args.tensorboard, "--tensorboard", force=True)
 

@@ -232,6 +232,19 @@ def _loads(raw: bytes):
         return json.loads(raw.decode("utf-8", errors="replace"))
 
 
+def _written_again(first: StepRecord, again: StepRecord) -> bool:
+    """`again` is `first`'s step written again whole: the rest of an iteration a mid-run report recorded part of
+    (record/storage.folded: the first part went wrong before its optimizer step, and the whole holds its calls and
+    module statistics first), or the record ampdoctor left when it switched itself off in that step."""
+    if again.internal_error:
+        return True
+    went_wrong = first.loss_finite is False or first.output_finite is False or first.grad_finite is False or \
+        first.exception is not None or any(e.error for e in first.events)
+    # (by repr: a NaN statistic equals itself there)
+    return went_wrong and repr(again.events[:len(first.events)]) == repr(first.events) and \
+        repr(again.modules[:len(first.modules)]) == repr(first.modules)
+
+
 def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRecord]]:
     """Read one run (default: the last) of a single-rank run directory. Raises BadInput on foreign data.
     Lines that are not JSON (torn by a killed writer, anywhere in the file) are skipped; a file with records
@@ -284,12 +297,15 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
                     continue
                 try:
                     rec = StepRecord.from_dict(d)
-                    if steps and steps[-1].step == rec.step:  # a step written again whole (record/storage.folded)
-                        steps[-1] = rec
-                    else:
-                        steps.append(rec)
                 except (TypeError, ValueError, AttributeError, KeyError) as e:
                     raise BadInput(f"{sp}:{lineno}: malformed step record ({e.__class__.__name__}: {e})") from None
+                if steps and steps[-1].step == rec.step:
+                    if not _written_again(steps[-1], rec):
+                        raise BadInput(f"{sp}:{lineno}: a second record of step {rec.step} of run {run_id} that "
+                                       "does not continue the first (the records of two runs mixed?); refusing")
+                    steps[-1] = rec  # a step written again whole (record/storage.folded)
+                else:
+                    steps.append(rec)
         except OSError as e:
             raise BadInput(f"{sp}: cannot read the records ({e.strerror or e})") from None
         finally:

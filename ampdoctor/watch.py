@@ -7,6 +7,7 @@ come from the optimizer / GradScaler themselves; the user's loop needs no extra 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import weakref
 
@@ -63,15 +64,28 @@ class Watch:
                              "(w.close() or leave its `with` block).")
         if config is not None and every is not None:
             raise WatchError("pass either every= or config=, not both")
+        if config is not None and not isinstance(config, WatchConfig):
+            raise WatchError(f"config= expects an ampdoctor.WatchConfig, got {type(config).__name__} (from a dict: "
+                             "config=WatchConfig(**d))")
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise WatchError(f"writer= expects a TensorBoard SummaryWriter (with add_scalar), got "
+                             f"{type(writer).__name__}; for a log directory pass tensorboard_dir=")
+        if tensorboard_dir is not None and os.path.exists(tensorboard_dir) and not os.path.isdir(tensorboard_dir):
+            raise WatchError(f"tensorboard_dir={os.fsdecode(tensorboard_dir)!r} is a file, not a directory")
         self.config = config or (WatchConfig(every=every) if every is not None else WatchConfig())
         if headroom is not None:  # the per-step headroom series (WatchConfig.headroom)
             # (a string other than "auto" is refused by WatchConfig, not read as True; 0/1 and numpy bools are bools)
             self.config = dataclasses.replace(self.config, headroom=headroom if isinstance(headroom, (bool, str))
                                               else bool(headroom))
         self.model = model
-        self.run_dir = None if run_dir is None else str(run_dir)
+        self.run_dir = None if run_dir is None else os.fsdecode(run_dir) if isinstance(run_dir, (bytes, os.PathLike)) \
+            else str(run_dir)
         params = {id(p) for p in model.parameters()}
         if optimizer is not None:
+            if not params:
+                raise WatchError(f"the model ({type(model).__name__}) has no parameters, but optimizer= was given: "
+                                 "watch the model the optimizer trains, not the loss module or another "
+                                 "parameter-free module")
             if not hasattr(optimizer, "param_groups"):
                 raise WatchError(f"optimizer= expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
             opt_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -348,6 +362,12 @@ class Watch:
 
 
 _SCALER_CALLS = ("scale", "unscale_", "step", "update")
+
+
+def watch_of(model: nn.Module) -> "Watch | None":
+    """The open watch of `model`, if one holds it."""
+    w = _WATCHED.get(model)
+    return w if w is not None and not w.closed else None
 
 
 def _runs_alone(model) -> bool:

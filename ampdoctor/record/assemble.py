@@ -116,8 +116,8 @@ def _detail(m, st, s: dict, probes: list) -> tuple:
         if nonfin:
             bad_param_modules.add(mod)
         dt, n = dtypes.get(name, ("?", 0))
-        if st.sampled and name in m.param_by_name:  # as it is now (a model .half()'d after the watch began)
-            dt = str(m.param_by_name[name].dtype).replace("torch.", "")
+        if st.sampled and name in m.param_by_name:  # as the step ran (a model .half()'d after the watch began)
+            dt = str((st.step_dtypes or {}).get(name) or m.param_by_name[name].dtype).replace("torch.", "")
         u = upd.get(name)
         params.append(ParamStat(name=name, module=mod, dtype=dt, numel=n, grad_norm=l2, grad_absmax=amax,
                                 grad_nonfinite=int(nonfin), update_sampled=int(u[1]) if u else 0,

@@ -172,7 +172,7 @@ def maybe_capture(m, st) -> None:
         return
     try:
         from ..capture import write_capture
-        if w.run_dir:
+        if w.run_dir and (m.writer is None or m.writer.ok):  # (a run directory it could not write: as without)
             path = _fresh_dir(os.path.join(w.run_dir, *([f"rank-{w.meta.rank}"] if w.meta.rank is not None and
                                                         (w.meta.world_size or 1) > 1 else []), "captures"),
                               str(st.step), getattr(m.writer, "run", None))

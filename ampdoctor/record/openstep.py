@@ -102,6 +102,7 @@ class _Step:
     zeroed: list = field(default_factory=list)  # (zero_grad event, optimizer, its gradients then): optsink.zero_grad_done
     acc_grads: list = field(default_factory=list)      # (micro, abs-max of the gradients accumulated before it)
     pw_index: list = field(default_factory=list)       # params whose weights were checked at presync
+    step_dtypes: dict | None = None  # sampled: each parameter's dtype as the optimizer step found it (presync)
     w_start: object = None                             # their abs-max when the step's forward began (sampled)
     bad_buffer: dict | None = None                     # a written buffer that turned non-finite (buffers.py)
     outside: tuple | None = None                       # frozen fp16 weights written since the last sampled step

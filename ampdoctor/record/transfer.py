@@ -24,6 +24,13 @@ from .stats import NSTAT
 __all__ = ["presync", "presync_more", "stage_rows", "resolve", "found_inf_all"]
 
 
+def _cuda_scaler(scaler) -> bool:
+    """A CUDA GradScaler that is on: its values are read without a synchronisation of their own (a disabled one, e.g.
+    `torch.cuda.amp.GradScaler()` on a machine without CUDA, syncs nothing: the step's values are read now)."""
+    return scaler is not None and getattr(scaler, "_device", "") == "cuda" and getattr(scaler, "_enabled", True) \
+        is not False
+
+
 def found_inf_all(m) -> None:
     """At scaler.update() with several optimizers on one scaler: whether any of them found inf this iteration
     (presync ran at the first scaler.step and saw only that optimizer's). Queued like presync's values."""
@@ -33,7 +40,7 @@ def found_inf_all(m) -> None:
     fi = [v.detach().double().reshape(()) for s in states.values() for v in s.get("found_inf_per_device", {}).values()]
     if fi:
         m.st.late = Pending([("found_inf_all", torch.stack(fi).sum())],
-                             getattr(m.w.scaler, "_device", "") == "cuda", slots=m.host_slots,
+                             _cuda_scaler(m.w.scaler), slots=m.host_slots,
                              slot=("late", m.st.step & 1))
 
 
@@ -83,6 +90,8 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
             parts.append(("g_amax", norms(grads, math.inf)))
             if st.sampled:
                 parts.append(("g_l2", norms(grads, 2)))
+    if st.sampled:  # (the dtypes the step ran with: a model .half()'d after the loop, before close, ran fp32)
+        st.step_dtypes = {n: p.dtype for n, p in m.params}
     if st.sampled and m.params:  # are the weights themselves finite?
         st.pw_index = st.pw_index or checked_weights(m)  # (taken at the forward's start when it ran)
         # on the CPU nothing is gained by queueing: the weights are checked in resolve, on bad steps only
@@ -115,7 +124,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         parts.append(("intp", torch.stack(st.probes)))
         st.probes = []
     parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/record/headroom.py)
-    asynchronous = m.w.scaler is not None and getattr(m.w.scaler, "_device", "") == "cuda"
+    asynchronous = _cuda_scaler(m.w.scaler)
     st.pending = Pending(parts, asynchronous, via_scaler, grads_scaled, m.host_slots, ("main", st.step & 1))
     st.advance(StepPhase.STAGED)
     st.half = (len(st.losses), len(st.out_ok))

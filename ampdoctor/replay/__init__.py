@@ -10,6 +10,7 @@ passed in is left exactly as it was: weights, buffers, modes, grads and RNG are 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -27,7 +28,7 @@ from ..tensors import nonfinite_input, tb_module
 from . import explain, modelio, shadow as shadow_mod
 from .optrace import OpTracer
 from .skeleton import entry_view
-from .searches import _backward_events, _first_line, _fix, _low_precision_first, _lowp, _scaler_search
+from .searches import _backward_events, _first_line, _fix, _low_precision_first, _lowp, _scaler_search, code_device
 
 __all__ = ["replay"]
 
@@ -87,6 +88,8 @@ def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Cal
                        "does not hold; its replay runs in the training process (w.report() / w.close())")
     if isinstance(loss_fn, str):
         loss_fn = modelio.resolve(loss_fn, "--loss")
+    if loss_fn is not None and not callable(loss_fn):
+        raise BadInput(f"loss_fn must be a callable (or a 'package.module:fn' string), got {type(loss_fn).__name__}")
     m = modelio.build_model(cap, model)
     if model is None or isinstance(model, str):
         modelio.match_capture_dtype(m, cap.state_dict)   # a model we built may take the capture's dtype
@@ -95,9 +98,25 @@ def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Cal
         m = copy.deepcopy(m)   # never move the caller's model
     # the batch went into one module of the model, not its own forward (record/entries.py)
     m = entry_view(m, ((cap.manifest or {}).get("extra") or {}).get("entry"))
-    with modelio.preserved(m), modelio.inline_reentrant_checkpoints():
+    with modelio.preserved(m), modelio.inline_reentrant_checkpoints(), _unwatched(model):
         modelio.module_to(m, dev)
         return _replay(cap, m, loss_fn, dev, shadow, whatif, fix_search, say)
+
+
+@contextlib.contextmanager
+def _unwatched(model):
+    """A model an open watch holds (a replay called mid-run on the training model): its watch records nothing of
+    the replay's forwards and backwards (as Watch.replayed suspends it)."""
+    from ..watch import watch_of
+    w = watch_of(model) if isinstance(model, torch.nn.Module) else None
+    if w is None:
+        yield
+        return
+    before, w.machine.suspended = w.machine.suspended, True
+    try:
+        yield
+    finally:
+        w.machine.suspended = before
 
 
 def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
@@ -135,12 +154,9 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         try:
             out, loss, grads = modelio.run_step(m, args, kwargs, device=devtype, dtype=dtype, rng=cap.rng,
                                                 loss_fn=loss_fn, scale=scale, on_backward=tracer.backward_begins)
-        except RuntimeError as e:
-            if _SHAPES.search(str(e)):  # shapes do not depend on values: a model that does not fit the capture
-                raise BadInput(f"replaying the capture failed in the model (it does not fit the capture's batch): "
-                               f"{_first_line(e)}") from None
-            forward_error = _first_line(e)
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+        except (NotImplementedError, AssertionError, TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            # (NotImplementedError: an abstract forward; AssertionError: a model's or loss's check of the batch's
+            # shape; both subclasses of what the step's own failure may raise, so asked the same way)
             if not any(ev.phase == "forward" for ev in tracer.events) or tb_module(
                     e, {id(mod): n for n, mod in m.named_modules()}, None) is None:
                 raise BadInput(f"replaying the capture failed in the model: {type(e).__name__}: {_first_line(e)}")
@@ -149,6 +165,11 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             # step's failure replayed as it happened, not a model that does not fit the capture (nor a loss
             # function that does not fit the outputs: that raises outside every module's forward)
             forward_error = f"{type(e).__name__}: {_first_line(e)}"
+        except RuntimeError as e:
+            if _SHAPES.search(str(e)):  # shapes do not depend on values: a model that does not fit the capture
+                raise BadInput(f"replaying the capture failed in the model (it does not fit the capture's batch): "
+                               f"{_first_line(e)}") from None
+            forward_error = _first_line(e)
     if forward_error and tracer.exception_module is not None:
         for c in tracer.constants:
             c.setdefault("raised_here", c["module"] == tracer.exception_module)
@@ -214,7 +235,8 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
 
     bad_input = nonfinite_input(cap.args, cap.kwargs)
     findings = explain.build_findings(events=failing, consts=tracer.constants, step_bad=step_bad,
-                                      step=cap.step, device=devtype, forward_error=forward_error, fix=fix,
+                                      step=cap.step, device=code_device(cap, devtype), forward_error=forward_error,
+                                      fix=fix,
                                       suspects=suspects, dtype=dtype_name, error_module=tracer.exception_module,
                                       softmax_inputs=tracer.softmax_inputs, sdpa_used=tracer.sdpa_used,
                                       scaler_search=scaler_search)

@@ -104,6 +104,11 @@ def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
         parts = [f"{label} {', '.join(x[:3])}{' …' if len(x) > 3 else ''}"
                  for label, x in (("missing", missing), ("unexpected", unexpected), ("shape", shape)) if x]
         raise BadInput("model does not match capture: " + "; ".join(parts))
+    meta = [k for k, v in own.items() if v.is_meta and k in state_dict]
+    if meta:  # (copying into a meta tensor is a no-op: the replay would run without the capture's weights)
+        raise BadInput(f"the model's {meta[0]}{f' (and {len(meta) - 1} more)' if len(meta) > 1 else ''} is on the "
+                       "meta device, with no storage to load the capture's weights into: build the model on a real "
+                       "device (or call `.to_empty(device=\"cpu\")` in the factory)")
     # one tensor of the model under several names (tied weights): the capture must hold one value for it too,
     # or the capture came from a model where they were separate (the last one loaded would silently win)
     first: dict = {}

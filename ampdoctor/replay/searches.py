@@ -16,6 +16,12 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
+def code_device(cap, devtype: str) -> str:
+    """The device type a fix's code names: the training run's autocast device (the capture's), not the one the
+    replay ran on (a CUDA capture replayed on a CPU-only machine is fixed with `device_type="cuda"`)."""
+    return ((cap.autocast or {}).get("device") if cap is not None else None) or devtype
+
+
 def _backward_events(m, args, kwargs, devtype, dtype, cap, loss_fn) -> list:
     """The op trace's events of the same step at loss scale 1, low-precision first ([] when it raised)."""
     tracer = OpTracer(m)
@@ -108,7 +114,7 @@ def _fix(m, args, kwargs, devtype, dtype, cap, loss_fn, scale, first, ref) -> di
             except Exception:
                 root_err = None
         res["output_rel_err_vs_fp32"] = None if root_err is None or not math.isfinite(root_err) else root_err
-        res["snippet"] = fixsearch.snippet(res["modules"], devtype)
+        res["snippet"] = fixsearch.snippet(res["modules"], code_device(cap, devtype))
     else:
         res["snippet"] = ""
     return res

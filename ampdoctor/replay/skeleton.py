@@ -140,12 +140,20 @@ def alone(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def for_replay(live: torch.nn.Module, skel: torch.nn.Module | None) -> torch.nn.Module:
-    """`live` while its parameters and buffers are still those the capture was taken of (names, shapes, dtypes),
-    else the skeleton on `live`'s device (uninitialised: the replay loads the capture's weights into it)."""
-    if skel is None or _layout(live) == _layout(skel):
+    """`live` while its parameters and buffers are still those the capture was taken of (names, shapes, dtypes,
+    storage), else the skeleton on `live`'s device (uninitialised: the replay loads the capture's weights into it)."""
+    if skel is None or _layout(live) == _layout(skel) and not _freed(live, skel):
         return live
     dev = next((t.device for t in itertools.chain(live.parameters(), live.buffers()) if not t.is_meta), None)
     return _materialise(skel, dev or torch.device("cpu"))
+
+
+def _freed(live: torch.nn.Module, skel: torch.nn.Module) -> bool:
+    """`live` holds meta tensors where the model had storage when the capture was written (`model.to("meta")` to
+    free it before the watch closes): nothing to run on."""
+    keep = skel.__dict__.get("_ampdoctor_meta", set())
+    kept = {k for k, t in skel.state_dict(keep_vars=True).items() if id(t) in keep}
+    return any(t.is_meta and k not in kept for k, t in live.state_dict(keep_vars=True).items())
 
 
 def _materialise(skel: torch.nn.Module, dev: torch.device) -> torch.nn.Module:

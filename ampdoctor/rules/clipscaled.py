@@ -82,36 +82,50 @@ def _round(x: float) -> bool:
 
 
 def _hook_clamped(run: RunData) -> list[Finding]:
-    """Gradient hooks that clamp during the scaled backward (`p.register_hook(lambda g: g.clamp(-c, c))`): on a sampled
-    step, two or more hooked parameters (ParamStat.grad_hooked) whose largest gradient after unscale_, times the loss
-    scale, is one value c (their gradients were cut at c while multiplied by the scale, so at c / scale really), and c
-    is a round number where c / scale is not (the bound the user wrote, not one divided by the scale)."""
+    """Gradients clamped during the scaled backward or after it, before unscale_: on a sampled step, parameters whose
+    largest gradient after unscale_, times the loss scale, is one value c (their gradients were cut at c while
+    multiplied by the scale, so at c / scale really), and c is a round number where c / scale is not (the bound the
+    user wrote, not one divided by the scale). Two or more hooked parameters (ParamStat.grad_hooked:
+    `p.register_hook(lambda g: g.clamp(-c, c))`) and half of the hooked ones; else three or more parameters and half
+    of all (an in-place `p.grad.clamp_(-c, c)` before `scaler.step`, the DQN tutorial's)."""
     if not run.has_scaler:
         return []
     for r in run.steps:
         if not r.sampled or not r.scale or r.scale <= 1 or r.skipped:
             continue
-        tops = [(p.name, p.grad_absmax * r.scale) for p in r.params
-                if p.grad_hooked and p.grad_absmax is not None and 0 < p.grad_absmax < math.inf]
-        if len(tops) < 2:
-            continue
-        c = max(v for _, v in tops)
-        at = [n for n, v in tops if v >= c * (1 - HOOK_CLAMP_SPREAD)]
-        if len(at) < 2 or len(at) * 2 < len(tops) or not _round(c) or _round(c / r.scale):
-            continue  # (a bound the user wrote is a round number: one that is round only after unscale_ is a hook
-            #            that divides its bound by the scale, as it should)
-        return [Finding(
-            "clip_before_unscale", "error", "optimizer", None, None, r.step,
-            f"Hooks on the parameters' gradients (`register_hook`) clamp them inside the scaled backward: after "
-            f"unscale_, the largest gradient of {len(at)} of the {len(tops)} hooked parameters is the same value, "
-            f"{c / r.scale:.3g} = {c:.4g} / the loss scale {r.scale:g}. A hook runs before unscale_, on gradients "
-            f"still multiplied by the scale, so a clamp at {c:.4g} really cuts every gradient at {c / r.scale:.3g}.",
-            "Clip after unscale_ instead of in gradient hooks:\n" + ORDER.replace(
-                "clip_grad_norm_(model.parameters(), max_norm)", "clip_grad_value_(model.parameters(), clip_value)")
-            + "\n(or divide the bound by `scaler.get_scale()` inside the hook)",
-            {"api": "torch.Tensor.register_hook", "params": at[:20], "bound_scaled": c, "bound_real": c / r.scale,
-             "loss_scale": r.scale, "hooked": len(tops), "rank_hint": 3})]
+        for hooked in (True, False):
+            tops = [(p.name, p.grad_absmax * r.scale) for p in r.params if (p.grad_hooked or not hooked)
+                    and p.grad_absmax is not None and 0 < p.grad_absmax < math.inf]
+            if len(tops) < (2 if hooked else 3):
+                continue
+            c = max(v for _, v in tops)
+            at = [n for n, v in tops if v >= c * (1 - HOOK_CLAMP_SPREAD)]
+            if len(at) < (2 if hooked else 3) or len(at) * 2 < len(tops) or not _round(c) or _round(c / r.scale):
+                continue  # (a bound the user wrote is a round number: one that is round only after unscale_ is a
+                #            clamp that divides its bound by the scale, as it should)
+            return [_clamped(r, at, tops, c, hooked)]
     return []
+
+
+def _clamped(r, at: list, tops: list, c: float, hooked: bool) -> Finding:
+    where = ("Hooks on the parameters' gradients (`register_hook`) clamp them inside the scaled backward" if hooked
+             else "The gradients were clamped while still multiplied by the loss scale (e.g. `p.grad.clamp_(-c, c)` "
+             "between the scaled backward and `scaler.step()`, before unscale_)")
+    what = "hooked parameters" if hooked else "parameters with gradients"
+    return Finding(
+        "clip_before_unscale", "error", "optimizer", None, None, r.step,
+        f"{where}: after unscale_, the largest gradient of {len(at)} of the {len(tops)} {what} is the same value, "
+        f"{c / r.scale:.3g} = {c:.4g} / the loss scale {r.scale:g}. "
+        + (f"A hook runs before unscale_, on gradients still multiplied by the scale, so a clamp at {c:.4g} "
+           if hooked else f"Before unscale_ the gradients are multiplied by the scale, so a clamp at {c:.4g} ")
+        + f"really cuts every gradient at {c / r.scale:.3g}.",
+        ("Clip after unscale_ instead of in gradient hooks:\n" if hooked else "Unscale before clamping:\n")
+        + ORDER.replace("clip_grad_norm_(model.parameters(), max_norm)",
+                        "clip_grad_value_(model.parameters(), clip_value)")
+        + ("\n(or divide the bound by `scaler.get_scale()` inside the hook)" if hooked else ""),
+        {"api": "torch.Tensor.register_hook" if hooked else "torch.Tensor.clamp_", "params": at[:20],
+         "bound_scaled": c, "bound_real": c / r.scale, "loss_scale": r.scale,
+         ("hooked" if hooked else "with_grads"): len(tops), "rank_hint": 3})
 
 
 def _clips(e: CallEvent) -> bool:
