@@ -82,13 +82,14 @@ class Watch:
             else str(run_dir)
         params = {id(p) for p in model.parameters()}
         if optimizer is not None:
-            if not params:
-                raise WatchError(f"the model ({type(model).__name__}) has no parameters, but optimizer= was given: "
-                                 "watch the model the optimizer trains, not the loss module or another "
-                                 "parameter-free module")
             if not hasattr(optimizer, "param_groups"):
                 raise WatchError(f"optimizer= expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
             opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+            if not params and opt_params and not _holds(model, opt_params):
+                # (a module keeping its trained tensors as plain attributes, not Parameters, holds them still)
+                raise WatchError(f"the model ({type(model).__name__}) has no parameters, and the optimizer's are none "
+                                 "of its tensors: watch the model the optimizer trains, not the loss module or "
+                                 "another parameter-free module")
             if params and not any(id(p) in params for p in opt_params) and not masters_of(model, opt_params):
                 raise WatchError("the optimizer does not hold any of the model's parameters; pass the optimizer "
                                  "built from this model (torch.optim.X(model.parameters(), ...)).")
@@ -362,6 +363,17 @@ class Watch:
 
 
 _SCALER_CALLS = ("scale", "unscale_", "step", "update")
+
+
+def _holds(model: nn.Module, tensors: list) -> bool:
+    """Some module of `model` keeps one of `tensors` as an attribute (or in a list/tuple/dict attribute)."""
+    ids = {id(t) for t in tensors}
+    for mod in model.modules():
+        for v in vars(mod).values():
+            vals = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+            if any(id(x) in ids for x in vals):
+                return True
+    return False
 
 
 def watch_of(model: nn.Module) -> "Watch | None":
