@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import copy as _copy
 import importlib.util
 import json
 import math
@@ -95,6 +96,41 @@ def misuse_batch(i, cycle=4):
     batch every step)."""
     x = randn(16, 8, seed=i % cycle if cycle else i)
     return x, x @ MISUSE_W
+
+
+def misuse_scaler(init=1024.0, **kw):
+    """The loop-misuse files' GradScaler (CPU, init scale 1024 unless given)."""
+    return torch.amp.GradScaler("cpu", init_scale=init, **kw)
+
+
+def misuse_loss(m, i, reduction="mean"):
+    """MisuseNet's fp16-autocast MSE loss on misuse_batch(i)."""
+    x, y = misuse_batch(i)
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        out = m(x)
+    return torch.nn.functional.mse_loss(out.float(), y, reduction=reduction)
+
+
+def misuse_true_grads(m, idx, loss=misuse_loss, prep=None):
+    """The unscaled gradients of `loss` over batches `idx` at m's weights, on a copy (its module hooks dropped;
+    `prep(copy)` first when given)."""
+    c = _copy.deepcopy(m)
+    if prep is not None:
+        prep(c)
+    for mod in c.modules():
+        mod._forward_hooks.clear()
+        mod._forward_pre_hooks.clear()
+        mod._backward_hooks.clear()
+        mod._backward_pre_hooks.clear()
+    c.zero_grad(set_to_none=True)
+    for i in idx:
+        loss(c, i).backward()
+    return [p.grad.detach().clone() for p in c.parameters()]
+
+
+def misuse_weights(m):
+    """A copy of m's parameters."""
+    return [p.detach().clone() for p in m.parameters()]
 
 
 def gnorm(gs):

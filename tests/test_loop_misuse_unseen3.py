@@ -87,8 +87,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scenarios import one_thread
-from probe_harness import (gnorm, keep_stepped, learned, misuse_batch, misuse_both, misuse_named, misuse_net,
-                           misuse_quiet, misuse_run, near, ratio, wrong)
+from probe_harness import (gnorm, keep_stepped, learned, misuse_batch, misuse_both, misuse_loss, misuse_named,
+                           misuse_net, misuse_quiet, misuse_run, misuse_scaler, misuse_true_grads, misuse_weights, near,
+                           ratio, wrong)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -101,35 +102,7 @@ net = misuse_net
 batch = misuse_batch
 
 
-def scaler(init=SCALE, **kw):
-    return torch.amp.GradScaler("cpu", init_scale=init, **kw)
-
-
-def fwd_loss(m, i, reduction="mean"):
-    x, y = batch(i)
-    with torch.autocast(**FP16):
-        out = m(x)
-    return F.mse_loss(out.float(), y, reduction=reduction)
-
-
-def true_grads(m, idx, loss=fwd_loss, prep=None):
-    """The unscaled gradients of `loss` over batches `idx` at m's weights, on a copy (hooks dropped; `prep(copy)`
-    first when given)."""
-    c = copy.deepcopy(m)
-    if prep is not None:
-        prep(c)
-    for mod in c.modules():
-        mod._forward_hooks.clear()
-        mod._forward_pre_hooks.clear()
-        mod._backward_hooks.clear()
-    c.zero_grad(set_to_none=True)
-    for i in idx:
-        loss(c, i).backward()
-    return [p.grad.detach().clone() for p in c.parameters()]
-
-
-def weights(m):
-    return [p.detach().clone() for p in m.parameters()]
+scaler, fwd_loss, true_grads, weights = misuse_scaler, misuse_loss, misuse_true_grads, misuse_weights
 
 
 run, both = misuse_run, misuse_both

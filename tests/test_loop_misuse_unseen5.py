@@ -102,17 +102,16 @@ Right: L1 ('[error] clip_before_unscale at (run) torch.nn.utils.clip_grad_norm_ 
 helper's clip line), L3b ('[error] scaler_misorder ... step 0: `optimizer.step()` ran twice in one iteration on the
 same gradients' at the leftover line), and every twin T1-T6 quiet (T3 at both init scales).
 """
-import copy
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from scenarios import one_thread
-from probe_harness import (gnorm, keep_stepped, learned, misuse_batch, misuse_both, misuse_named, misuse_net,
-                           misuse_quiet, near, ratio, wrong, WrongAnswer)
+from probe_harness import (gnorm, keep_stepped, learned, misuse_batch, misuse_both, misuse_loss, misuse_named,
+                           misuse_net, misuse_quiet, misuse_scaler, misuse_true_grads, misuse_weights, near, ratio,
+                           wrong, WrongAnswer)
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
 
@@ -125,33 +124,7 @@ net = misuse_net
 batch = misuse_batch
 
 
-def scaler(init=SCALE, **kw):
-    return torch.amp.GradScaler("cpu", init_scale=init, **kw)
-
-
-def fwd_loss(m, i):
-    x, y = batch(i)
-    with torch.autocast(**FP16):
-        out = m(x)
-    return F.mse_loss(out.float(), y)
-
-
-def true_grads(m, idx, loss=fwd_loss):
-    """The unscaled gradients of `loss` over batches `idx` at m's weights, on a copy (hooks dropped)."""
-    c = copy.deepcopy(m)
-    for mod in c.modules():
-        mod._forward_hooks.clear()
-        mod._forward_pre_hooks.clear()
-        mod._backward_hooks.clear()
-        mod._backward_pre_hooks.clear()
-    c.zero_grad(set_to_none=True)
-    for i in idx:
-        loss(c, i).backward()
-    return [p.grad.detach().clone() for p in c.parameters()]
-
-
-def weights(m):
-    return [p.detach().clone() for p in m.parameters()]
+scaler, fwd_loss, true_grads, weights = misuse_scaler, misuse_loss, misuse_true_grads, misuse_weights
 
 
 def both(make, steps, tmp_path):
