@@ -25,10 +25,11 @@ __all__ = ["presync", "presync_more", "stage_rows", "resolve", "found_inf_all"]
 
 
 def _cuda_scaler(scaler) -> bool:
-    """A CUDA GradScaler that is on: its values are read without a synchronisation of their own (a disabled one, e.g.
-    `torch.cuda.amp.GradScaler()` on a machine without CUDA, syncs nothing: the step's values are read now)."""
-    return scaler is not None and getattr(scaler, "_device", "") == "cuda" and getattr(scaler, "_enabled", True) \
-        is not False
+    """A CUDA GradScaler on a machine with CUDA: the step's values are read later, without a synchronisation of their
+    own (also when it is disabled, e.g. `GradScaler(enabled=False)` for bf16). On a machine without CUDA
+    (`torch.cuda.amp.GradScaler()` there is disabled, the model on the CPU) they are read now, before the optimizer
+    step changes the weights the CPU checks read (presync's `w_deferred`)."""
+    return scaler is not None and getattr(scaler, "_device", "") == "cuda" and torch.cuda.is_available()
 
 
 def found_inf_all(m) -> None:
