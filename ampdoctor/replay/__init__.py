@@ -157,14 +157,17 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
         except (NotImplementedError, AssertionError, TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
             # (NotImplementedError: an abstract forward; AssertionError: a model's or loss's check of the batch's
             # shape; both subclasses of what the step's own failure may raise, so asked the same way)
-            if not any(ev.phase == "forward" for ev in tracer.events) or tb_module(
-                    e, {id(mod): n for n, mod in m.named_modules()}, None) is None:
+            ran = any(ev.phase == "forward" for ev in tracer.events)
+            if isinstance(e, NotImplementedError) and (ran or str(e).startswith("Could not run")):
+                forward_error = _first_line(e)  # (torch's own: an op without a kernel for a backend, e.g. sparse)
+            elif not ran or tb_module(e, {id(mod): n for n, mod in m.named_modules()}, None) is None:
                 raise BadInput(f"replaying the capture failed in the model: {type(e).__name__}: {_first_line(e)}")
-            # raised inside the model's forward after an op of it had made inf/NaN: the model's own check refusing
-            # it (a distribution's argument validation: "Expected parameter df ... to satisfy the constraint"), the
-            # step's failure replayed as it happened, not a model that does not fit the capture (nor a loss
-            # function that does not fit the outputs: that raises outside every module's forward)
-            forward_error = f"{type(e).__name__}: {_first_line(e)}"
+            else:
+                # raised inside the model's forward after an op of it had made inf/NaN: the model's own check
+                # refusing it (a distribution's argument validation: "Expected parameter df ... to satisfy the
+                # constraint"), the step's failure replayed as it happened, not a model that does not fit the
+                # capture (nor a loss function that does not fit the outputs: that raises outside every module)
+                forward_error = f"{type(e).__name__}: {_first_line(e)}"
         except RuntimeError as e:
             if _SHAPES.search(str(e)):  # shapes do not depend on values: a model that does not fit the capture
                 raise BadInput(f"replaying the capture failed in the model (it does not fit the capture's batch): "
