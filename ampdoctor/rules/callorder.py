@@ -25,6 +25,16 @@ def _unscaled_in_step(e) -> bool:
     return e.internal and e.kind == "unscale_" and _UNSCALE_TWICE in (e.error or "")
 
 
+def _dropped_after_inf(since_update: list, z, e, rec) -> bool:
+    """The zero_grad `z` came after this optimizer's unscale_ and the scaler then skipped the step: the unscale_
+    had found inf/NaN and recorded it, so `scaler.step` skips whatever the gradients hold (a wrapper that drops
+    non-finite gradients after its clip loses nothing)."""
+    if e.kind != "step" or rec is None or not rec.skipped:
+        return False
+    before = since_update[:since_update.index(z)]
+    return any(p.kind == "unscale_" and (p.opt is None or p.opt == e.opt) for p in before)
+
+
 @register("call_order", emits=("scaler_misorder", "missing_scaler_update"))
 def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
     if not run.has_scaler and not any(e.kind in ("scale", "unscale_", "update") for r in run.steps for e in r.events):
@@ -115,7 +125,8 @@ def call_order(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 "and its inf check: the update uses gradients still multiplied by the loss scale).",
                 "Run the forward and `scaler.scale(loss).backward()` yourself, then `scaler.step(optimizer)` "
                 "without the closure:\n" + ORDER)
-        elif e.kind in ("unscale_", "step") and (z := _zeroed_after_backward(since_update, e)) is not None:
+        elif e.kind in ("unscale_", "step") and (z := _zeroed_after_backward(since_update, e)) is not None \
+                and not _dropped_after_inf(since_update, z, e, steps.get(e.step)):
             lost = (" (set to None: GradScaler asserts No inf checks were recorded for this optimizer)"
                     if _NO_INF in (e.error or "") else ", so it applies zero gradients and the model does not learn")
             add("scaler_misorder", z, f"`zero_grad()` at {_loc(z)} ran between the scaled backward and "
