@@ -196,6 +196,10 @@ class CallEvent:
         return bool(self.error or self.scaled or self.grads_scaled or x and (
             x.get("backward") is False or not MISUSE_FLAGS.isdisjoint(x)))
 
+    def reads_norm(self) -> bool:
+        """A clipping call or a gradient-norm read (clip_grad_norm_, clip_grad_value_, get_total_norm)."""
+        return self.kind.startswith(("clip_grad", "get_total_norm"))
+
     def to_dict(self) -> dict:
         return plain(self)
 

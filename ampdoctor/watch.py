@@ -261,14 +261,11 @@ class Watch:
         from .analysis.replayfold import run_replay
         from .replay.skeleton import alone as _alone, for_replay
         m = self.machine
-        m.suspended = True  # the watch's own hooks must not record the replay's forward
-        try:
+        with m.suspend():  # the watch's own hooks must not record the replay's forward
             # (the model as the capture was written when the script has changed it since: replay/skeleton.py; the
             # batch with the objects a capture cannot give back exactly taken from the live ones: capture.relive)
             rr = run_replay(_relived(capture, m.capture_live.get(capture)),
                             for_replay(_alone(self.model) or self.model, m.skeletons.get(capture)))
-        finally:
-            m.suspended = False
         self._replays[capture] = rr
         writer = m.writer
         if rr is not None and writer is not None and getattr(writer, "run", None) is not None and (

@@ -106,7 +106,7 @@ class MonitorCallbacks:
                     # nothing unscaled this optimizer yet: a clip earlier in this iteration, recorded before the
                     # scaler was known, read the scaled gradients (rules/scaler.py: clipping before unscale_)
                     for e in st.events:
-                        if e.kind.startswith(("clip_grad", "get_total_norm")) and e.scaled is False:
+                        if e.reads_norm() and e.scaled is False:
                             e.scaled = True
             mark = self.stepped_grads.pop(id(opt), None) if self.stepped_grads else None
             if mark is not None and st.in_scaler_step == 0 and _stale(

@@ -10,6 +10,7 @@ iteration goes on, and what becomes of the step a report or a close finds open, 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
@@ -140,6 +141,16 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.st = self._new_step(0)
         if watch.optimizer is None and watch.scaler is None:
             LOOSE.add(self)  # a frozen model's watch ends its steps with the other models' (optsink.end_step)
+
+    @contextlib.contextmanager
+    def suspend(self):
+        """The watch's own hooks record nothing inside (a replay's or a capture's forward on the watched model);
+        the state before comes back after (suspensions nest)."""
+        before, self.suspended = self.suspended, True
+        try:
+            yield
+        finally:
+            self.suspended = before
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def _new_step(self, step: int, tail: float = 0.0) -> _Step:

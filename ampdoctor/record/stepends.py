@@ -99,7 +99,7 @@ class StepEnds:
             if (st.phase is StepPhase.OPEN and st.exception is None and (mid_run or self.records)
                     and not any(e.error for e in st.events)):
                 fwd_ok, grads_ok = self._open_finite()
-                if fwd_ok and grads_ok and (mid_run or not st.discarded) and (mid_run or not _read_scaled(st)):
+                if fwd_ok and grads_ok and (mid_run or not (st.discarded or _read_scaled(st))):
                     # an iteration not (yet) at its optimizer step, with nothing non-finite in it and no call that
                     # raised (a scaler error the loop caught): a report taken inside it leaves it to the iteration;
                     # at the end it is no step (a loop that stopped after the backward), unless it holds iterations
@@ -137,7 +137,7 @@ class StepEnds:
 
 def _read_scaled(st) -> bool:
     """A clip or norm read on the open step's gradients while they were still multiplied by the loss scale."""
-    return any(e.kind.startswith(("clip_grad", "get_total_norm")) and e.scaled for e in st.events)
+    return any(e.reads_norm() and e.scaled for e in st.events)
 
 
 def _held(opts) -> set:

@@ -9,6 +9,7 @@ ampdoctor/record/params.py.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,7 +30,13 @@ def _cuda_scaler(scaler) -> bool:
     own (also when it is disabled, e.g. `GradScaler(enabled=False)` for bf16). On a machine without CUDA
     (`torch.cuda.amp.GradScaler()` there is disabled, the model on the CPU) they are read now, before the optimizer
     step changes the weights the CPU checks read (presync's `w_deferred`)."""
-    return scaler is not None and getattr(scaler, "_device", "") == "cuda" and torch.cuda.is_available()
+    return scaler is not None and getattr(scaler, "_device", "") == "cuda" and _cuda_here()
+
+
+@functools.cache
+def _cuda_here() -> bool:
+    """torch.cuda.is_available(), asked once (it is read every step)."""
+    return torch.cuda.is_available()
 
 
 def found_inf_all(m) -> None:

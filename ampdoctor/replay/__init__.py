@@ -109,14 +109,8 @@ def _unwatched(model):
     the replay's forwards and backwards (as Watch.replayed suspends it)."""
     from ..watch import watch_of
     w = watch_of(model) if isinstance(model, torch.nn.Module) else None
-    if w is None:
+    with w.machine.suspend() if w is not None else contextlib.nullcontext():
         yield
-        return
-    before, w.machine.suspended = w.machine.suspended, True
-    try:
-        yield
-    finally:
-        w.machine.suspended = before
 
 
 def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:

@@ -82,8 +82,7 @@ def _stepped_again(events: list[CallEvent], i: int, first_scale: int | None) -> 
         p = events[j]
         if p.kind in ("scale", "zero_grad"):
             return None
-        if p.kind == "optimizer.step" and p.opt == e.opt and not p.error or \
-                p.kind == "step" and p.opt == e.opt and not p.error and not e.via_scaler:
+        if p.opt == e.opt and not p.error and (p.kind == "optimizer.step" or p.kind == "step" and not e.via_scaler):
             # (a `scaler.step` of the optimizer with no optimizer step after it: GradScaler skipped it, inf/NaN)
             return p if first_scale is not None and first_scale < j else None
     return None

@@ -15,7 +15,7 @@ from .scaler import ORDER, _loc, _seq
 
 @register("clip_before_unscale", emits=("clip_before_unscale",))
 def clip_before_unscale(run: RunData, cfg: RuleConfig) -> list[Finding]:
-    hits = [(r, e) for r in run.steps for e in r.events if e.kind.startswith(("clip_grad", "get_total_norm"))
+    hits = [(r, e) for r in run.steps for e in r.events if e.reads_norm()
             and e.scaled]
     if not hits:
         return _penalty_scaled(run) or _hook_clamped(run)
@@ -94,13 +94,14 @@ def _hook_clamped(run: RunData) -> list[Finding]:
         if not r.sampled or not r.scale or r.scale <= 1 or r.skipped:
             continue
         for hooked in (True, False):
+            least = 2 if hooked else 3
             tops = [(p.name, p.grad_absmax * r.scale) for p in r.params if (p.grad_hooked or not hooked)
                     and p.grad_absmax is not None and 0 < p.grad_absmax < math.inf]
-            if len(tops) < (2 if hooked else 3):
+            if len(tops) < least:
                 continue
             c = max(v for _, v in tops)
             at = [n for n, v in tops if v >= c * (1 - HOOK_CLAMP_SPREAD)]
-            if len(at) < (2 if hooked else 3) or len(at) * 2 < len(tops) or not _round(c) or _round(c / r.scale):
+            if len(at) < least or len(at) * 2 < len(tops) or not _round(c) or _round(c / r.scale):
                 continue  # (a bound the user wrote is a round number: one that is round only after unscale_ is a
                 #            clamp that divides its bound by the scale, as it should)
             return [_clamped(r, at, tops, c, hooked)]
