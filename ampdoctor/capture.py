@@ -11,7 +11,9 @@ A capture is a directory:
                            from a watch, the gradient that reached the model's outputs ("g/…", manifest grad_out)
                            and the state the forward reads besides its arguments, as the forward found it
                            ("state/num:…", "state/tensor:…", "state/buf:…", manifest state: record/modstate.py)
-    state.safetensors      the model's weights and buffers (state_dict)
+    state.safetensors      the model's weights and buffers (state_dict); a sparse one (COO, CSR: a GCN's adjacency)
+                           as its parts in tensors.safetensors ("sp/…", manifest sparse_state), as a sparse
+                           argument's are ("__sparse__")
 
 The checks a capture passes before it is read are ampdoctor/capturecheck.py; the args/kwargs structure's JSON
 (its markers, `relive` for a watch's in-process replay) is ampdoctor/capturestruct.py. Nothing is pickled, and loading
@@ -37,7 +39,8 @@ import torch
 
 from .capturecheck import (FORMAT_NAME, FORMAT_VERSION, MAX_DEPTH, MAX_MANIFEST_BYTES, _FILE_ROLES,
                            _check_manifest, _check_safetensors, _need, _read_tensors, _safe_file)
-from .capturestruct import LEAF as _LEAF, Opaque, decode as _decode, encode as _encode, relive
+from .capturestruct import LEAF as _LEAF, Opaque, decode as _decode, decode_sparse as _decode_sparse, \
+    encode as _encode, encode_sparse as _encode_sparse, relive
 from .errors import BadInput
 from .fsutil import atomic_write_bytes, atomic_write_text, loads_bounded, read_regular
 from .tensors import unpack_np_rng, unpack_py_rng
@@ -171,7 +174,6 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
     instead of refused (see `_encode`)."""
     from safetensors.torch import save as st_save
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     structure = {"args": _encode(tuple(args), "a", tensors, "args", opaque),
                  "kwargs": _encode(dict(kwargs or {}), "k", tensors, "kwargs", opaque)}
@@ -192,8 +194,17 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
     sd = state_dict if state_dict is not None else model.state_dict()
     # (a tensor on the meta device holds no values: a template module whose weights torch.func.functional_call
     # supplies; the replay's model has its own meta tensor there, see replay/modelio.load_weights)
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()
-             if isinstance(v, torch.Tensor) and not v.is_meta}
+    state, sparse = {}, {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor) or v.is_meta:
+            continue
+        if v.layout != torch.strided:  # (a sparse buffer: a GCN's adjacency) its parts go with the batch tensors
+            sp = _encode_sparse(v, f"sp/{len(sparse)}", tensors, f"the model's state entry {k!r}", opaque)
+            if sp is not None:
+                sparse[k] = sp
+            continue
+        state[k] = v.detach().to("cpu", copy=True).contiguous()
+    os.makedirs(path, exist_ok=True)  # (only now: a batch or state that cannot be captured leaves nothing behind)
     files = {}
     for role, data in (("tensors", tensors), ("state", state)):
         fname = f"{role}.safetensors"
@@ -212,7 +223,7 @@ def write_capture(path: str | os.PathLike, model: torch.nn.Module, args: tuple |
         "eval_modules": [n for n, m in model.named_modules() if not m.training and model.training],
         "structure": structure, "rng": sorted(k[4:] for k in tensors if k.startswith("rng/")),
         "state": sorted(k[6:] for k in tensors if k.startswith("state/")),
-        "files": files, "extra": _plain(extra or {}), "grad_out": gkeys,
+        "files": files, "extra": _plain(extra or {}), "grad_out": gkeys, "sparse_state": sparse or None,
     }
     atomic_write_text(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=1))
     return path
@@ -311,7 +322,14 @@ def load_capture(path: str | os.PathLike) -> Capture:
     _need(gkeys is None or isinstance(gkeys, list) and len(gkeys) <= 16 and all(
         k is None or isinstance(k, str) and k in tensors and tensors[k].is_floating_point() for k in gkeys),
         "manifest grad_out must list stored floating tensors", cap)
-    return Capture(path=cap, manifest=manifest, args=args, kwargs=kwargs, state_dict=loaded["state"], rng=rng,
+    state_dict = dict(loaded["state"])
+    sparse = manifest.get("sparse_state")
+    _need(sparse is None or isinstance(sparse, dict) and len(sparse) <= 4096, "manifest sparse_state must be an "
+          "object", cap)
+    for k, sp in (sparse or {}).items():
+        _need(k not in state_dict, f"state entry {k!r} is stored twice", cap)
+        state_dict[k] = _decode_sparse(sp, tensors, cap)
+    return Capture(path=cap, manifest=manifest, args=args, kwargs=kwargs, state_dict=state_dict, rng=rng,
                    autocast=dict(manifest["autocast"]), scaler_state=manifest.get("scaler"),
                    step=manifest.get("step"), grad_out=[None if k is None else tensors[k] for k in gkeys]
                    if gkeys else None)

@@ -23,7 +23,7 @@ import torch
 from .capturecheck import _need
 from .errors import BadInput
 
-__all__ = ["encode", "decode", "relive", "Opaque", "LEAF"]
+__all__ = ["encode", "decode", "encode_sparse", "decode_sparse", "relive", "Opaque", "LEAF"]
 
 LEAF = (int, float, bool, str, type(None))
 
@@ -35,6 +35,10 @@ def encode(obj: Any, key: str, tensors: dict, where: str, opaque: bool = False) 
     the in-process replay gives the live object back, `relive`; a replay from disk says so in one line), else
     BadInput (save_batch)."""
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:  # a sparse adjacency (GCN), a sparse feature matrix
+            sp = encode_sparse(obj, key, tensors, where, opaque)
+            return {"__sparse__": sp} if sp is not None else {"__opaque__": {
+                "type": f"torch.Tensor (layout {obj.layout})", "where": where[:200]}}
         tensors[key] = obj.detach().to("cpu", copy=True).contiguous()
         return {"__tensor__": key, "requires_grad": bool(obj.requires_grad), "device": str(obj.device)}
     if isinstance(obj, enum.Enum):  # (before str/int: a str- or int-mixin member is one too)
@@ -82,6 +86,52 @@ def encode(obj: Any, key: str, tensors: dict, where: str, opaque: bool = False) 
     return {"__opaque__": {"type": _type_name(obj), "where": where[:200]}}
 
 
+_SPARSE_PARTS = {"coo": ("indices", "values"), "csr": ("crow_indices", "col_indices", "values")}
+_LAYOUTS = {torch.sparse_coo: "coo", torch.sparse_csr: "csr"}
+MAX_SPARSE_DIMS = 8
+
+
+def encode_sparse(t: torch.Tensor, key: str, tensors: dict, where: str, opaque: bool = False) -> dict | None:
+    """A sparse COO or CSR tensor as its parts (strided tensors under `key`/<part>) and its size; None for another
+    layout when `opaque` (a watch's capture), else BadInput naming `where`."""
+    kind = _LAYOUTS.get(t.layout)
+    if kind is None:
+        if opaque:
+            return None
+        raise BadInput(f"cannot capture {where}: a tensor of layout {t.layout} (strided, sparse COO and sparse CSR "
+                       "tensors are supported)")
+    t = t.detach().to("cpu", copy=True)
+    if kind == "coo":
+        t = t.coalesce()
+    parts = {}
+    for part in _SPARSE_PARTS[kind]:
+        tensors[f"{key}/{part}"] = getattr(t, part)().contiguous()
+        parts[part] = f"{key}/{part}"
+    return {"layout": kind, "size": list(t.shape), "parts": parts, "requires_grad": bool(t.requires_grad)}
+
+
+def decode_sparse(sp: Any, tensors: dict, cap: str) -> torch.Tensor:
+    """A sparse tensor written by `encode_sparse`, its invariants checked by torch (indices in range, sorted
+    compressed rows): BadInput on anything malformed."""
+    _need(isinstance(sp, dict) and sp.get("layout") in _SPARSE_PARTS and isinstance(sp.get("parts"), dict)
+          and isinstance(sp.get("size"), list) and 0 < len(sp["size"]) <= MAX_SPARSE_DIMS
+          and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 40 for n in sp["size"]),
+          "malformed sparse tensor in structure", cap)
+    parts = []
+    for part in _SPARSE_PARTS[sp["layout"]]:
+        k = sp["parts"].get(part)
+        _need(isinstance(k, str) and k in tensors, f"structure names tensor {k!r} that is not stored", cap)
+        parts.append(tensors[k])
+    try:
+        if sp["layout"] == "coo":
+            t = torch.sparse_coo_tensor(*parts, sp["size"], check_invariants=True, is_coalesced=True)
+        else:
+            t = torch.sparse_csr_tensor(*parts, sp["size"], check_invariants=True)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise BadInput(f"capture {cap}: a sparse tensor in it is malformed ({str(e).splitlines()[0][:120]})")
+    return t.requires_grad_(True) if sp.get("requires_grad") and t.is_floating_point() else t
+
+
 def _type_name(obj: Any) -> str:
     cls = type(obj)
     return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls.__name__)}"[:200]
@@ -97,6 +147,8 @@ def decode(obj: Any, tensors: dict, cap: str) -> Any:
             _need(isinstance(key, str) and key in tensors, f"structure names tensor {key!r} that is not stored", cap)
             t = tensors[key]
             return t.requires_grad_(True) if obj.get("requires_grad") and t.is_floating_point() else t
+        if "__sparse__" in obj:
+            return decode_sparse(obj["__sparse__"], tensors, cap)
         if "__tuple__" in obj:
             _need(isinstance(obj["__tuple__"], list), "malformed tuple in structure", cap)
             return tuple(decode(v, tensors, cap) for v in obj["__tuple__"])

@@ -313,6 +313,13 @@ def read_run(run_dir: str, run: int | None = None) -> tuple[RunMeta, list[StepRe
     if bad and not good:
         raise BadInput(f"{sp}: no readable record ({bad} corrupt line(s)); not written by ampdoctor.watch?")
     meta.closed = closed if isinstance(meta.process, dict) and meta.process else None  # (older runs: unknown)
+    if not closed and idx == len(runs) - 1:  # (a run still going, or killed: a bad step's capture comes first)
+        from .runcaptures import pending
+        try:
+            since = os.stat(man_path).st_mtime
+        except OSError:
+            since = None
+        steps += pending(run_dir, run_id, steps, meta.process, since)
     return meta, steps
 
 

@@ -15,7 +15,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 STAGES = {
     0: ("ampdoctor", "errors", "config", "records", "recordcodec", "thresholds", "findings", "fixes", "tensors",
         "fsutil", "env", "capture", "capturecheck", "capturestruct"),
-    1: ("record", "watch", "exits", "rundir",
+    1: ("record", "watch", "exits", "rundir", "runcaptures",
         "integrations.deepspeed"),   # DeepSpeed's engine patch is a recorder part (like monitor's scaler patch)
     2: ("rules",),
     3: ("analysis", "analysis.ranking", "analysis.panels", "analysis.merging", "analysis.replaychoice", "analysis.replayfold",

@@ -158,9 +158,9 @@ class CapturePolicy:
         return True
 
 
-def maybe_capture(m, st) -> None:
+def maybe_capture(m, st, kind: str | None = None) -> None:
     """Write the capture of the bad step `st` (the micro-batch that went bad, else the last), within the watch's
-    capture budget; never raises."""
+    capture budget; never raises. `kind`: what went bad (CapturePolicy.kind), kept in the capture's extra."""
     w = m.w
     if not (m.cfg.capture and st.batches and m.policy.spend()):
         return
@@ -188,7 +188,7 @@ def maybe_capture(m, st) -> None:
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, state_dict=state_dict,
                                        autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
-                                       step=st.step, grad_out=grad_out, extra=_capture_extra(st, k), opaque=True)
+                                       step=st.step, grad_out=grad_out, extra=_capture_extra(st, k, kind), opaque=True)
             # the model's structure now, for an in-process replay after the script changed it (replay/skeleton.py),
             # and the objects the model received, for what the capture cannot give back exactly (capture.relive)
             from ..replay.skeleton import skeleton
@@ -231,13 +231,16 @@ def _weights_as_found(model, rng: dict) -> tuple[dict, dict | None]:
     return {k: v for k, v in rng.items() if not k.startswith("param:")}, sd
 
 
-def _capture_extra(st, k: int) -> dict:
+def _capture_extra(st, k: int, kind: str | None = None) -> dict:
     """What the step's one transfer read of its losses: `loss_finite` (None when it saw none). A replay without
     the loss function tells from it whether a non-finite output gradient came from the loss computation or only
     from the loss scale. `entry`: the module of the model that batch `k` went into when it was not the model's own
-    forward (record/entries.py; the replay runs that module)."""
+    forward (record/entries.py; the replay runs that module). `kind`: what went bad (forward, backward, persistent,
+    raised), for a reader that finds the capture before the step's record (runcaptures.py)."""
     losses = (getattr(st, "synced", None) or {}).get("losses") or []
     extra = {"loss_finite": all(math.isfinite(v) for v in losses) if losses else None}
+    if kind:
+        extra["kind"] = kind
     entry = st.entry_of.get(id(st.batches[k]))
     if entry is not None:
         extra["entry"] = entry

@@ -291,9 +291,10 @@ def resolve(m) -> None:
     # (a forward that raised with nothing non-finite seen: its capture is its own kind, so that a later overflow still
     # gets one; a loop that catches a bad batch's error and goes on)
     raised_only = st.exception is not None and st.output_finite is not False and all(map(math.isfinite, losses))
-    if m.policy.observe(bad_fwd, bad_bwd, scale, sampled=st.sampled, scaler=m.w.scaler is not None,
-                        raised_only=raised_only):
-        maybe_capture(m, st)
+    kind = m.policy.observe(bad_fwd, bad_bwd, scale, sampled=st.sampled, scaler=m.w.scaler is not None,
+                            raised_only=raised_only)
+    if kind:
+        maybe_capture(m, st, kind)
 
 
 def _bad_weights(m, st, host: dict, bad_fwd: bool, bad_bwd: bool) -> dict:

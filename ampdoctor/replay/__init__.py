@@ -23,7 +23,7 @@ import torch
 from ..capture import Capture, Opaque, load_capture
 from ..errors import BadInput
 from ..findings import Finding, Report
-from ..rules.outside import bad_data_finding
+from ..rules.outside import bad_data_finding, captured_weights_finding
 from ..tensors import nonfinite_input, tb_module
 from . import explain, modelio, shadow as shadow_mod
 from .optrace import OpTracer
@@ -113,6 +113,18 @@ def _unwatched(model):
         yield
 
 
+def _nonfinite_weights(m: torch.nn.Module) -> list[tuple]:
+    """(module, NaN?, type) of the modules whose own floating weights (parameters) are non-finite as loaded from
+    the capture: inf before NaN (an inf update makes NaN downstream, not the reverse), then in definition order."""
+    bad = []
+    for name, mod in m.named_modules():
+        ps = [p for p in mod.parameters(recurse=False) if p.is_floating_point() and p.layout == torch.strided
+              and not p.is_meta and p.numel()]
+        if ps and not all(bool(torch.isfinite(p).all()) for p in ps):
+            bad.append((name or "(root)", any(bool(torch.isnan(p).any()) for p in ps), type(mod).__name__))
+    return sorted(bad, key=lambda b: b[1])
+
+
 def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     devtype = dev.type
     say(f"replay: loading weights from {cap.path}")
@@ -123,6 +135,7 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             m.get_submodule(name).eval()
         except AttributeError:
             pass
+    bad_weights = _nonfinite_weights(m)
     dtype, note = _pick_dtype(cap, m)
     dtype_name = str(dtype).replace("torch.", "") if dtype else str(next(
         (p.dtype for p in m.parameters() if p.is_floating_point()), torch.float16)).replace("torch.", "")
@@ -239,6 +252,9 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
                                       scaler_search=scaler_search)
     if bad_input is not None:  # the batch itself held inf/NaN: no op of the model made it
         findings = [bad_data_finding(bad_input, cap.step, cap.path)] + [
+            f for f in findings if f.rule not in ("overflow", "nan_origin")]
+    elif bad_weights:  # the weights it ran with were: the update before the capture made them
+        findings = [captured_weights_finding(bad_weights, cap.step, cap.path)] + [
             f for f in findings if f.rule not in ("overflow", "nan_origin")]
     if outside_bad and out_ok and not forward_error and not any(
             f.rule in ("overflow", "nan_origin") and f.phase == "forward" for f in findings):

@@ -13,8 +13,8 @@ from .registry import RunData
 from .backoff import benign_backoff
 from .lossorigin import nan_made_by_inf
 
-__all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "weights_found_bad", "unlocated",
-           "absorbed_unsampled"]
+__all__ = ["bad_buffers", "bad_data", "bad_data_finding", "bad_weights", "captured_weights_finding", "weights_found_bad",
+           "unlocated", "absorbed_unsampled"]
 
 
 def bad_buffers(run: RunData) -> list[Finding]:
@@ -146,6 +146,25 @@ def bad_data_finding(b: dict, step: int | None, capture: str | None) -> Finding:
         {"input": arg, "nan": nan, "posinf": b.get("posinf", 0), "neginf": b.get("neginf", 0),
          "numel": b.get("numel"), "dtype": b.get("dtype"), "capture": capture, "skipped_by_loop": skipped,
          "rank_hint": 9})
+
+
+def captured_weights_finding(bad: list[tuple], step: int | None, capture: str | None) -> Finding:
+    """nan_origin (overflow for ±inf only) outside the replayed batch: the capture's weights were already non-finite
+    (`bad`: (module, NaN?, type) of the modules holding them, the first to blame first). The update before the
+    capture wrote them; no op of the replay made the inf/NaN."""
+    module, nan, typ = bad[0]
+    kind = "NaN" if nan else "inf"
+    return Finding(
+        "nan_origin" if nan else "overflow", "error", "optimizer", module, None, step,
+        f"The captured weights of `{module}` ({typ}) were already {kind} when the batch ran"
+        + (f" ({len(bad)} modules' weights in all)" if len(bad) > 1 else "")
+        + ": an optimizer update before the capture wrote them, not an op of this step; every module after it only "
+        "passed the values on.",
+        "Capture the step whose update wrote them (the step before: its gradients or its learning rate), or guard "
+        "the update: a GradScaler skips steps with non-finite gradients; without one, "
+        "`clip_grad_norm_(..., error_if_nonfinite=True)`.",
+        {"type": typ, "weights": kind.lower(), "modules": [b[0] for b in bad][:20], "capture": capture,
+         "rank_hint": 12})
 
 
 def unlocated(run: RunData) -> list[Finding]:
