@@ -193,7 +193,9 @@ def _fold_findings(findings: list[Finding], refined: set[int], x: _Fold, fwd_bad
     cap_rec = x.rec
     cap_bad_fwd = cap_rec is not None and (cap_rec.loss_finite is False or cap_rec.output_finite is False)
     for f in rr.findings:
-        if f.rule not in _OPLEVEL or f.severity == "info":
+        if f.rule not in _OPLEVEL or f.severity == "info" or f.phase == "optimizer":
+            # (optimizer: the captured weights were already non-finite; the run's own records date the update that
+            # wrote them, rules/outside.bad_weights)
             continue
         if f.phase == "backward" and fwd_bad:
             continue  # gradients of non-finite activations: consequences of the forward origin
