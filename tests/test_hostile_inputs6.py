@@ -81,6 +81,7 @@ captured_weights_finding), and a run read before it closed takes a capture ahead
 record (runcaptures.pending, from the capture's extra `kind`).
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -469,6 +470,15 @@ def test_05_killed_run_is_not_healthy(live):
     assert p.returncode == 1
     crash = strict_json(live["dir"] / "killed.json")["summary"].get("crash")
     check(crash is not None, "no crash in the summary")
+
+
+def test_05_killed_run_text_counts_the_errors_its_json_does(live):
+    """The killed run's text said "0 errors" (later "1 error") beside "CRASHED" while its exit code was 1 and its
+    JSON summary counted the crash as an error (summary.counts): the text's count is the summary's."""
+    p = live["killed"]
+    m = re.search(r"^(\d+) errors?, ", p.stdout, re.M)
+    assert m, p.stdout[-1500:]
+    assert int(m.group(1)) == strict_json(live["dir"] / "killed.json")["summary"]["errors"], p.stdout[-1500:]
 
 
 def test_05_killed_run_with_model_replays_the_bad_steps_capture(live):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
+from ..summary import counts as counts_of
 from . import prose
 
 __all__ = ["render_text"]
@@ -48,7 +49,8 @@ def render_text(report, width: int = 100) -> str:
     crash = s.get("crash") if isinstance(s.get("crash"), dict) else None
     if crash:
         out.append(f"CRASHED: {prose.crash_line(crash)}")
-    counts = f"{_count(n['error'], 'error')}, {_count(n['warning'], 'warning')}, {n['info']} info"
+    errors = counts_of(report.findings, crash)["errors"]  # (as the summary counts: a crash no finding explains is one)
+    counts = f"{_count(errors, 'error')}, {_count(n['warning'], 'warning')}, {n['info']} info"
     if s.get("skipped_steps"):
         counts += f" · {s['skipped_steps']} skipped steps"
     if not problems:
