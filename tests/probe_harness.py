@@ -791,6 +791,16 @@ def same_run(rw, ru):
     assert rw.loop.extra == ru.loop.extra
 
 
+def trained_healthily(r, fall):
+    """The run's own oracle, independent of ampdoctor: every loss finite, the mean of the last 5 losses at most
+    `fall` x the first 5's, the scaler skipped only opening steps (< 3), every final weight finite."""
+    ls = r.losses
+    assert all(map(math.isfinite, ls)), ls
+    assert sum(ls[-5:]) / 5 <= fall * sum(ls[:5]) / 5, (ls[:5], ls[-5:])
+    assert all(s < 3 for s in r.skipped), r.skipped
+    assert all(torch.isfinite(v).all() for v in r.weights.values() if v.is_floating_point())
+
+
 def quiet_healthy(r):
     """A healthy run's report after close(): no warning or error finding, exit code 0, steps seen, and no
     `ampdoctor...` Python warning; otherwise WrongAnswer (a probe's strict xfail quotes it)."""

@@ -77,7 +77,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_harness import HealthyLoop, healthy_run, quiet_healthy, same_run, wrong  # noqa: E402
+from probe_harness import HealthyLoop, healthy_run, quiet_healthy, same_run, trained_healthily, wrong  # noqa: E402
 from scenarios import gen, lines, one_thread  # noqa: E402
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -535,16 +535,6 @@ def unwatched(name):
     return run(name)
 
 
-def healthy(r, fall):
-    """The run's own oracle, independent of ampdoctor: every loss finite, the mean of the last 5 losses at most
-    `fall` x the first 5's, the scaler skipped only opening steps (< 3), every final weight finite."""
-    ls = r.losses
-    assert all(map(math.isfinite, ls)), ls
-    assert sum(ls[-5:]) / 5 <= fall * sum(ls[:5]) / 5, (ls[:5], ls[-5:])
-    assert all(s < 3 for s in r.skipped), r.skipped
-    assert all(torch.isfinite(v).all() for v in r.weights.values() if v.is_floating_point())
-
-
 @pytest.mark.parametrize("name,mode", [pytest.param(n, m, marks=wrong(XFAIL[n, m]) if (n, m) in XFAIL else ())
                                        for n in CASES for m in MODES])
 def test_healthy39(name, mode, tmp_path):
@@ -552,7 +542,7 @@ def test_healthy39(name, mode, tmp_path):
     if DEBUG:
         ls = ru.losses
         print(name, "skipped", ru.skipped, "loss", [round(v, 4) for v in ls[::max(1, len(ls) // 8)]], ls[-1])
-    healthy(ru, CASES[name].fall)
+    trained_healthily(ru, CASES[name].fall)
     rw = run(name, mode, tmp_path / "run")
     if DEBUG:
         print(name, mode, lines(rw.rep))
