@@ -40,7 +40,10 @@ def pending(run_dir: str, run_id, steps: list[StepRecord], process: dict | None,
         man = _manifest(path)
         if man is None or man.get("step") != int(head):
             continue
-        if since is not None and os.stat(os.path.join(path, "manifest.json")).st_mtime < since:
+        try:
+            if since is not None and os.stat(os.path.join(path, "manifest.json")).st_mtime < since:
+                continue
+        except OSError:
             continue
         if not all(isinstance(f, dict) and isinstance(f.get("name"), str) and os.path.isfile(os.path.join(
                 path, os.path.basename(f["name"]))) for f in (man.get("files") or {}).values()):
