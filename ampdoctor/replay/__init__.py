@@ -253,9 +253,9 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
     if bad_input is not None:  # the batch itself held inf/NaN: no op of the model made it
         findings = [bad_data_finding(bad_input, cap.step, cap.path)] + [
             f for f in findings if f.rule not in ("overflow", "nan_origin")]
-    elif bad_weights:  # the weights it ran with were: the update before the capture made them
-        findings = [captured_weights_finding(bad_weights, cap.step, cap.path)] + [
-            f for f in findings if f.rule not in ("overflow", "nan_origin")]
+    elif bad_weights:  # the weights it ran with were: the update before the capture made them (first; the ops'
+        # findings stay, for a watch's report to match against its records)
+        findings = [captured_weights_finding(bad_weights, cap.step, cap.path)] + findings
     if outside_bad and out_ok and not forward_error and not any(
             f.rule in ("overflow", "nan_origin") and f.phase == "forward" for f in findings):
         findings.insert(0, _outside_loss_finding(outside_bad, cap.step, loss_bad=cap_loss_finite is False))
