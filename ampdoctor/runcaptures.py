@@ -31,7 +31,7 @@ def pending(run_dir: str, run_id, steps: list[StepRecord], process: dict | None,
         return []
     last = steps[-1].step if steps else -1
     pid = (process or {}).get("pid")
-    found: dict[int, str] = {}
+    found: dict[int, tuple[str, dict]] = {}
     for name in names:
         head, _, tail = name.partition(".")
         if not head.isdigit() or int(head) <= last or tail not in ("", f"run{run_id}", f"pid{pid}"):
@@ -48,14 +48,14 @@ def pending(run_dir: str, run_id, steps: list[StepRecord], process: dict | None,
         if not all(isinstance(f, dict) and isinstance(f.get("name"), str) and os.path.isfile(os.path.join(
                 path, os.path.basename(f["name"]))) for f in (man.get("files") or {}).values()):
             continue
-        found.setdefault(int(head), path)
+        found.setdefault(int(head), (path, man))
     out = []
     for step in sorted(found)[:1]:  # (a watch captures the first bad step; later ones add nothing to say)
-        man = _manifest(found[step]) or {}
+        path, man = found[step]
         extra = man.get("extra") if isinstance(man.get("extra"), dict) else {}
         ac = man.get("autocast") if isinstance(man.get("autocast"), dict) else {}
         lf, kind = extra.get("loss_finite"), extra.get("kind")
-        rec = StepRecord(step=step, loss_finite=lf if isinstance(lf, bool) else None, capture=found[step],
+        rec = StepRecord(step=step, loss_finite=lf if isinstance(lf, bool) else None, capture=path,
                          micro_batches=1, autocast=f"{ac.get('device')}:{ac.get('dtype')}"
                          if ac.get("enabled") and isinstance(ac.get("device"), str) else None)
         if kind == "forward":
