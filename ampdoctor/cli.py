@@ -120,14 +120,8 @@ def _write(report, args, src: str) -> None:
             _say(f"json: {args.json}")
         if not args.no_html:
             out = args.out or _default_out(src)
-            path = report.save_html(out)
+            path = report.save_html(out)   # index.html and the plot PNGs beside it (report/html.write_html)
             mark_out_dir(out)
-            try:
-                from .report.plots import write_plots
-                write_plots(report, out)
-            except Exception as e:  # plots are a bonus beside the self-contained HTML
-                print(f"ampdoctor: plots skipped ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
-                      file=sys.stderr)
             _say(f"report: {path}")
     except OSError as e:
         raise BadInput(f"cannot write the report: {e.strerror or e}: {e.filename or ''}".rstrip(": ")) from None

@@ -7,13 +7,12 @@ import platform
 import re
 import sys
 
-import torch
-
 __all__ = ["collect_env", "deprecated_amp_in_use", "deprecated_scaler", "MODERN"]
 
 
-def collect_env(device: torch.device | str | None = None) -> dict:
-    """A JSON-ready dict; cheap (no kernels)."""
+def collect_env(device=None) -> dict:
+    """A JSON-ready dict; cheap (no kernels). `device`: a torch.device or its name."""
+    import torch  # here, not at the top: the report path (rules/envrules reads MODERN) runs without torch
     env: dict = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -59,6 +58,8 @@ def _user_source() -> str:
     packages (the training script that called `watch`); "" when there is none."""
     import linecache
     import os
+
+    import torch
     here = os.path.dirname(os.path.abspath(__file__))
     skip = (here, os.path.dirname(torch.__file__), os.path.dirname(os.__file__))
     f = sys._getframe(1)

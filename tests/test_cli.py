@@ -199,3 +199,15 @@ def test_end_to_end_command_and_closed_pipe(broken_run):
     p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
     assert p.returncode == 1, p.stderr   # the report's exit code (an error finding), not a crash
+
+
+def test_report_reads_a_run_without_importing_torch(broken_run, tmp_path):
+    """`ampdoctor report RUN` reads JSON records: it answers without loading torch (~1.5 s of start-up on a 2-core
+    machine), and still writes the JSON, the HTML and the plot PNGs beside it."""
+    code = "import sys, ampdoctor.cli as c; rc = c.main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(rc)"
+    p = subprocess.run([sys.executable, "-c", code, "report", str(broken_run), "--json", str(tmp_path / "r.json"),
+                        "--out", str(tmp_path / "html")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 1, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "False", p.stdout[-300:]
+    assert json.loads((tmp_path / "r.json").read_text())["findings"][0]["module"] == "1"
+    assert any(n.endswith(".png") for n in os.listdir(tmp_path / "html")), os.listdir(tmp_path / "html")
