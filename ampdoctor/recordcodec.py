@@ -46,8 +46,16 @@ def _check_scalars(d: dict) -> None:
             raise ValueError(f"{k} must be a string, not {v!r}"[:120])
 
 
+_NAMES: dict = {}
+
+
 def _fromd(cls, d: dict):
-    names = {f.name for f in fields(cls)}
+    """cls(**d) with the keys cls has no field for left out (a newer writer's, or a stranger's)."""
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = frozenset(f.name for f in fields(cls))
+    if names.issuperset(d):
+        return cls(**d)
     return cls(**{k: v for k, v in d.items() if k in names})
 
 

@@ -244,10 +244,11 @@ class Watch:
         is still available, and its op-level findings are merged in."""
         from .analysis import build_report
         self.machine.finish_open_step(mid_run=not self._closed)
-        rep = build_report(self.meta, list(self.machine.records), run_dir=self.run_dir)
+        steps = list(self.machine.records)
+        rep = build_report(self.meta, steps, run_dir=self.run_dir)
         if replay:
             from .analysis import merge_replay
-            rep = merge_replay(rep, self)
+            rep = merge_replay(rep, self, steps)
         return rep
 
     def replayed(self, capture: str, *, save_any: bool = True):

@@ -23,12 +23,15 @@ _OPLEVEL = ("overflow", "nan_origin", "mask_value_overflow", "eps_underflow", "u
 _CONSTANTS = ("mask_value_overflow", "eps_underflow")
 
 
-def merge_replay(rep: Report, watch) -> Report:
+def merge_replay(rep: Report, watch, steps: list[StepRecord] | None = None) -> Report:
     """Re-run the first capture in-process with op-level instrumentation and fold its findings in: an op-level
     finding at the same module (or inside it) refines the module-level one (rule and op). The watch keeps the
-    replay (and writes it into its run directory, see `Watch.replayed`), so `diagnose(run_dir)` folds in the same."""
-    picked, rr = choose_replay(rep, watch.steps, lambda cap: watch.replayed(cap, save_any=alarming(rep)))
-    return rep if rr is None else fold_replay(rep, watch.steps, picked, rr)
+    replay (and writes it into its run directory, see `Watch.replayed`), so `diagnose(run_dir)` folds in the same.
+    `steps`: the watch's records as a list, where the caller has read them already (a long run's older records
+    live in a spill file, and each pass over `watch.steps` reads them back)."""
+    steps = list(watch.steps) if steps is None else steps
+    picked, rr = choose_replay(rep, steps, lambda cap: watch.replayed(cap, save_any=alarming(rep)))
+    return rep if rr is None else fold_replay(rep, steps, picked, rr)
 
 
 def run_replay(cap, model, loss_fn=None, *, strict: bool = False) -> Report | None:
