@@ -14,6 +14,7 @@ whether an op ran inside `F.scaled_dot_product_attention` (`OpEvent.in_sdpa`, `s
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections import deque
@@ -21,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..record import cpustats
 from ..tensors import flatten_tensors
 from . import constants
 from .opevent import (OpEvent, RESULT_OUTPUTS, absmin, floats, has_pole, is_lone, nonfinite_number, pole_inputs,
@@ -102,7 +104,8 @@ class _DispatchMode(TorchDispatchMode):
             # an in-place op (x.mul_(k), relu_, out=): its output is its input's storage, so the input must be
             # judged before the op writes it, or an op that overflowed in place reads as passing an inf on
             ins = floats(read_args(func, args, kwargs))
-            before = (any(bool(torch.isnan(t).any()) for t in ins), any(bool(torch.isinf(t).any()) for t in ins))
+            nan = any(bool(torch.isnan(t).any()) for t in ins)   # (with NaN in, whether inf is too is not asked)
+            before = (nan, not nan and any(bool(torch.isinf(t).any()) for t in ins))
         try:
             out = func(*args, **kwargs)
         except Exception:
@@ -117,6 +120,15 @@ class _DispatchMode(TorchDispatchMode):
 _UNINITIALIZED = {getattr(torch.ops.aten, n) for n in ("empty", "empty_like", "empty_strided", "new_empty",
                                                        "new_empty_strided", "resize_", "set_")
                   if hasattr(torch.ops.aten, n)}
+
+
+def _nonfinite(ts: list) -> list:
+    """The tensors of `ts` holding inf or NaN. Dense CPU tensors in one C pass without a copy (the abs-max, which is
+    non-finite exactly then: record/cpustats.absmax); isfinite().all() allocates a mask per op output, which was
+    most of a CPU replay's own time."""
+    if ts and cpustats.available() and all(t.device.type == "cpu" and t.layout == torch.strided for t in ts):
+        return [t for t, v in zip(ts, cpustats.absmax(ts).tolist()) if not math.isfinite(v)]
+    return [t for t in ts if not bool(torch.isfinite(t).all())]
 
 
 class OpTracer:
@@ -227,7 +239,7 @@ class OpTracer:
         n_result = RESULT_OUTPUTS.get(func._schema.name)
         if n_result is not None and isinstance(out, (tuple, list)):
             outs = floats(tuple(out[:n_result]))  # the others are the op's workspace (CTC's log_alpha: log 0 = -inf)
-        bad = [t for t in outs if not bool(torch.isfinite(t).all())]
+        bad = _nonfinite(outs)
         if not bad:
             return
         read = read_args(func, args, kwargs)
@@ -242,11 +254,10 @@ class OpTracer:
         const = nonfinite_number(args, kwargs)
         if const == "nan":
             return  # an intended NaN constant
-        if before is not None:
-            in_nan, in_inf = before
-        else:
-            in_nan = any(bool(torch.isnan(t).any()) for t in ins)
-            in_inf = any(bool(torch.isinf(t).any()) for t in ins)
+        in_nan = before[0] if before is not None else any(bool(torch.isnan(t).any()) for t in ins)
+        if in_nan:
+            return  # (neither kind below: NaN in, NaN or inf out) - most ops after the first bad one
+        in_inf = before[1] if before is not None else any(bool(torch.isinf(t).any()) for t in ins)
         out_nan = sum(int(torch.isnan(t).sum()) for t in bad)
         pole = -1.0 if func._schema.name == "aten::log1p" else 0.0
         zeros = sum(int((t == pole).sum()) for t in pole_inputs(func, args, ins)) if has_pole(func, args) else 0
@@ -261,8 +272,10 @@ class OpTracer:
             kind = "nan_origin"
         else:
             return
-        fin = [t[torch.isfinite(t)] for t in ins]
-        absmax = max((float(f.abs().max()) for f in fin if f.numel()), default=0.0)
+        # the largest finite input value (non-finite ones read as 0; where() rather than t[isfinite(t)], which
+        # compacts a copy of every large input)
+        absmax = max((float(torch.where(torch.isfinite(t), t, 0).abs().max()) for t in ins if t.numel()),
+                     default=0.0)
         self._record(func, kind, bad, ins, in_inf, absmax, before, in_zeros=zeros, args=args, kwargs=kwargs)
 
     def _record(self, func, kind: str, bad: list, ins: list, in_inf: bool, absmax: float, before=None,
