@@ -104,8 +104,7 @@ class _DispatchMode(TorchDispatchMode):
             # an in-place op (x.mul_(k), relu_, out=): its output is its input's storage, so the input must be
             # judged before the op writes it, or an op that overflowed in place reads as passing an inf on
             ins = floats(read_args(func, args, kwargs))
-            nan = any(bool(torch.isnan(t).any()) for t in ins)   # (with NaN in, whether inf is too is not asked)
-            before = (nan, not nan and any(bool(torch.isinf(t).any()) for t in ins))
+            before = _nan_inf(ins)
         try:
             out = func(*args, **kwargs)
         except Exception:
@@ -122,13 +121,31 @@ _UNINITIALIZED = {getattr(torch.ops.aten, n) for n in ("empty", "empty_like", "e
                   if hasattr(torch.ops.aten, n)}
 
 
-def _nonfinite(ts: list) -> list:
-    """The tensors of `ts` holding inf or NaN. Dense CPU tensors in one C pass without a copy (the abs-max, which is
-    non-finite exactly then: record/cpustats.absmax); isfinite().all() allocates a mask per op output, which was
-    most of a CPU replay's own time."""
+def _absmaxes(ts: list) -> list[float] | None:
+    """Each tensor's abs-max when all of `ts` are dense CPU tensors, in one C pass without a copy
+    (record/cpustats.absmax: NaN when the tensor holds a NaN, else inf when it holds an inf); None otherwise. The
+    torch checks below allocate a mask per tensor, which was most of a CPU replay's own time."""
     if ts and cpustats.available() and all(t.device.type == "cpu" and t.layout == torch.strided for t in ts):
-        return [t for t, v in zip(ts, cpustats.absmax(ts).tolist()) if not math.isfinite(v)]
+        return cpustats.absmax(ts).tolist()
+    return None
+
+
+def _nonfinite(ts: list) -> list:
+    """The tensors of `ts` holding inf or NaN."""
+    m = _absmaxes(ts)
+    if m is not None:
+        return [t for t, v in zip(ts, m) if not math.isfinite(v)]
     return [t for t in ts if not bool(torch.isfinite(t).all())]
+
+
+def _nan_inf(ts: list) -> tuple[bool, bool]:
+    """(whether any of `ts` holds a NaN, whether any holds ±inf); with a NaN the second is not asked (False)."""
+    m = _absmaxes(ts)
+    if m is not None:
+        nan = any(math.isnan(v) for v in m)
+        return nan, not nan and any(math.isinf(v) for v in m)
+    nan = any(bool(torch.isnan(t).any()) for t in ts)
+    return nan, not nan and any(bool(torch.isinf(t).any()) for t in ts)
 
 
 class OpTracer:
@@ -254,10 +271,9 @@ class OpTracer:
         const = nonfinite_number(args, kwargs)
         if const == "nan":
             return  # an intended NaN constant
-        in_nan = before[0] if before is not None else any(bool(torch.isnan(t).any()) for t in ins)
+        in_nan, in_inf = before if before is not None else _nan_inf(ins)
         if in_nan:
             return  # (neither kind below: NaN in, NaN or inf out) - most ops after the first bad one
-        in_inf = before[1] if before is not None else any(bool(torch.isinf(t).any()) for t in ins)
         out_nan = sum(int(torch.isnan(t).sum()) for t in bad)
         pole = -1.0 if func._schema.name == "aten::log1p" else 0.0
         zeros = sum(int((t == pole).sum()) for t in pole_inputs(func, args, ins)) if has_pole(func, args) else 0
