@@ -238,7 +238,7 @@ class Producer:
         return _fromd(cls, d)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     """Everything recorded for one optimizer step (0-based `step`).
 

@@ -199,3 +199,44 @@ def test_the_series_time_comes_from_its_own_work_on_steps_that_carry_it():
     carried = sum(r.headroom is not None for r in w.steps[2:])
     assert carried >= 3
     assert 3 <= len(budget.own) <= carried and all(0 < t < 0.5 for t in budget.own), list(budget.own)
+
+
+def test_parked_hooks_come_back_without_disturbing_the_users_own_hooks(monkeypatch):
+    """The hooks parked between the series' steps go back under the ids torch gave them (no walk of the model, no new
+    handles): a forward hook the user registered after the watch began keeps running on every step, the series'
+    hooks are on exactly on its steps, and close() leaves only the user's hook."""
+    orig = Headroom._reduce
+
+    def slow(self, *a):
+        time.sleep(0.01)
+        return orig(self, *a)
+    monkeypatch.setattr(Headroom, "_reduce", slow)
+    from ampdoctor.record.hooks import HeadroomHook
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu")
+    w = ampdoctor.watch(m, optimizer=opt, scaler=sc)
+    seen = []
+    mine = m[0].register_forward_hook(lambda mod, a, out: seen.append(out.dtype))
+    x = torch.randn(4, 8)
+    ids, kinds = set(), []
+    for i in range(60):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(m(x).float(), torch.zeros(4, 4))
+        ours = {(id(mod), k) for mod in m.modules() for k, h in mod._forward_hooks.items() if isinstance(h, HeadroomHook)}
+        ids |= ours
+        kinds.append(bool(ours))
+        sc.scale(loss).backward()
+        sc.step(opt)
+        sc.update()
+    w.close()
+    assert len(seen) == 60 and set(seen) == {torch.float16}
+    assert any(kinds[2:]) and not all(kinds[2:]), kinds  # parked on some routine steps, back on others
+    # one id per hooked module however often they came back (Linear 0 and 2 read fp16; the ReLU passes it on)
+    assert len(ids) == len({mod for mod, _ in ids}), ids
+    assert [list(mod._forward_hooks.values()) for mod in m.modules()] == [[], [mine.hooks_dict_ref()[mine.id]], [], []]
+    mine.remove()
+    assert not any(mod._forward_hooks for mod in m.modules())

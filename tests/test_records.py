@@ -88,3 +88,15 @@ def test_a_clips_norm_reaches_its_event_as_a_number_and_no_tensor_rides_in_the_r
 def pytest_approx(xs):
     import pytest
     return pytest.approx(xs, rel=1e-6)
+
+
+def test_the_objects_made_every_step_with_many_fields_have_slots():
+    """The open step (81 fields) and its StepRecord (33) are made on every step, right after the training step has
+    emptied the CPU's caches: as plain instances, Python gives objects of more than 30 attributes a dict of their
+    own, grown as each field is set (measured in a nanoGPT-style CPU loop: 22 and 32 us a step; with slots 6 and 4)."""
+    import dataclasses
+    from ampdoctor.record.openstep import _Step
+    from ampdoctor.records import StepRecord
+    for cls in (_Step, StepRecord):
+        assert len(dataclasses.fields(cls)) > 30 and "__slots__" in vars(cls), cls
+        assert not hasattr(cls(step=0, sampled=False), "__dict__"), cls

@@ -69,7 +69,7 @@ class _Call:
     probes: list = field(default_factory=list)  # (index into _Step.probes, dtype name) of small fp16/bf16 inputs
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     step: int
     sampled: bool
