@@ -76,6 +76,13 @@ def test_the_clip_route_reads_no_gradient_on_a_healthy_step(monkeypatch):
             calls.append(1)
         return orig(ts, ord)
     monkeypatch.setattr(transfer, "norms", counting)
+    both = params.amax_and_l2
+
+    def counting_both(ts):  # (a sampled step reads the abs-max and the L2 norm together)
+        if len(ts) == 4:
+            calls.append(1)
+        return both(ts)
+    monkeypatch.setattr(transfer, "amax_and_l2", counting_both)
     _run("all", steps=5, bad_at=99)
     routine = len(calls)
     calls.clear()

@@ -86,6 +86,46 @@ def test_c_cpu_path_equals_eager_across_chunks(dt, ref):
         assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0)), (i, got, want)
 
 
+def test_the_steps_row_matrix_holds_what_stats_gives_each_tensor():
+    """cpustats.RowBuffer (a step's CPU rows written in place into one matrix, grown past its first 128 rows) holds
+    row for row what cpustats.stats returns, empty and non-contiguous tensors included."""
+    from ampdoctor.record import cpustats
+    if not cpustats.available():
+        pytest.skip("no C compiler here")
+    xs = [ADV, ADV.half(), ADV.bfloat16(), torch.zeros(0), torch.randn(64, 64).t(), ADV.double() * 1e300]
+    xs = [(x, ref) for x in xs for ref in (torch.float16, torch.bfloat16)] * 12  # 144 rows
+    buf = cpustats.RowBuffer()
+    rows = [buf.add(x, ref) for x, ref in xs]
+    assert rows == list(range(len(xs)))
+    got = buf.vectors()
+    want = torch.stack([cpustats.stats(x, ref) for x, ref in xs])
+    assert torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(want, nan=-7.0))
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float64])
+def test_abs_max_and_l2_in_one_pass_equal_torchs_norms(dt):
+    """cpustats.absmax_l2 (a sampled step's gradients read once) gives torch's abs-max and `_foreach_norm(ord=2)`
+    (bfloat16 normed as float32, as params.norms does), summed more exactly: inf and NaN propagate, a float32
+    square past float32's range is inf and a tiny one 0, as in torch's."""
+    from ampdoctor.record import cpustats
+    if not cpustats.available():
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(300_001, generator=g) * 3, torch.randn(37, 5, generator=g).t(), torch.tensor([1.0, float("inf")]),
+          torch.tensor([float("-inf"), float("nan"), 2.0]), torch.full((4,), 3e38), torch.full((3,), -2.0 ** -130)]
+    ts = [t.to(dt) for t in ts]
+    amax, l2 = cpustats.absmax_l2(ts)
+    want_a = torch.stack([t.abs().max().double() for t in ts])
+    torchs = torch.stack(torch._foreach_norm([t.float() if dt == torch.bfloat16 else t for t in ts], 2)).double()
+    # float32 squares summed exactly enough (torch sums them in float32: 2.5e-6 off on the 300k values here)
+    truth = torch.stack([(t * t).double().sum().sqrt() if dt == torch.float64 else
+                         (t.float() * t.float()).double().sum().sqrt().float().double() for t in ts])
+    assert torch.equal(amax.nan_to_num(-7.0), want_a.nan_to_num(-7.0)), (amax, want_a)
+    assert torch.allclose(l2.nan_to_num(-7.0), truth.nan_to_num(-7.0), rtol=1e-7, atol=0), (l2, truth)
+    assert torch.allclose(l2.nan_to_num(-7.0), torchs.nan_to_num(-7.0), rtol=1e-4, atol=0), (l2, torchs)
+    assert cpustats.absmax_l2([ts[0], torch.zeros(3, dtype=torch.float16)]) is None  # (float16: torch's norms)
+
+
 def test_without_a_c_compiler_the_watch_falls_back(tmp_path):
     """No usable `cc` (CC=false, empty cache): cpustats is unavailable and a watched step still gets its
     statistics (eager here: every=20 does not compile)."""

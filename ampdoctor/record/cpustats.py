@@ -28,7 +28,7 @@ import torch
 from .tables import is_dense
 from .stats import _F64, _THR
 
-__all__ = ["available", "supports", "stats", "absmax"]
+__all__ = ["available", "supports", "stats", "absmax", "absmax_l2", "RowBuffer"]
 
 _SRC = r"""
 #include <stdint.h>
@@ -135,6 +135,49 @@ AMAX(amax_bf16, int16_t, 0x7fff, 0x7f80, bf16_value)
 AMAX(amax_f32, int32_t, 0x7fffffff, 0x7f800000, f32_value)
 AMAX(amax_f64, int64_t, 0x7fffffffffffffffLL, 0x7ff0000000000000LL, f64_value)
 
+/* The same pass with each tensor's L2 norm (a model's gradients on a sampled step: both in one read). For the
+   float32 and bfloat16 kinds each square is a float32 one, as in torch's norm of float32 values (bfloat16
+   gradients are normed as float32 copies there): a square past float32's range is inf, a tiny one 0; the squares
+   are summed in double and the norm rounded to float32 (torch sums in float32: the last bits may differ).
+   kinds: 0 f32, 2 bf16, 3 f64 (no f16: callers take torch's norms for float16). */
+CLONES static void amax_l2_f32(const int32_t *p, int64_t n, double *amax, double *l2) {
+    int32_t mx = 0; double ss = 0.0; const float *f = (const float *)p;
+    _Pragma("omp simd reduction(max:mx) reduction(+:ss)")
+    for (int64_t i = 0; i < n; i++) {
+        int32_t a = p[i] & 0x7fffffff; mx = a > mx ? a : mx; float v = f[i]; ss += (double)(v * v);
+    }
+    *amax = mx > 0x7f800000 ? (double)NAN : f32_value(mx); *l2 = (double)(float)sqrt(ss);
+}
+CLONES static void amax_l2_bf16(const int16_t *p, int64_t n, double *amax, double *l2) {
+    int16_t mx = 0; double ss = 0.0;
+    _Pragma("omp simd reduction(max:mx) reduction(+:ss)")
+    for (int64_t i = 0; i < n; i++) {
+        int16_t a = p[i] & 0x7fff; mx = a > mx ? a : mx;
+        uint32_t u = (uint32_t)(uint16_t)p[i] << 16; float v; memcpy(&v, &u, 4); ss += (double)(v * v);
+    }
+    *amax = mx > 0x7f80 ? (double)NAN : bf16_value(mx); *l2 = (double)(float)sqrt(ss);
+}
+CLONES static void amax_l2_f64(const int64_t *p, int64_t n, double *amax, double *l2) {
+    int64_t mx = 0; double ss = 0.0; const double *f = (const double *)p;
+    _Pragma("omp simd reduction(max:mx) reduction(+:ss)")
+    for (int64_t i = 0; i < n; i++) {
+        int64_t a = p[i] & 0x7fffffffffffffffLL; mx = a > mx ? a : mx; ss += f[i] * f[i];
+    }
+    *amax = mx > 0x7ff0000000000000LL ? (double)NAN : f64_value(mx); *l2 = sqrt(ss);
+}
+
+void ad_amax_l2_many(int64_t k, const int64_t *ptrs, const int64_t *ns, const int64_t *kinds, double *amax,
+                     double *l2) {
+    for (int64_t j = 0; j < k; j++) {
+        const void *p = (const void *)ptrs[j];
+        switch (kinds[j]) {
+            case 0: amax_l2_f32((const int32_t *)p, ns[j], amax + j, l2 + j); break;
+            case 2: amax_l2_bf16((const int16_t *)p, ns[j], amax + j, l2 + j); break;
+            default: amax_l2_f64((const int64_t *)p, ns[j], amax + j, l2 + j); break;
+        }
+    }
+}
+
 void ad_amax_many(int64_t k, const int64_t *ptrs, const int64_t *ns, const int64_t *kinds, double *out) {
     for (int64_t j = 0; j < k; j++) {
         const void *p = (const void *)ptrs[j];
@@ -199,6 +242,8 @@ def _build():
     lib.fns = fns
     lib.ad_amax_many.argtypes = [i64, vp, vp, vp, vp]
     lib.ad_amax_many.restype = None
+    lib.ad_amax_l2_many.argtypes = [i64, vp, vp, vp, vp, vp]
+    lib.ad_amax_l2_many.restype = None
     return lib
 
 
@@ -245,12 +290,53 @@ def stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
     x = x.detach()
     n = x.numel()
     if n == 0:
-        return torch.tensor([0.0, 0, 0, 0, 0, 0.0, float("inf"), 0, 0, 0], dtype=_F64)
+        return _EMPTY.clone()
     flat = _flat(x)
     near, tiny, ovf = _thresholds(x.dtype, ref)
     out = torch.empty(10, dtype=_F64)
     _LIB.fns[x.dtype](flat.data_ptr(), n, near, tiny, ovf, out.data_ptr())
     return out
+
+
+class RowBuffer:
+    """The open step's CPU statistic rows in one float64 matrix (rows laid out like records.STAT_FIELDS, as
+    `stats` gives them): each tensor's pass writes its row in place, so a step of every=1 makes no tensor per
+    row, and the step's transfer takes the matrix whole (transfer._gather_rows: the rows of a CUDA step's
+    fused.StatBuffer are taken the same way). Rows are measured when added, as `stats` measures them."""
+
+    __slots__ = ("mat", "n", "base")
+
+    def __init__(self, rows: int = 128):
+        self.mat = torch.empty((rows, 10), dtype=_F64)
+        self.n = 0
+        self.base = self.mat.data_ptr()
+
+    def add(self, x: torch.Tensor, ref: torch.dtype) -> int:
+        """Measure CPU tensor `x` (a dtype `supports` takes) against `ref`; returns its row."""
+        row = self.n
+        if row == self.mat.shape[0]:
+            mat = torch.empty((2 * row, 10), dtype=_F64)
+            mat[:row] = self.mat
+            self.mat, self.base = mat, mat.data_ptr()
+        x = x.detach()
+        n = x.numel()
+        if n == 0:
+            self.mat[row] = _EMPTY
+        else:
+            flat = _flat(x)  # (kept alive through the call)
+            near, tiny, ovf = _thresholds(x.dtype, ref)
+            _LIB.fns[x.dtype](flat.data_ptr(), n, near, tiny, ovf, self.base + 80 * row)
+        self.n = row + 1
+        return row
+
+    def forward_done(self) -> None:
+        """(fused.StatBuffer's: rows here are measured when added, nothing is pending)"""
+
+    def vectors(self) -> torch.Tensor:
+        return self.mat[:self.n]
+
+
+_EMPTY = torch.tensor([0.0, 0, 0, 0, 0, 0.0, float("inf"), 0, 0, 0], dtype=_F64)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -279,12 +365,36 @@ def absmax(ts: list[torch.Tensor]) -> torch.Tensor:
             got = torch.empty(k, dtype=_F64)
             _LIB.ad_amax_many(k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
                               (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]), got.data_ptr())
+            if k == len(ts):  # (the usual case: every tensor's in the C pass)
+                return got
             out[torch.tensor(mine)] = got
     if len(mine) < len(ts):
         done = set(mine)
         rest = [i for i in range(len(ts)) if i not in done]
         out[torch.tensor(rest)] = _absmax_torch([ts[i] for i in rest])
     return out
+
+
+_L2_KINDS = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def absmax_l2(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(abs-max, L2 norm) of each CPU tensor in one C pass over each, as two float64 vectors: `absmax`'s values, and
+    the norms torch's `_foreach_norm(ord=2)` gives (float32 and bfloat16 ones rounded to float32, a float64 one's in
+    float64). None unless every tensor is a non-empty float32/bfloat16/float64 CPU tensor with storage of its own
+    (the caller then takes torch's norms)."""
+    if not ts or not available() or not all(t.dtype in _L2_KINDS and t.device.type == "cpu" and t.numel() for t in ts):
+        return None
+    try:
+        flats = [_flat(t.detach()) for t in ts]  # (kept alive through the call)
+        k = len(flats)
+        ptrs = (ctypes.c_int64 * k)(*[f.data_ptr() for f in flats])
+    except RuntimeError:
+        return None
+    amax, l2 = torch.empty(k, dtype=_F64), torch.empty(k, dtype=_F64)
+    _LIB.ad_amax_l2_many(k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
+                         (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]), amax.data_ptr(), l2.data_ptr())
+    return amax, l2
 
 
 def _absmax_torch(ts: list[torch.Tensor]) -> torch.Tensor:

@@ -52,7 +52,7 @@ class StepPhaseError(RuntimeError):
     """A step was moved out of order: a bug in ampdoctor, never in the user's code."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Call:
     module: str
     type: str
@@ -226,7 +226,10 @@ class _Step:
                                             forward=c.grad_enabled and slot in _FORWARD))
             light = False
         elif t.device.type == "cpu" and cpustats.supports(t):  # one C pass (ampdoctor/record/cpustats.py)
-            v = cpustats.stats(t, ref)
+            buf = self.fbuf.get(t.device)
+            if buf is None:
+                buf = self.fbuf[t.device] = cpustats.RowBuffer()
+            v = ("fused", t.device, buf.add(t, ref))  # (its row of the step's CPU matrix, taken as fused rows are)
             light = False
         elif compile_stats and t.device.type == "cpu":
             v = compiled("light" if light else "full")(t, ref)

@@ -13,8 +13,8 @@ from . import cpustats
 from ..records import ROUNDED_AWAY_SHARE, ROUNDING_MIN_SAMPLED
 from ..tensors import local
 
-__all__ = ["model_grads", "norms", "grads_after_unscale", "checked_weights", "weight_amax", "UpdateCheck",
-           "update_check_pre", "update_check_post"]
+__all__ = ["model_grads", "norms", "amax_and_l2", "grads_after_unscale", "checked_weights", "weight_amax",
+           "UpdateCheck", "update_check_pre", "update_check_post"]
 
 
 def model_grads(m):
@@ -66,6 +66,13 @@ def norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
         return out
 
 
+def amax_and_l2(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norms(tensors, inf)` and `norms(tensors, 2)`: on the CPU both in one C pass over each tensor
+    (cpustats.absmax_l2: a sampled step's gradients are read once, not twice)."""
+    both = cpustats.absmax_l2(tensors) if tensors[0].device.type == "cpu" else None
+    return both if both is not None else (norms(tensors, math.inf), norms(tensors, 2))
+
+
 def grads_after_unscale(m, opt) -> None:
     """On a sampled step, queue the gradients' norms right after `scaler.unscale_(opt)`: what the model
     produced, before clipping rescales it (read at presync with everything else). Only when `opt` holds every
@@ -79,7 +86,7 @@ def grads_after_unscale(m, opt) -> None:
     held = {id(p) for g in opt.param_groups for p in g["params"]}
     if any(id(p) not in held for n, p in m.params if p.grad is not None):
         return
-    st.grad_parts = (names, norms(grads, math.inf), norms(grads, 2))
+    st.grad_parts = (names, *amax_and_l2(grads))
 
 
 def checked_weights(m) -> list[int]:

@@ -18,7 +18,7 @@ from .autocapture import maybe_capture
 from .gradexits import loss_ops
 from .hostcopy import Pending
 from .openstep import StepPhase
-from .params import checked_weights, model_grads, norms, weight_amax
+from .params import amax_and_l2, checked_weights, model_grads, norms, weight_amax
 from ..tensors import nonfinite_input
 from .stats import NSTAT
 
@@ -94,10 +94,11 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
                 keep = [i for i, n in enumerate(names) if id(m.param_by_name[n]) not in others]
                 names, grads = [names[i] for i in keep], [grads[i] for i in keep]
         st.param_names = names
-        if grads:
+        if grads and st.sampled:
+            amax, l2 = amax_and_l2(grads)
+            parts += [("g_amax", amax), ("g_l2", l2)]
+        elif grads:
             parts.append(("g_amax", norms(grads, math.inf)))
-            if st.sampled:
-                parts.append(("g_l2", norms(grads, 2)))
     if st.sampled:  # (the dtypes the step ran with: a model .half()'d after the loop, before close, ran fp32)
         st.step_dtypes = {n: p.dtype for n, p in m.params}
     if st.sampled and m.params:  # are the weights themselves finite?
