@@ -13,7 +13,11 @@ Options: --steps N (timed steps per variant, default 30), --warmup N (untimed st
 (default fp16 on CUDA, off on CPU: see below), --variants a,b,... (subset), --threads N (torch CPU threads),
 --json OUT (everything, raw times included), --compile (each variant's forward through torch.compile, the watch
 given the model itself, as nanoGPT's train.py with compile=True), --bitwise (run the bitwise-identity check
-instead of the benchmark; --bitwise-steps N, default 50).
+instead of the benchmark; --bitwise-steps N, default 50), --baseline DIR (another checkout's ampdoctor, e.g. a
+`git worktree` of the last commit, loaded beside this one as the package `ampdoctor_base`: a variant named
+`default@base`, `every1@base`, ... watches with it, interleaved with the rest, so that a change in the watch's host
+time is measured against the same host's plain step and the old code in one process, not across processes whose
+host state differs by more than the change: `--variants plain,default,default@base`).
 
 What it measures
 ----------------
@@ -65,6 +69,23 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ampdoctor
+
+PACKAGES = {"": ampdoctor}  # variant suffix ("@base") -> the ampdoctor package its watch comes from (--baseline)
+
+
+def load_baseline(checkout: str):
+    """The ampdoctor package of another checkout, imported as `ampdoctor_base` (a copy under a temporary directory:
+    the package imports itself relatively, so the copy is a second, independent ampdoctor in this process)."""
+    import importlib
+    import shutil
+    import tempfile
+    src = os.path.join(checkout, "ampdoctor")
+    if not os.path.isdir(src):
+        raise SystemExit(f"--baseline {checkout}: no ampdoctor/ there")
+    root = tempfile.mkdtemp(prefix="ampdoctor-base-")
+    shutil.copytree(src, os.path.join(root, "ampdoctor_base"), ignore=shutil.ignore_patterns("__pycache__"))
+    sys.path.insert(0, root)
+    return importlib.import_module("ampdoctor_base")
 
 ALL_VARIANTS = ("plain", "default", "headroom", "hroff", "every1", "anomaly", "hf")
 
@@ -223,6 +244,8 @@ class Variant:
         # K pending tensors, F MiB of forward outputs, B MiB of gradients (a sweep, interleaved like the rest)
         self.name, _, flush = name.partition(":")
         self.label = name
+        self.name, _, pkg = self.name.partition("@")  # "default@base": the --baseline checkout's watch
+        self.pkg = PACKAGES[pkg and "@" + pkg]
         self.flush = [int(x) for x in flush.split(":")] if flush else None
         self.clip = clip
         self.model = model
@@ -242,13 +265,13 @@ class Variant:
 
     def install(self):
         if self.name == "default":
-            self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler)
+            self.watch = self.pkg.watch(self.model, optimizer=self.opt, scaler=self.scaler)
         elif self.name == "every1":
-            self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, every=1)
+            self.watch = self.pkg.watch(self.model, optimizer=self.opt, scaler=self.scaler, every=1)
         elif self.name == "headroom":
-            self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, headroom=True)
+            self.watch = self.pkg.watch(self.model, optimizer=self.opt, scaler=self.scaler, headroom=True)
         elif self.name == "hroff":
-            self.watch = ampdoctor.watch(self.model, optimizer=self.opt, scaler=self.scaler, headroom=False)
+            self.watch = self.pkg.watch(self.model, optimizer=self.opt, scaler=self.scaler, headroom=False)
         elif self.name == "hf":
             from transformers.debug_utils import DebugUnderflowOverflow
             self.debug = DebugUnderflowOverflow(self.model)
@@ -336,6 +359,8 @@ def parse_args(argv=None):
     p.add_argument("--bitwise-steps", type=int, default=50)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU runs)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="another checkout whose ampdoctor the variants named <variant>@base use")
     return p.parse_args(argv)
 
 
@@ -374,9 +399,14 @@ def run_benchmark(a) -> dict:
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     if "plain" not in names:
         names.insert(0, "plain")
-    bad = [n for n in names if n.partition(":")[0] not in ALL_VARIANTS]
+    if getattr(a, "baseline", None):
+        PACKAGES["@base"] = load_baseline(a.baseline)
+    bad = [n for n in names if n.partition(":")[0].partition("@")[0] not in ALL_VARIANTS
+           or n.partition(":")[0].partition("@")[2] not in ("", "base")]
     if bad:
-        raise SystemExit(f"unknown variants {bad}; choose from {ALL_VARIANTS}")
+        raise SystemExit(f"unknown variants {bad}; choose from {ALL_VARIANTS} (with --baseline, also <variant>@base)")
+    if any("@base" in n for n in names) and "@base" not in PACKAGES:
+        raise SystemExit("a variant @base needs --baseline DIR")
     if "hf" in names and not _hf_available():
         names.remove("hf")
     base, batches, loss_of = build(a.model, device)
