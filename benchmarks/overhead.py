@@ -478,7 +478,8 @@ def run_benchmark(a) -> dict:
             "peak_delta_mb": None if (peak is None or p_peak is None) else (peak - p_peak) / 2**20,
             "syncs_per_step": v.syncs,
             "extra_syncs_per_step": None if (v.syncs is None or plain.syncs is None) else v.syncs - plain.syncs,
-            "steps": len(v.times), "error": v.error, "times_ms": [t * 1e3 for t in v.times]})
+            "steps": len(v.times), "error": v.error, "times_ms": [t * 1e3 for t in v.times],
+            "package": v.pkg.__name__ if v.watch is not None else None})
     res = {"env": _env(device), "model": a.model, "device": str(device), "amp": amp, "compile": a.compile,
            "steps": a.steps,
            "warmup": a.warmup, "sync_steps": a.sync_steps if cuda else 0,

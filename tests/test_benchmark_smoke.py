@@ -45,3 +45,24 @@ def test_bitwise_check_cpu_short():
     res = bench.bitwise_check(torch.device("cpu"), steps=3, log=lambda *a: None)
     assert res["control_identical"]
     assert res["identical"], res["comparisons"]
+
+
+def test_a_baseline_checkouts_watch_runs_beside_this_one(tmp_path):
+    """`--baseline DIR` loads DIR's ampdoctor as a second package (ampdoctor_base) and runs `<variant>@base` with it,
+    interleaved with this checkout's watch (in a subprocess: the second package's process-wide patches stay there)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(_PATH))
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, _PATH, "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                        "--baseline", root, "--variants", "plain,default,default@base,every1@base", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"plain", "default", "default@base", "every1@base"}
+    assert all(row["error"] is None and row["steps"] == 2 for row in rows.values()), rows
+    assert [rows[v]["package"] for v in ("plain", "default", "default@base", "every1@base")] == \
+        [None, "ampdoctor", "ampdoctor_base", "ampdoctor_base"]
+    bad = subprocess.run([sys.executable, _PATH, "--model", "tiny", "--device", "cpu",
+                          "--variants", "plain,default@base"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert bad.returncode != 0 and "needs --baseline" in bad.stderr, bad.stderr[-500:]
