@@ -287,15 +287,23 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
     """All of STAT_FIELDS for one CPU tensor (float16/bfloat16/float32/float64), as a float64 row."""
+    out = torch.empty(10, dtype=_F64)
+    if not _row_into(x, ref, out.data_ptr()):
+        out.copy_(_EMPTY)
+    return out
+
+
+def _row_into(x: torch.Tensor, ref: torch.dtype, ptr: int) -> bool:
+    """The C pass over `x`, its row written at address `ptr` (10 float64); False for an empty tensor (nothing
+    written: the caller puts the empty row there)."""
     x = x.detach()
     n = x.numel()
     if n == 0:
-        return _EMPTY.clone()
-    flat = _flat(x)
+        return False
+    flat = _flat(x)  # (kept alive through the call)
     near, tiny, ovf = _thresholds(x.dtype, ref)
-    out = torch.empty(10, dtype=_F64)
-    _LIB.fns[x.dtype](flat.data_ptr(), n, near, tiny, ovf, out.data_ptr())
-    return out
+    _LIB.fns[x.dtype](flat.data_ptr(), n, near, tiny, ovf, ptr)
+    return True
 
 
 class RowBuffer:
@@ -318,14 +326,8 @@ class RowBuffer:
             mat = torch.empty((2 * row, 10), dtype=_F64)
             mat[:row] = self.mat
             self.mat, self.base = mat, mat.data_ptr()
-        x = x.detach()
-        n = x.numel()
-        if n == 0:
+        if not _row_into(x, ref, self.base + 80 * row):
             self.mat[row] = _EMPTY
-        else:
-            flat = _flat(x)  # (kept alive through the call)
-            near, tiny, ovf = _thresholds(x.dtype, ref)
-            _LIB.fns[x.dtype](flat.data_ptr(), n, near, tiny, ovf, self.base + 80 * row)
         self.n = row + 1
         return row
 
