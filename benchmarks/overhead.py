@@ -345,7 +345,8 @@ def count_syncs(v: Variant, batches, loss_of, steps: int) -> float:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="cpu-gpt", choices=["cpu-gpt", "convnet", "gpt2", "nanogpt", "tiny"])
+    p.add_argument("--model", default="cpu-gpt",
+                   choices=["cpu-gpt", "convnet", "gpt2", "nanogpt", "nanogpt-host", "tiny"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
