@@ -2,9 +2,9 @@
 loop (benchmarks/overhead.py's `build` and `Variant`, the loop calling `loss.item()` each step as issue 15's
 nanoGPT step does). Prints, per function, its total time per step and its lines costing at least `--min-us` a
 step. Read it for where to look, not for how much: line_profiler's tracing makes every Python line slower, and a line
-that calls Python code is charged with its callees' traced lines (a dataclass's 30-line __init__ made one line cost
-15 us that perf_counter put at 4); time a suspect with perf_counter around it, or compare two checkouts with
-`overhead.py --baseline`.
+that calls Python code is charged with its callees' traced lines (a dataclass's generated __init__, one traced line
+per field, lands on the line that makes the object); time a suspect with perf_counter around it, or compare two
+checkouts with `overhead.py --baseline`.
 
     python benchmarks/line_profile.py --model nanogpt --device cuda [--variant default] [--steps 100]
     python benchmarks/line_profile.py --model cpu-gpt --device cpu --amp off --variant every1 \
