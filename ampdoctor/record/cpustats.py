@@ -26,7 +26,7 @@ import threading
 import torch
 
 from .tables import is_dense
-from .stats import _F64, _THR
+from .stats import NSTAT, _F64, _THR
 
 __all__ = ["available", "supports", "stats", "absmax", "absmax_l2", "RowBuffer"]
 
@@ -287,14 +287,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def stats(x: torch.Tensor, ref: torch.dtype) -> torch.Tensor:
     """All of STAT_FIELDS for one CPU tensor (float16/bfloat16/float32/float64), as a float64 row."""
-    out = torch.empty(10, dtype=_F64)
+    out = torch.empty(NSTAT, dtype=_F64)
     if not _row_into(x, ref, out.data_ptr()):
         out.copy_(_EMPTY)
     return out
 
 
 def _row_into(x: torch.Tensor, ref: torch.dtype, ptr: int) -> bool:
-    """The C pass over `x`, its row written at address `ptr` (10 float64); False for an empty tensor (nothing
+    """The C pass over `x`, its row written at address `ptr` (NSTAT float64); False for an empty tensor (nothing
     written: the caller puts the empty row there)."""
     x = x.detach()
     n = x.numel()
@@ -315,7 +315,7 @@ class RowBuffer:
     __slots__ = ("mat", "n", "base")
 
     def __init__(self, rows: int = 128):
-        self.mat = torch.empty((rows, 10), dtype=_F64)
+        self.mat = torch.empty((rows, NSTAT), dtype=_F64)
         self.n = 0
         self.base = self.mat.data_ptr()
 
@@ -323,10 +323,10 @@ class RowBuffer:
         """Measure CPU tensor `x` (a dtype `supports` takes) against `ref`; returns its row."""
         row = self.n
         if row == self.mat.shape[0]:
-            mat = torch.empty((2 * row, 10), dtype=_F64)
+            mat = torch.empty((2 * row, NSTAT), dtype=_F64)
             mat[:row] = self.mat
             self.mat, self.base = mat, mat.data_ptr()
-        if not _row_into(x, ref, self.base + 80 * row):
+        if not _row_into(x, ref, self.base + 8 * NSTAT * row):
             self.mat[row] = _EMPTY
         self.n = row + 1
         return row
@@ -356,20 +356,15 @@ def absmax(ts: list[torch.Tensor]) -> torch.Tensor:
     GPT's weights); other dtypes, or tensors without storage of their own (torch.func's wrapped ones), by torch ops."""
     out = torch.zeros(len(ts), dtype=_F64)
     mine = [i for i, t in enumerate(ts) if t.dtype in _KIND and t.device.type == "cpu"] if available() else []
-    if mine:
-        try:
-            flats = [_flat(ts[i].detach()) for i in mine]  # (kept alive through the call)
-            ptrs = (ctypes.c_int64 * len(mine))(*[f.data_ptr() for f in flats])
-        except RuntimeError:
-            mine = []
-        else:
-            k = len(mine)
-            got = torch.empty(k, dtype=_F64)
-            _LIB.ad_amax_many(k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
-                              (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]), got.data_ptr())
-            if k == len(ts):  # (the usual case: every tensor's in the C pass)
-                return got
-            out[torch.tensor(mine)] = got
+    table = _table([ts[i] for i in mine]) if mine else None
+    if table is None:
+        mine = []
+    else:
+        got = torch.empty(len(mine), dtype=_F64)
+        _LIB.ad_amax_many(*table[1:], got.data_ptr())
+        if len(mine) == len(ts):  # (the usual case: every tensor's in the C pass)
+            return got
+        out[torch.tensor(mine)] = got
     if len(mine) < len(ts):
         done = set(mine)
         rest = [i for i in range(len(ts)) if i not in done]
@@ -387,16 +382,25 @@ def absmax_l2(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | Non
     (the caller then takes torch's norms)."""
     if not ts or not available() or not all(t.dtype in _L2_KINDS and t.device.type == "cpu" and t.numel() for t in ts):
         return None
+    table = _table(ts)
+    if table is None:
+        return None
+    amax, l2 = torch.empty(len(ts), dtype=_F64), torch.empty(len(ts), dtype=_F64)
+    _LIB.ad_amax_l2_many(*table[1:], amax.data_ptr(), l2.data_ptr())
+    return amax, l2
+
+
+def _table(ts: list[torch.Tensor]):
+    """The many-tensor C calls' arguments for CPU tensors of the kinds in _KIND: (their flat views, kept alive
+    through the call, count, pointers, sizes, kinds); None for a tensor without storage of its own."""
     try:
-        flats = [_flat(t.detach()) for t in ts]  # (kept alive through the call)
+        flats = [_flat(t.detach()) for t in ts]
         k = len(flats)
         ptrs = (ctypes.c_int64 * k)(*[f.data_ptr() for f in flats])
     except RuntimeError:
         return None
-    amax, l2 = torch.empty(k, dtype=_F64), torch.empty(k, dtype=_F64)
-    _LIB.ad_amax_l2_many(k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
-                         (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]), amax.data_ptr(), l2.data_ptr())
-    return amax, l2
+    return (flats, k, ptrs, (ctypes.c_int64 * k)(*[f.numel() for f in flats]),
+            (ctypes.c_int64 * k)(*[_KIND[f.dtype] for f in flats]))
 
 
 def _absmax_torch(ts: list[torch.Tensor]) -> torch.Tensor:
