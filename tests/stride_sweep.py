@@ -4,15 +4,21 @@ machine's load, so such a test is flaky; pinned, it fails or passes every time).
 
     cd tests && AMPDOCTOR_FORCE_STRIDE=4 ../.venv/bin/python -m pytest -q -p stride_sweep test_healthy*.py ...
 
-Without AMPDOCTOR_FORCE_STRIDE the plugin does nothing. With AMPDOCTOR_FORCE_STRIDE=k, every `Watch` built
-without an explicit `config=` and `headroom=` (ampdoctor.watch, the HF/Lightning callbacks: they pass headroom=None
-unless told) gets:
+    cd tests && AMPDOCTOR_WANDER_SEED=24 ../.venv/bin/python -m pytest -q -p stride_sweep test_healthy*.py ...
+
+Without AMPDOCTOR_FORCE_STRIDE or AMPDOCTOR_WANDER_SEED the plugin does nothing. With AMPDOCTOR_FORCE_STRIDE=k,
+every `Watch` built without an explicit `config=` and `headroom=` (ampdoctor.watch, the HF/Lightning callbacks: they
+pass headroom=None unless told) gets:
 
   k == 1: headroom=True (the series on every routine step);
   k > 1:  headroom="auto" with headroom_budget=1e-9, and its HeadroomBudget swapped (per instance, via __class__)
           for a subclass whose `ended` records fixed fake timings (a step with the series 2 units, one without 1:
           the series costs 100%, over any budget) and whose `due` runs with record.budget.MAX_STRIDE = k; so after
           the calibration at stride 2 (3 timed steps of each kind) the stride is exactly k, whatever the load.
+
+With AMPDOCTOR_WANDER_SEED=N, each such watch's stride wanders instead (`install_wandering`: a new stride drawn at
+random now and then, seeded with N per watch), as a loaded host's moving measurement sets it: the false alarms that
+only a sequence of strides gives (CI's settle_near_2e4, see test_healthy_near_max.py) show up there.
 
 A test's explicit choice (config= or headroom=) is left alone, and so is every other watch's budget (nothing is
 patched module-wide). `python -m ampdoctor` subprocesses a test launches are not forced (the plugin is not loaded
@@ -26,6 +32,7 @@ import os
 import pytest
 
 _ENV = "AMPDOCTOR_FORCE_STRIDE"
+_WANDER_ENV = "AMPDOCTOR_WANDER_SEED"
 _forced = {"watches": 0, "explicit": 0, "tests": set()}
 _current = {"nodeid": None}
 
@@ -64,14 +71,48 @@ def _pinned_budget_class(k: int):
     return PinnedBudget
 
 
-def install(k: int, patch=None):
+WANDER_CHOICES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
+WANDER_P = 0.2
+
+
+def _wandering_budget_class(seed: int):
+    """A budget whose stride wanders as on a loaded host: at each routine step, with chance WANDER_P, a new stride
+    drawn from WANDER_CHOICES (seeded), as a measurement that moves with the load sets it (CI's two cores). `creep`
+    still puts the series on every step when a layer nears the max."""
+    import random
+
+    import ampdoctor.record.budget as budget
+    rng = random.Random(seed)
+
+    class WanderingBudget(budget.HeadroomBudget):
+        __slots__ = ()
+
+        def due(self) -> bool:
+            if self.alert_left > 0:
+                return budget.HeadroomBudget.due(self)
+            if rng.random() < WANDER_P:
+                self.stride = rng.choice(WANDER_CHOICES)
+            self.dirty = False  # (the measured stride is not worked out: the draw stands)
+            return budget.HeadroomBudget.due(self)
+
+    WanderingBudget.__name__ = WanderingBudget.__qualname__ = f"WanderingBudget{seed}"
+    return WanderingBudget
+
+
+def install_wandering(seed: int, patch=None):
+    """Like `install`, with the stride wandering (seeded) instead of pinned: the sequence of strides a loaded host's
+    measurement gives, which no pinned stride reproduces."""
+    install(2, patch=patch, budget_class=lambda: _wandering_budget_class(seed))
+
+
+def install(k: int, patch=None, budget_class=None):
     """Wrap Watch.__init__ so that unconfigured watches run the series at stride k. `patch(obj, name, value)`
     defaults to setattr (the plugin, for the session); tests pass monkeypatch.setattr."""
     from ampdoctor.config import DEFAULT_EVERY, WatchConfig
     from ampdoctor.watch import Watch
 
     patch = patch or setattr
-    pinned = _pinned_budget_class(k) if k > 1 else None
+    pinned = _pinned_budget_class(k) if k > 1 and budget_class is None else None
     orig = Watch.__init__
     if getattr(orig, "_stride_sweep", None) is not None:
         orig = orig._stride_sweep
@@ -87,10 +128,11 @@ def install(k: int, patch=None):
         else:
             config = WatchConfig(every=every, headroom="auto", headroom_budget=1e-9)
         orig(self, model, *args, config=config, **kw)
-        if pinned is not None:
+        cls = pinned if budget_class is None else budget_class()  # (a new class, its own seeded draws, per watch)
+        if cls is not None:
             b = self.machine.hr_hooks.budget
-            assert b is not None and type(b).__slots__ == pinned.__mro__[1].__slots__
-            b.__class__ = pinned
+            assert b is not None and type(b).__slots__ == cls.__mro__[1].__slots__
+            b.__class__ = cls
         _forced["watches"] += 1
         if _current["nodeid"]:
             _forced["tests"].add(_current["nodeid"])
@@ -123,10 +165,19 @@ def check_stride(w, stride: int) -> None:
         assert stride in gaps, (stride, sorted(gaps))
 
 
+def wander_seed() -> int | None:
+    v = os.environ.get(_WANDER_ENV, "").strip()
+    return int(v) if v else None
+
+
 def pytest_configure(config):
-    k = forced_stride()
+    k, seed = forced_stride(), wander_seed()
+    if k is not None and seed is not None:
+        raise pytest.UsageError(f"{_ENV} and {_WANDER_ENV} exclude each other")
     if k is not None:
         install(k)
+    elif seed is not None:
+        install_wandering(seed)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -139,14 +190,17 @@ def pytest_runtest_call(item):
 
 
 def pytest_report_header(config):
-    k = forced_stride()
+    k, seed = forced_stride(), wander_seed()
+    if seed is not None:
+        return f"stride_sweep: headroom series stride wandering (seed {seed}) for watches without config=/headroom="
     if k is not None:
         return f"stride_sweep: headroom series pinned at stride {k} for watches without config=/headroom="
 
 
 def pytest_terminal_summary(terminalreporter):
-    k = forced_stride()
-    if k is not None:
+    k, seed = forced_stride(), wander_seed()
+    if k is not None or seed is not None:
+        how = f"stride {k}" if seed is None else f"stride wandering (seed {seed})"
         terminalreporter.write_line(
-            f"stride_sweep: stride {k}: {_forced['watches']} watches forced in {len(_forced['tests'])} tests; "
+            f"stride_sweep: {how}: {_forced['watches']} watches forced in {len(_forced['tests'])} tests; "
             f"{_forced['explicit']} watches left alone (explicit config=/headroom=)")

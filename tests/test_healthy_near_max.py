@@ -390,7 +390,13 @@ check_stride = stride_sweep.check_stride
 # Wrong reports found while writing this file: (scenario, mode) -> the reason (the exact false finding).
 XFAIL: dict[tuple[str, str], str] = {}
 
-MODES = ["default", "1", "4", "8", "32"]
+MODES = ["default", "1", "4", "8", "32", "wander24", "wander3"]
+# wanderN: the stride wandering (tests/stride_sweep.py install_wandering, seed N) as a loaded host's measurement moves
+# it. CI's two-core machine, at the default watch, got `[warning] headroom_trend at gain step 28` on settle_near_2e4
+# (4.1 bits left, 0.06 bits/step, forecast step 98; the gain levelled off at 1.1..2 bits for 240 steps), which
+# no pinned stride reproduced; seed 24 does. The forecast step passed with 1.5 bits left, under REFUTED_BITS, so
+# the warning stood (rules/headroomseries.py `_refuted` now drops a fall that stopped at PLATEAU_BITS or more and
+# stayed there, past the forecast step as before it).
 # stride 4: CI's two-core machine chose it by budget, and staircase then got `[warning] headroom_trend at gain
 # step 174` (3.3 bits left; the climb after the x4 target stopped 1.2 bits closer and stayed there 55 steps)
 
@@ -407,7 +413,9 @@ def _params():
 @pytest.mark.parametrize("name,mode", _params())
 def test_healthy_near_max_is_quiet(name, mode, monkeypatch):
     ref = twin(name)
-    if mode != "default":
+    if mode.startswith("wander"):
+        stride_sweep.install_wandering(int(mode[6:]), patch=monkeypatch.setattr)
+    elif mode != "default":
         stride_sweep.install(int(mode), patch=monkeypatch.setattr)
     r = train(name, watched=True)
     assert r.losses == ref.losses, name                              # bitwise, step by step
@@ -415,7 +423,7 @@ def test_healthy_near_max_is_quiet(name, mode, monkeypatch):
     for k, v in ref.params.items():
         assert torch.equal(r.params[k], v), (name, k)
     assert r.rep.summary["steps"] >= len(ref.losses) - 1, r.rep.summary
-    if mode != "default":
+    if mode.isdigit():
         check_stride(r.w, int(mode))
     bad = alarms(r.rep.findings) + [f.one_line() for f in r.rep.findings if f.rule == "headroom_trend"]
     if bad or r.rep.exit_code != 0:

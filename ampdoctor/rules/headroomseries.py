@@ -133,6 +133,8 @@ def _warning(pts, k: int, win: int, cfg: RuleConfig, fitting, low: float) -> dic
     # one batch of outliers — heavy-tailed inputs — dips a single point, not the line
     step = pts[k][0]
     level = median([b + slope * (step - s) for s, b, _ in pts[k + 1 - win:k + 1]])
+    if _turned(pts, k, slope, win, level):
+        return None
     if level > cfg.headroom_max_bits or low < math.inf and level >= low - _noise(pts, k + 1 - win):
         # ... and below anything the layer showed before the window, by more than its step-to-step noise: a layer
         # that has sat near the max for a long time (a stable hot unit, a level it reached early) shows chance runs
@@ -201,7 +203,7 @@ def _refuted(pts, k: int, forecast: int, bits: float, rate: float) -> bool:
     targets, a one-time jump in the inputs' scale, sampled sparsely): the run went past the forecast step with
     `REFUTED_BITS` left or never came a bit closer to the max; or, over at least `REFUTED_SPAN` steps and half a
     window of points, it fell at under a quarter of the warned rate and never came a bit closer; or it came closer,
-    stopped at `PLATEAU_BITS` or more and stayed there as long. A layer that did
+    stopped at `PLATEAU_BITS` or more and stayed there as long (before or past the forecast step). A layer that did
     run out keeps falling to its overflow, where its series ends; a warning at the end of a run stays."""
     later = pts[k + 1:]
     if not later:
@@ -209,8 +211,12 @@ def _refuted(pts, k: int, forecast: int, bits: float, rate: float) -> bool:
     closest = min(p[1] for p in later)
     if later[-1][0] >= forecast:
         at = next(p[1] for p in later if p[0] >= forecast)
-        return closest >= bits - 1.0 or at >= REFUTED_BITS
-    if len(later) < WINDOW // 2 or later[-1][0] - later[0][0] < REFUTED_SPAN:
+        if closest >= bits - 1.0 or at >= REFUTED_BITS:
+            return True
+        # past the forecast step under REFUTED_BITS: refuted still when the fall stopped at PLATEAU_BITS or more
+        # and stayed there (below); an early point of a fit's rise, warned at whatever point the stride put there,
+        # forecasts the step at which the fit levels off under 2 bits
+    elif len(later) < WINDOW // 2 or later[-1][0] - later[0][0] < REFUTED_SPAN:
         return False
     if closest < bits - 1.0:
         # it came closer than warned, then stopped: refuted when the run went on `REFUTED_SPAN` steps and half a
@@ -246,6 +252,23 @@ def _settling(pts, k: int, slope: float, window: int = WINDOW) -> bool:
     w = pts[k + 1 - window // 2:k + 1]
     rec = [(b[1] - a[1]) / max(b[0] - a[0], 1) for i, a in enumerate(w) for b in w[i + 1:]]
     return bool(rec) and median(rec) > slope / 3
+
+
+TURNED = 3.0
+"""The window's last points sitting this many noise deviations above its trend line have turned back (see _turned)."""
+
+
+def _turned(pts, k: int, slope: float, window: int, level: float) -> bool:
+    """Whether the fall has turned back by the window's end: the median of its last 3 points sits TURNED noise
+    deviations (as `_significant` estimates them) above the window's trend line (`level` at index k, `slope`). A
+    48-step window over a fall and the start of its recovery (a cyclic target's amplitude turning, lr cycling down)
+    keeps a steep slope whose line runs below the recovering points; a runaway's last points sit on its line or,
+    speeding up, under it."""
+    w = pts[k + 1 - window:k + 1]
+    sigma = median([abs(b[1] - a[1]) for a, b in zip(w, w[1:])]) / 0.954
+    step = pts[k][0]
+    resid = median([b - (level + slope * (s - step)) for s, b, _ in w[-3:]])
+    return resid > TURNED * sigma
 
 
 def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:
