@@ -203,4 +203,5 @@ def pytest_terminal_summary(terminalreporter):
         how = f"stride {k}" if seed is None else f"stride wandering (seed {seed})"
         terminalreporter.write_line(
             f"stride_sweep: {how}: {_forced['watches']} watches forced in {len(_forced['tests'])} tests; "
-            f"{_forced['explicit']} watches left alone (explicit config=/headroom=)")
+            f"{_forced['explicit']} watches left alone (explicit config=/headroom=); counted in this process "
+            f"(pytest-xdist workers count their own)")
