@@ -119,6 +119,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
+import stride_sweep
 from probe_harness import WrongAnswer, wrong
 from scenarios import alarms, gen, lines, one_thread
 
@@ -1245,8 +1246,16 @@ FALSE_ALARMS: dict = {  # run name -> what ampdoctor said on that healthy loop (
 XFAIL = {name: wrong(reason) for name, reason in FALSE_ALARMS.items()}
 
 
+# stride "1": the headroom series on every routine step (tests/stride_sweep.py), as headroom="auto" chooses on a
+# loaded host. Added when CI-like strides (1, 2, a wandering one) gave fairseq_dynamic_loss_scaler `[warning]
+# headroom_trend at 0 step 29` on the gradient into `0`'s output: its hand-made loss scale (2**13, unrecorded) is
+# in those gradients, and the loop throws an overflowing iteration away itself (rules/headroom.py now leaves the
+# backward of such a loop unjudged, as that of an fp16 model with master weights and no GradScaler)
+@pytest.mark.parametrize("stride", ["default", "1"])
 @pytest.mark.parametrize("name", [pytest.param(n, marks=XFAIL[n]) if n in XFAIL else n for n in RUNS])
-def test_healthy_repo_loop(name, tmp_path):
+def test_healthy_repo_loop(name, stride, tmp_path, monkeypatch):
+    if stride != "default":
+        stride_sweep.install(int(stride), patch=monkeypatch.setattr)
     fn, steps, health = RUNS[name]
     plain = fn(None)
     check = health.get("check")

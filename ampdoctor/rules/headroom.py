@@ -15,6 +15,9 @@ Silent by construction on:
 - gradients of an fp16 model trained through fp32 master copies without a GradScaler (fairseq's FP16Optimizer,
   apex O2, Megatron: a hand-made dynamic loss scaler doubles the scale every N clean steps): the scale is not
   recorded, so the gradients cannot be unscaled and their growth is the scale's; the backward is not judged;
+  nor is it in a loop that throws overflowing iterations away itself (fairseq's DynamicLossScaler on an fp32 model
+  under autocast: `loss * scale` backward, no GradScaler): the scale is in the gradients, and their overflow is the
+  loop's to handle;
 - one batch far from the others (heavy-tailed inputs: a Student-t feature's outlier row): the closeness is read
   from the window's trend line, not from its last point alone, so a single dip is not a layer running out;
 - a fall that stopped: when the run went on past the forecast step with 2 bits left, or for 20 steps at under a
@@ -79,13 +82,17 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
 
     def bad() -> int | None:
         return bad_steps()[0].step if bad_steps() else None
+    def own_scale() -> bool:
+        # fp16 weights with fp32 masters, or iterations the loop threw away itself (its inf/NaN gradients zeroed
+        # without an optimizer step: StepRecord.discarded)
+        return bool((run.meta.optimizer or {}).get("masters")) or any(r.discarded for r in run.steps)
     out: list[Finding] = []
     root = next((i for i, m in enumerate(mods) if m[0] == ""), None)
     owners = {p[1] for p in run.meta.params}  # the modules with weights of their own
     # every module's series, read once: the forward phase asks which outputs had a gradient at all
     both = {phase: {i: series(run, i, phase) for i in range(len(mods))} for phase in ("forward", "backward")}
     for phase in ("forward", "backward"):
-        if phase == "backward" and not run.has_scaler and (run.meta.optimizer or {}).get("masters"):
+        if phase == "backward" and not run.has_scaler and own_scale():
             continue  # scaled by a loss scaler of the loop's own, which the records do not hold (see above)
         pts = both[phase]
         fitting = fitting_predicate(run, pts[root]) if phase == "forward" and root is not None and pts[root] else None
