@@ -82,6 +82,7 @@ def headroom_trend(run: RunData, cfg: RuleConfig) -> list[Finding]:
 
     def bad() -> int | None:
         return bad_steps()[0].step if bad_steps() else None
+
     def own_scale() -> bool:
         # fp16 weights with fp32 masters, or iterations the loop threw away itself (its inf/NaN gradients zeroed
         # without an optimizer step: StepRecord.discarded)

@@ -238,7 +238,7 @@ def _significant(pts, k: int, slope: float, window: int = WINDOW) -> bool:
     within the window (median |change| / 0.954 for normal noise; a steady trend adds only its rate to each change),
     the slope's standard error as for a least-squares line through the window's steps."""
     w = pts[k + 1 - window:k + 1]
-    sigma = median([abs(b[1] - a[1]) for a, b in zip(w, w[1:])]) / 0.954
+    sigma = _sigma(w)
     mean = sum(p[0] for p in w) / len(w)
     spread = sum((p[0] - mean) ** 2 for p in w)
     return spread > 0 and -slope >= SIGNIFICANT * sigma / math.sqrt(spread)
@@ -265,10 +265,15 @@ def _turned(pts, k: int, slope: float, window: int, level: float) -> bool:
     keeps a steep slope whose line runs below the recovering points; a runaway's last points sit on its line or,
     speeding up, under it."""
     w = pts[k + 1 - window:k + 1]
-    sigma = median([abs(b[1] - a[1]) for a, b in zip(w, w[1:])]) / 0.954
     step = pts[k][0]
     resid = median([b - (level + slope * (s - step)) for s, b, _ in w[-3:]])
-    return resid > TURNED * sigma
+    return resid > TURNED * _sigma(w)
+
+
+def _sigma(w) -> float:
+    """A window's noise deviation from its consecutive changes: median |change| / 0.954 (normal noise; a steady
+    trend adds only its rate to each change)."""
+    return median([abs(b[1] - a[1]) for a, b in zip(w, w[1:])]) / 0.954
 
 
 def _noise(pts, end: int, n: int = 4 * WINDOW) -> float:
