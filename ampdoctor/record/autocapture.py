@@ -182,9 +182,7 @@ def maybe_capture(m, st, kind: str | None = None) -> None:
         args, kwargs, rng = st.batches[k]
         grad_out = st.grad_outs.get(id(st.batches[k]))
         rng, state_dict = _weights_as_found(w.model, rng)
-        m.suspended = True
-        hr_on, m.hr.on = m.hr.on, False  # the capture's own forward is not the step's
-        try:
+        with m.suspend():  # the capture's own forward is not the step's
             st.capture = write_capture(path, w.model, args, kwargs, rng=rng, state_dict=state_dict,
                                        autocast=st.autocast,
                                        scaler_state=w.scaler.state_dict() if w.scaler is not None else None,
@@ -194,9 +192,6 @@ def maybe_capture(m, st, kind: str | None = None) -> None:
             from ..replay.skeleton import skeleton
             m.skeletons[st.capture] = skeleton(w.model)
             m.capture_live[st.capture] = (args, kwargs)
-        finally:
-            m.suspended = False
-            m.hr.on = hr_on
     except Exception as e:  # a capture must never break training
         warnings.warn(f"ampdoctor: could not write a capture of step {st.step} ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=4)

@@ -144,13 +144,16 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
 
     @contextlib.contextmanager
     def suspend(self):
-        """The watch's own hooks record nothing inside (a replay's or a capture's forward on the watched model);
+        """The watch's own hooks record nothing inside (a replay's or a capture's forward on the watched model),
+        the headroom series' hooks neither (they read only `hr.on`: a replay mid-run fed the next step's series);
         the state before comes back after (suspensions nest)."""
         before, self.suspended = self.suspended, True
+        hr_on, self.hr.on = self.hr.on, False
         try:
             yield
         finally:
             self.suspended = before
+            self.hr.on = hr_on
 
     # -- step lifecycle -----------------------------------------------------------------------------
     def _new_step(self, step: int, tail: float = 0.0) -> _Step:
