@@ -41,7 +41,8 @@ class Expect:
             st = f"{min(self.steps)}..{max(self.steps)}"
         else:
             st = "|".join(map(str, self.steps))
-        return f"{'|'.join(self.rules)}@{self.module or '*'}{ops}@{st}"
+        mod = "(root)" if self.module == "" else self.module or "*"
+        return f"{'|'.join(self.rules)}@{mod}{ops}@{st}"
 
 
 @dataclass
@@ -164,6 +165,29 @@ def injected_cases() -> list[Case]:
                       options=lambda size, dev: {"inject": rnn_autocast},
                       expect=lambda gt, info: [[Expect(("underflow",), "lstm", None, None)]],
                       note="CUDA only: autocast's cuDNN RNN wrapper casts to float16"))
+    # (j) the causal mask filled with -1e9 (the Annotated Transformer's masked_fill): torch raises in fp16 at the
+    # first forward (nanoGPT's eval at iteration 0); in bf16 the constant fits and the run is healthy
+    cases.append(Case("nanogpt/mask-1e9", "nanogpt", "float16", kind="injected", iters={"tiny": 4, "small": 4},
+                      options=lambda size, dev: {"attn": "manual_mask1e9"},
+                      expect=lambda gt, info: [[Expect(("mask_value_overflow",), "transformer.h.0.attn", None,
+                                                       (0,))]],
+                      note="torch raises at the first forward; the report is read after the crash"))
+    cases.append(Case("nanogpt/healthy,mask-1e9", "nanogpt", "bfloat16", kind="healthy",
+                      iters={"tiny": 12, "small": 40}, options=lambda size, dev: {"attn": "manual_mask1e9"},
+                      note="-1e9 fits bf16: no mask finding"))
+    # (k) CLIP's logit scale without OpenAI's clamp at 100, grown to e^13 (a temperature of 2e-6) at step 3:
+    # exp runs in fp32 under autocast, but `scale * a` with a 0-dim fp32 scale keeps a's fp16 and overflows there,
+    # in the model's own forward (the root), not in a submodule
+    def unclamped_scale(it, model, opt):
+        if it == 3:
+            model.clamp_scale = False
+            with torch.no_grad():
+                model.logit_scale.fill_(13.0)
+    unclamped_scale.info = {"module": "", "step": 3, "logit_scale": 13.0}
+    cases.append(Case("clip/logit-scale@3", "clip", "float16", kind="injected",
+                      options=lambda size, dev: {"inject": unclamped_scale},
+                      expect=lambda gt, info: [[Expect(("overflow",), "", ("aten::mul",), (3,))]],
+                      note="logit_scale.exp() unclamped, e^13"))
     # (i) the loop written wrong (loops.MISUSES) around every model: the call-order finding, whatever the model
     misuse_rule = {"clip-scaled": "clip_before_unscale", "no-update": "missing_scaler_update",
                    "update-first": "scaler_misorder", "half": "fp16_master_weights"}

@@ -35,7 +35,8 @@ class GPTConfig:
     n_embd: int = 32
     dropout: float = 0.1
     bias: bool = False
-    attn: str = "sdpa"  # "sdpa" | "manual" | "manual_noscale" (the missing 1/sqrt(d) bug)
+    attn: str = "sdpa"  # "sdpa" | "manual" | "manual_noscale" (the missing 1/sqrt(d) bug) | "manual_mask1e9" (the
+    # causal mask filled with -1e9, as the Annotated Transformer does: out of fp16's range, fine in bf16)
 
 
 class LayerNorm(nn.Module):
@@ -74,9 +75,10 @@ class CausalSelfAttention(nn.Module):
                                                dropout_p=self.dropout if self.training else 0, is_causal=True)
         else:
             att = q @ k.transpose(-2, -1)
-            if self.mode == "manual":
+            if self.mode in ("manual", "manual_mask1e9"):
                 att = att * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            fill = -1e9 if self.mode == "manual_mask1e9" else float("-inf")
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, fill)
             att = F.softmax(att, dim=-1)
             att = self.attn_dropout(att)
             y = att @ v
@@ -299,7 +301,7 @@ def main():
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "manual", "manual_noscale"])
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "manual", "manual_noscale", "manual_mask1e9"])
     p.add_argument("--compile", action="store_true")
     p.add_argument("--watch", action="store_true")
     a = p.parse_args()

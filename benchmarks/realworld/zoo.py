@@ -334,11 +334,13 @@ class CLIP(nn.Module):
                                                                      norm_first=True), 2, enable_nested_tensor=False)
         self.text_proj = nn.Linear(d, d)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.clamp_scale = True  # (OpenAI's clamp at 100; an injection turns it off, as code without it runs)
 
     def forward(self, img, ids):
         a = F.normalize(self.image(img), dim=-1)
         b = F.normalize(self.text_proj(self.text(self.tok(ids)).mean(1)), dim=-1)
-        logits = self.logit_scale.exp().clamp(max=100) * a @ b.t()
+        s = self.logit_scale.exp()
+        logits = (s.clamp(max=100) if self.clamp_scale else s) * a @ b.t()
         y = torch.arange(len(logits), device=logits.device)
         return (F.cross_entropy(logits.float(), y) + F.cross_entropy(logits.t().float(), y)) / 2
 
