@@ -89,7 +89,8 @@ def _missing(r):
 @pytest.mark.parametrize("name", ["gpt2/spike@3", "nanogpt/neg-inf@3", "nanogpt/attn-noscale", "nanogpt/lr=10",
                                   "gpt2/backoff+spike,no-ckpt", "vit/spike@3", "unet/spike@3", "lstm/spike@3",
                                   "vae/spike@3", "moe/spike@3", "clip/spike@3", "convnext/spike@3",
-                                  "wav2vec/spike@3", "gcn/spike@3", "clip/logit-scale@3"])
+                                  "wav2vec/spike@3", "gcn/spike@3", "clip/logit-scale@3",
+                                  "llama/swiglu@3"])
 def test_injected_failure_named(name):
     r = _run(name, "float16", quick=not name.startswith("gpt2/backoff"))
     _unchanged(r)

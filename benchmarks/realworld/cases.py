@@ -188,6 +188,13 @@ def injected_cases() -> list[Case]:
                       options=lambda size, dev: {"inject": unclamped_scale},
                       expect=lambda gt, info: [[Expect(("overflow",), "", ("aten::mul",), (3,))]],
                       note="logit_scale.exp() unclamped, e^13"))
+    # (l) Llama's SwiGLU: gate and up projections each finite in fp16, their product `act(gate) * up` past the max
+    # (FP16.md): the producer is the MLP's own multiply, not a Linear, nor down_proj that passes the inf on
+    cases.append(Case("llama/swiglu@3", "llama", "float16", kind="injected",
+                      options=lambda size, dev: {"inject": loops.swiglu_overflow("model.layers.1.mlp", 3,
+                                                                                 hf_probe("llama", size))},
+                      expect=lambda gt, info: [[Expect(("overflow",), "model.layers.1.mlp", ("aten::mul",), (3,))]],
+                      note="gate and up finite, their product overflows"))
     # (i) the loop written wrong (loops.MISUSES) around every model: the call-order finding, whatever the model
     misuse_rule = {"clip-scaled": "clip_before_unscale", "no-update": "missing_scaler_update",
                    "update-first": "scaler_misorder", "half": "fp16_master_weights"}

@@ -137,6 +137,46 @@ def neg_overflow(module_name, feeder_name, step, probe, target=4 * FP16_MAX, wei
     return inject
 
 
+def swiglu_overflow(mlp_name, step, probe, target=4 * FP16_MAX, branch_cap=FP16_MAX / 8):
+    """At `step`, scale a SwiGLU MLP's gate and up projections (Llama's `act_fn(gate_proj(x)) * up_proj(x)`) by the
+    same factor f, so that their product reaches `target` while each branch's output stays below `branch_cap`:
+    both Linears' fp16 outputs are finite, the MLP's own multiply overflows (its producer is the MLP, not a Linear,
+    and down_proj only passes the inf on). silu(f g) f u ~ f^2 g u where g > 0, so f comes from the fp32 product's
+    abs-max, rechecked after the scaling. `info`: the factor, both branches' abs-max and the product's after."""
+    info = {"module": mlp_name, "step": step}
+
+    def measure(model, mlp):
+        seen = {}
+        hs = [mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("g", o.detach().float())),
+              mlp.up_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("u", o.detach().float()))]
+        was = model.training
+        devs = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        try:
+            with torch.random.fork_rng(devices=devs), torch.no_grad():
+                model.eval()
+                probe(model)
+        finally:
+            for h in hs:
+                h.remove()
+            model.train(was)
+        g, u = seen["g"], seen["u"]
+        return float(g.abs().max()), float(u.abs().max()), float((torch.nn.functional.silu(g) * u).abs().max())
+
+    def inject(it, model, opt):
+        if it != step:
+            return
+        mlp = model.get_submodule(mlp_name)
+        ga, ua, pa = measure(model, mlp)
+        f = min((target / max(pa, 1e-6)) ** 0.5, branch_cap / max(ga, ua, 1e-6))
+        with torch.no_grad():
+            mlp.gate_proj.weight.mul_(f)
+            mlp.up_proj.weight.mul_(f)
+        ga2, ua2, pa2 = measure(model, mlp)
+        info.update(factor=f, gate_absmax_after=ga2, up_absmax_after=ua2, product_absmax_after=pa2)
+    inject.info = info
+    return inject
+
+
 def grow(module_name, start, rate, probe, start_absmax=64.0):
     """From `start` on, one layer's weight grows by `rate` per step (x1.15: 15%), after being set at `start` so
     that its output abs-max is `start_absmax` (about 10 bits of fp16 headroom)."""
