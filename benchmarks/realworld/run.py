@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--every", type=int, default=None, help="watch(every=N) (default: ampdoctor's default)")
     p.add_argument("--headroom", action="store_true", help="watch(headroom=True) in every case (always-on headroom)")
     p.add_argument("--max-iters", type=int, default=0, help="cap every case's iterations (a smoke test)")
+    p.add_argument("--min-iters", type=int, default=0,
+                   help="run every case at least this many iterations (long healthy runs: warm-up, then settling)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
     p.add_argument("--json", default=None, help="write the results here (rewritten after every case)")
     p.add_argument("--keep-runs", default=None, help="keep each watched run's run_dir under this folder")
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
     sel.sort(key=lambda c: (c.compiled, c.kind != "healthy"))
     if a.max_iters:
         sel = [dataclasses.replace(c, iters={k: min(v, a.max_iters) for k, v in c.iters.items()}) for c in sel]
+    if a.min_iters:
+        sel = [dataclasses.replace(c, iters={k: max(v, a.min_iters) for k, v in c.iters.items()}) for c in sel]
     if a.list:
         for c in sel:
             print(c.name, c.dtype, "compiled" if c.compiled else "eager", c.kind)
