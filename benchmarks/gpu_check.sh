@@ -20,7 +20,7 @@ if [ "${1:-1}" = 1 ]; then
   echo "== corpus PASS rows"; grep -c "| PASS" $O/corpus.txt; tail -3 $O/corpus.txt | cut -c1-200
   echo "== GAN container"; tail -4 $O/gan.txt | cut -c1-300
 else
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_fused.py > $O/tests.txt 2>&1
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_fused.py tests/test_graph_lifetime.py > $O/tests.txt 2>&1
   timeout 150 python benchmarks/window_probe.py --model nanogpt --device cuda --spin 300 --steps 80 > $O/window.txt 2>&1
   timeout 150 python benchmarks/realworld/run.py --device cuda --size small --compiled yes --cases nanogpt --budget-s 130 > $O/compiled.txt 2>&1
   timeout 200 python benchmarks/overhead.py --model nanogpt --device cuda --variants plain,default,every1 --steps 40 > $O/ovh_nano.txt 2>&1
