@@ -13,7 +13,7 @@ from .openstep import StepPhase
 from .params import grads_after_unscale
 from .monitor import guarded, scaler_stage
 from .optsink import _grad_versions, _unscaled_through_another
-from .transfer import found_inf_all, presync, presync_more, stage_rows
+from .transfer import found_inf_all, presync, presync_more, resolve_early, skipped_grads, stage_rows
 
 __all__ = ["MonitorCallbacks"]
 
@@ -173,6 +173,10 @@ class MonitorCallbacks:
                     ev.extra["grads_after_unscale"] = True  # rules/scaler.py call_order: scaler_misorder
                 if opt is not None and st.unscaled_opts and _unscaled_through_another(opt, st.unscaled_opts):
                     ev.extra["unscaled_twice"] = True  # rules/callorder.py: scaler_misorder
+                if self._stage_early(ev, opt, args):
+                    st.found_inf_t = self._found_inf_of(opt)
+                    presync(self, opt, early=True)
+                    st.early = True
             st.in_scaler_step += 1
             if opt is not None and id(opt) not in self.known_optimizers and self.owns(opt):
                 self.known_optimizers.add(id(opt))
@@ -184,6 +188,19 @@ class MonitorCallbacks:
         """`scaler.get_scale()` ran (the loop reads the scale, e.g. to unscale a penalty's gradients by hand)."""
         if not self.disabled:
             self.st.scale_reads += 1
+
+    def _stage_early(self, ev, opt, args) -> bool:
+        """Whether scaler.step(opt) beginning now stages the step's values before GradScaler's synchronisation
+        (transfer.presync `early`) rather than in the optimizer's step after it: a routine step of the one optimizer
+        this watch knows, whose gradients the loop's own unscale_ already checked (so nothing GradScaler does before
+        the optimizer's step adds a value), with nothing unusual about the call. The host work is the same; it runs
+        while the device still works through the backward instead of while it waits for the host (issue 15:
+        benchmarks/window_probe.py). Anything else keeps the staging at the optimizer's step."""
+        st = self.st
+        return (st.phase is StepPhase.OPEN and not st.sampled and not st.fused_amp and not ev.extra
+                and opt is not None and len(args) <= 1 and self.known_optimizers == {id(opt)}
+                and not getattr(opt, "_step_supports_amp_scaling", False) and st.unscaled_opts == [opt]
+                and scaler_stage(self.w.scaler, opt) == "UNSCALED")
 
     def _found_inf_of(self, opt):
         """What `unscale_(opt)` found this iteration, as a 1-value tensor (None when it has not run)."""
@@ -251,7 +268,11 @@ class MonitorCallbacks:
                 self.opt_stepped_at[id(opt)] = st.step
             if st.phase is StepPhase.ENDED and st.in_scaler_step == 0:
                 presync_more(self, opt)  # a second optimizer's step in an iteration that went on
+            if st.early and st.in_scaler_step == 0 and not any(
+                    o.kind == "optimizer.step" and o.index > ev.index for o in st.events):
+                skipped_grads(self)  # staged early and then skipped: which gradients were not finite
             presync(self, opt)
+            resolve_early(self)
             st.loss_mark = len(st.losses)
             self.end_step()
 

@@ -136,6 +136,7 @@ class _Step:
     more: list = field(default_factory=list)  # Pendings of what a step that went on added (transfer.presync_more)
     fbuf: dict = field(default_factory=dict)
     fused_amp: bool = False
+    early: bool = False  # staged as scaler.step began, before GradScaler's synchronisation (monitorsink._stage_early)
     headroom: dict | None = None  # the always-on series read back at resolve (ampdoctor/record/headroom.py)
     plan: object = None  # fused.DeferPlan of the watch: which values the fused statistics may read late
     regions: object = None  # gradexits.Regions of this step's walked module calls (released at presync)

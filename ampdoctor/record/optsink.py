@@ -13,7 +13,7 @@ from .gradexits import in_backward
 from .monitor import guarded, others_stepped, scaler_stage
 from .openstep import StepPhase
 from .params import norms, update_check_post, update_check_pre
-from .transfer import presync
+from .transfer import presync, resolve_early
 
 __all__ = ["OptimizerCallbacks"]
 
@@ -198,6 +198,7 @@ class OptimizerCallbacks:
                 update_check_pre(self, opt)
                 return
             presync(self, opt, grads_scaled=scaled)
+            resolve_early(self)
             update_check_pre(self, opt)
             if not via:
                 self.end_step()

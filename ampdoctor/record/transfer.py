@@ -52,7 +52,11 @@ def found_inf_all(m) -> None:
                              slot=("late", m.st.step & 1))
 
 
-def presync(m, opt, grads_scaled: bool = False) -> None:
+def presync(m, opt, grads_scaled: bool = False, early: bool = False) -> None:
+    """Queue the open step's values for its one transfer (Pending), just before its optimizer step. `early`: from
+    scaler.step() before GradScaler's synchronisation (monitorsink.stage_early: a routine step whose gradients
+    unscale_ already checked), while the device still works through the backward, not after it, when the device
+    waits for the host; its found_inf is staged and read like any value (the scaler may still skip)."""
     st = m.st
     st.regions = None  # the backward is done: the walked autograd nodes need not stay referenced
     st.scaled_node = None  # (nor the scaled loss's node: its graph holds the module hooks, and they the machine)
@@ -69,7 +73,7 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
     parts += [("out_ok", t) for sums, _ in st.out_ok for t in sums]
     if isinstance(st.found_inf_t, torch.Tensor):
         parts.append(("found_inf", st.found_inf_t))
-    via_scaler = st.in_scaler_step > 0
+    via_scaler = early or st.in_scaler_step > 0
     need_grad_check = st.sampled or m.w.scaler is None or not via_scaler
     if st.grad_parts is not None:  # measured right after unscale_ (already unscaled)
         st.param_names, amax, l2 = st.grad_parts
@@ -134,10 +138,11 @@ def presync(m, opt, grads_scaled: bool = False) -> None:
         st.probes = []
     parts += m.hr.parts()  # the always-on headroom's abs-max vectors (ampdoctor/record/headroom.py)
     asynchronous = _cuda_scaler(m.w.scaler)
-    st.pending = Pending(parts, asynchronous, via_scaler, grads_scaled, m.host_slots, ("main", st.step & 1))
+    st.pending = Pending(parts, asynchronous, via_scaler and not early, grads_scaled, m.host_slots,
+                         ("main", st.step & 1))
     st.advance(StepPhase.STAGED)
     st.half = (len(st.losses), len(st.out_ok))
-    if not asynchronous and not (m.w.scaler is not None and opt is not None and (
+    if not asynchronous and not early and not (m.w.scaler is not None and opt is not None and (
             len(m.known_optimizers) > 1 or not m.records) and m.others_to_step(set(m.scaler_stepped()))):
         resolve(m)  # (another optimizer still to step this iteration: read at finalize with what it adds, presync_more)
 
@@ -158,6 +163,24 @@ def presync_more(m, opt) -> None:
         parts.append(("found_inf", fi.double().reshape(-1).sum().reshape(1)))
     if parts:
         st.more.append(Pending(parts, False))
+
+
+def resolve_early(m) -> None:
+    """A step staged early whose values are read at once (no asynchronous copy: the CPU): read now, where a step
+    staged at its optimizer step reads them (in the optimizer's step, or after scaler.step() when it skipped)."""
+    st = m.st
+    if st.early and st.pending is not None and not _cuda_scaler(m.w.scaler):
+        resolve(m)
+
+
+def skipped_grads(m) -> None:
+    """A step staged early (presync `early`) that GradScaler then skipped: each gradient's abs-max, read with the
+    step's values (resolve), as a step staged at its end reads them (which parameters' gradients were not finite)."""
+    st = m.st
+    names, grads = model_grads(m)
+    if grads:
+        st.param_names = names
+        st.more.append(Pending([("g_amax", norms(grads, math.inf))], False))
 
 
 def stage_rows(m) -> None:
@@ -204,6 +227,8 @@ def resolve(m) -> None:
         for k in ("loss", "out_ok"):
             if k in got:
                 host[k] = host.get(k, []) + got[k]
+        if "g_amax" in got and "g_amax" not in host:  # (skipped_grads)
+            host["g_amax"] = got["g_amax"]
         more_inf += got.get("found_inf", [])
     rows: dict[int, list[float]] = {}
     if st.vec_order:  # (a step with statistic rows: sampled, or one that measured a tensor)
