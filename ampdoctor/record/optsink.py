@@ -187,18 +187,18 @@ class OptimizerCallbacks:
                 # step() only notes "not skipped"; the real optimizer steps after it)
                 scaled = False
             ev = self.event("optimizer.step", stage=stage, scaled=scaled and not via, via_scaler=via, fused=bool(fused))
-            if via and not fused:
-                # GradScaler found every gradient finite (it steps the optimizer): the loss they came from was
-                # finite, and loss_ops (read only when it was not) will not need its graph. The reference goes now,
-                # so that the graph dies when the loop drops its own (as without the watch: while the device runs
-                # the optimizer's kernels), not at the next iteration's start, where the device waits for the host
-                st.loss_node = None
             ev.opt = self.opt_numbers.setdefault(id(opt), len(self.opt_numbers))
             if not via and in_backward() and self.step_in_backward(st, opt):
                 update_check_pre(self, opt)
                 return
             presync(self, opt, grads_scaled=scaled)
             resolve_early(self)
+            if via and not fused:
+                # GradScaler found every gradient finite (it steps the optimizer): the loss they came from was
+                # finite, and loss_ops (read only when it was not) will not need its graph. The reference goes now,
+                # so that the graph dies when the loop drops its own (as without the watch: while the device runs
+                # the optimizer's kernels), not at the next iteration's start, where the device waits for the host
+                st.loss_node = None
             update_check_pre(self, opt)
             if not via:
                 self.end_step()
