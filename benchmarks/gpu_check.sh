@@ -4,8 +4,9 @@
 #                                    save_batch + replay, injected failures named at module and step, loop misuse by
 #                                    rule; benchmarks/realworld/run.py) and the GAN container (benchmarks/cuda_gan.py)
 #                                    ~380-460 s on an H100
-#   bash benchmarks/gpu_check.sh 2   the CUDA-only tests (tests/test_fused.py, test_graph_lifetime.py), compiled nanoGPT, the overhead of the
-#                                    default and every=1 on the nanoGPT-style step (interleaved with the plain step),
+#   bash benchmarks/gpu_check.sh 2   the CUDA-only tests (tests/test_fused.py, test_graph_lifetime.py), compiled
+#                                    nanoGPT, the overhead of the default and every=1 on the nanoGPT-style step
+#                                    (interleaved with the plain step),
 #                                    and the host-work windows of that step (window_probe.py); ~130-160 s
 # Short tables last. (It replaces the per-session device_check*.sh scripts that RESULTS.md's older entries name; they
 # are in the git history.)
