@@ -72,20 +72,26 @@ def _half(x):
 
 # -- injections ------------------------------------------------------------------------------------------------
 
-def _module_out_absmax(model, module, run_forward, reduce="absmax"):
-    """abs-max (or min) of `module`'s output on one fp32 eval forward, without touching the global RNG or the
-    model's train/eval mode."""
-    seen = []
-    h = module.register_forward_hook(lambda m, i, o: seen.append(o.detach().float()))
+def _probe_eval(model, probe, handles) -> None:
+    """Run `probe(model)` once in eval mode, without grad and without touching the global RNG or the model's
+    train/eval mode, then remove the hook `handles` that read it."""
     was = model.training
     devs = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
         with torch.random.fork_rng(devices=devs), torch.no_grad():
             model.eval()
-            run_forward()
+            probe(model)
     finally:
-        h.remove()
+        for h in handles:
+            h.remove()
         model.train(was)
+
+
+def _module_out_absmax(model, module, run_forward, reduce="absmax"):
+    """abs-max (or min) of `module`'s output on one fp32 eval forward (`_probe_eval`)."""
+    seen = []
+    _probe_eval(model, lambda _: run_forward(),
+                [module.register_forward_hook(lambda m, i, o: seen.append(o.detach().float()))])
     o = seen[0]
     return {"absmax": lambda: o.abs().max(), "min": o.min, "negmax": lambda: -o.max()}[reduce]().item()
 
@@ -147,18 +153,9 @@ def swiglu_overflow(mlp_name, step, probe, target=4 * FP16_MAX, branch_cap=FP16_
 
     def measure(model, mlp):
         seen = {}
-        hs = [mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("g", o.detach().float())),
-              mlp.up_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("u", o.detach().float()))]
-        was = model.training
-        devs = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        try:
-            with torch.random.fork_rng(devices=devs), torch.no_grad():
-                model.eval()
-                probe(model)
-        finally:
-            for h in hs:
-                h.remove()
-            model.train(was)
+        _probe_eval(model, probe, [
+            mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("g", o.detach().float())),
+            mlp.up_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("u", o.detach().float()))])
         g, u = seen["g"], seen["u"]
         return float(g.abs().max()), float(u.abs().max()), float((torch.nn.functional.silu(g) * u).abs().max())
 
@@ -216,16 +213,7 @@ def attn_no_scale_large(block_attn, probe, n_embd, step=0, target=2 * FP16_MAX):
             k = k.view(B, T, nh, C // nh).transpose(1, 2)
             qk["max"] = float((q @ k.transpose(-2, -1)).abs().max())
             qk["d"] = C // nh
-        h = attn.c_attn.register_forward_hook(grab)
-        was = model.training
-        devs = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        try:
-            with torch.random.fork_rng(devices=devs), torch.no_grad():
-                model.eval()
-                probe(model)
-        finally:
-            h.remove()
-            model.train(was)
+        _probe_eval(model, probe, [attn.c_attn.register_forward_hook(grab)])
         f = (target / qk["max"]) ** 0.5
         info.update(factor_qk=f, scores_absmax_before=qk["max"], head_dim=qk["d"],
                     scaled_scores_absmax_after=target / qk["d"] ** 0.5)
