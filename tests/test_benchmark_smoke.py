@@ -66,3 +66,18 @@ def test_a_baseline_checkouts_watch_runs_beside_this_one(tmp_path):
     bad = subprocess.run([sys.executable, _PATH, "--model", "tiny", "--device", "cpu",
                           "--variants", "plain,default@base"], capture_output=True, text=True, timeout=300, cwd=root)
     assert bad.returncode != 0 and "needs --baseline" in bad.stderr, bad.stderr[-500:]
+
+
+def test_graph_holders_runs_on_cpu_and_finds_nothing_held():
+    """benchmarks/graph_holders.py end to end on the CPU (where the step's values are read inside scaler.step):
+    every iteration's graph is gone once the loop deleted its loss, and nothing in the watch holds one."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "graph_holders.py"), "--device", "cpu",
+                        "--steps", "3"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("iteration ")]
+    assert len(lines) == 3, p.stdout
+    assert all("graph alive False" in ln and ln.endswith("held by []") for ln in lines), p.stdout
