@@ -10,7 +10,6 @@ reference the step keeps until then keeps the graph (and its node destructors) p
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
@@ -70,21 +69,10 @@ def main() -> None:
     w = ampdoctor.watch(net, optimizer=opt, scaler=scaler)
     print(f"torch {torch.__version__} on {dev}; optimizer fused: {getattr(opt, '_step_supports_amp_scaling', False)}")
     for i in range(a.steps):
-        x, y = torch.randn(16, 32, device=dev), torch.randn(16, 1, device=dev)
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(dev, dtype=torch.float16):
-            loss = net(x, y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        loss.item()
-        del loss
-        gc.collect()
+        alive = T.one_iteration(net, opt, scaler, dev)
         st = w.machine.st
-        print(f"iteration {i}: graph alive {net.markers[-1]() is not None}, sampled {st.sampled}, "
-              f"staged early {st.early}, held by {holders(w.machine)[:6]}")
+        print(f"iteration {i}: graph alive {alive}, sampled {st.sampled}, staged early {st.early}, "
+              f"held by {holders(w.machine)[:6]}")
     w.close()
 
 

@@ -20,15 +20,22 @@ from ampdoctor.record.monitorsink import MonitorCallbacks
 FIELDS = ("step", "skipped", "found_inf", "scale", "loss", "loss_finite", "grad_finite", "output_finite", "sampled")
 
 
-def _run(early: bool, monkeypatch):
+def _count_early(monkeypatch, allow: bool = True) -> dict:
+    """Count the steps _stage_early stages early (none when not `allow`: it then always answers no)."""
     calls = {"early": 0}
     real = MonitorCallbacks._stage_early
 
     def stage_early(self, ev, opt, args):
-        ok = real(self, ev, opt, args) and early
+        ok = real(self, ev, opt, args) and allow
         calls["early"] += ok
         return ok
     monkeypatch.setattr(MonitorCallbacks, "_stage_early", stage_early)
+    return calls
+
+
+def _run(early: bool, monkeypatch):
+    real = MonitorCallbacks._stage_early
+    calls = _count_early(monkeypatch, allow=early)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(net.parameters())
@@ -72,14 +79,7 @@ def test_early_staging_records_the_same_steps(monkeypatch):
 def test_early_staging_only_after_the_loops_own_single_unscale(misuse, monkeypatch):
     """scaler.step() without the loop's unscale_ (GradScaler unscales inside it), or after unscale_ twice (torch
     raises): the step is staged in the optimizer's step as before."""
-    calls = {"early": 0}
-    real = MonitorCallbacks._stage_early
-
-    def stage_early(self, ev, opt, args):
-        ok = real(self, ev, opt, args)
-        calls["early"] += ok
-        return ok
-    monkeypatch.setattr(MonitorCallbacks, "_stage_early", stage_early)
+    calls = _count_early(monkeypatch)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(net.parameters())

@@ -52,6 +52,24 @@ class _Net(nn.Module):
         return nn.functional.mse_loss(self.b(h).float(), y)
 
 
+def one_iteration(net, opt, scaler, device) -> bool:
+    """One fp16 + GradScaler iteration (unscale_, clip, step, update, loss.item()), the loop's `loss` then deleted:
+    whether the iteration's graph is still alive."""
+    x, y = torch.randn(16, 32, device=device), torch.randn(16, 1, device=device)
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=torch.float16):
+        loss = net(x, y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    loss.item()
+    del loss
+    gc.collect()  # (the graph holds no cycle; this only makes a leftover reference the one explanation)
+    return net.markers[-1]() is not None
+
+
 def _devices():
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -66,20 +84,8 @@ def test_the_graph_dies_with_the_loops_last_reference(device, watched):
     w = ampdoctor.watch(net, optimizer=opt, scaler=scaler) if watched else None
     alive_after_step = []
     try:
-        for i in range(12):
-            x, y = torch.randn(16, 32, device=device), torch.randn(16, 1, device=device)
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=torch.float16):
-                loss = net(x, y)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-            loss.item()
-            del loss
-            gc.collect()  # (the graph holds no cycle; this only makes a leftover reference the one explanation)
-            alive_after_step.append(net.markers[-1]() is not None)
+        for _ in range(12):
+            alive_after_step.append(one_iteration(net, opt, scaler, device))
     finally:
         if w is not None:
             w.close()
