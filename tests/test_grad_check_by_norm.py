@@ -1,7 +1,7 @@
 """The every-step gradient trip-wire of a loop without a GradScaler, when the loop clips every parameter: the clip's
 total norm is read first, and the per-parameter abs-max only when that norm is not finite (record/transfer.py
-presync/resolve). Whatever route it takes, a routine step must say the same as the per-parameter check: which
-parameters' gradients went non-finite, at which step; and a healthy step is finite."""
+presync, record/readback.py resolve). Whatever route it takes, a routine step must say the same as the per-parameter
+check: which parameters' gradients went non-finite, at which step; and a healthy step is finite."""
 import math
 
 import pytest

@@ -56,7 +56,7 @@ Result when written: 12 pass, 4 strict xfail (8 cases x {default, every=1}; now 
   loss before any backward and skipped both planted batches (the weights did not change at 17 or 50, asserted),
   the run trained to 0.04; a handled bad batch is no error of the run (an info at most). Fixed since (the same
   session): with a GradScaler, a bad batch whose loss no scale() took (the loop scaled later micro-batches' losses
-  and never this one's: record/transfer.resolve, `bad_input["unscaled"]`) is an info finding that says the loop
+  and never this one's: record/readback.resolve, `bad_input["unscaled"]`) is an info finding that says the loop
   skipped it (rules/outside.bad_data_finding).
 - pcgrad_five_tasks: `[warning] skipped_steps at (run) step 0: The loop threw away 16 of 56 iterations from step 0
   on, behind GradScaler's back: it zeroed their inf/NaN gradients after the scaled backward, before

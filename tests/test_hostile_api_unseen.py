@@ -105,7 +105,7 @@ Fixed since (the same session; each XPASSed, then was unmarked): watch() refuses
 writer= without add_scalar, tensorboard_dir= naming a file, and optimizer= beside a parameter-free module; it takes a
 bytes or PathLike run_dir through os.fsdecode; a run directory it could not write leaves the captures in the
 temporary place, as without one (record/autocapture.py); a disabled CUDA GradScaler is read as no asynchronous one
-(record/transfer._cuda_scaler); ampdoctor.replay() on a watched model suspends that watch (replay/__init__._unwatched);
+(record/hostcopy.cuda_scaler); ampdoctor.replay() on a watched model suspends that watch (replay/__init__._unwatched);
 loss_fn that is not callable is refused naming loss_fn.
 """
 import copy

@@ -111,6 +111,7 @@ def test_the_checks_see_the_graph():
     assert "ampdoctor.rules" in g["ampdoctor.analysis.panels"]
     assert {"ampdoctor.record.assemble", "ampdoctor.record.headroom"} <= g["ampdoctor.record.step"]
     assert "ampdoctor.record.transfer" in g["ampdoctor.record.assemble"]
+    assert "ampdoctor.record.readback" in g["ampdoctor.record.transfer"]
 
 
 def test_rules_analysis_and_reporters_never_import_the_recorder():

@@ -1,5 +1,5 @@
 """A finished step becomes a StepRecord: `finalize` (when the next iteration begins) reads the step's values back
-(transfer.resolve), judges the scaled losses no backward went through (`unpropagated`), builds the module calls,
+(readback.resolve), judges the scaled losses no backward went through (`unpropagated`), builds the module calls,
 parameter statistics and producers, hands the record to the sinks and stores it (storage.py). The transfer that
 brings the values to the host is transfer.py's."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from .series import from_calls
 from ..records import ModuleCall, ParamStat, StepRecord, TensorStats
 from .stats import combine, integer_input, vector_to_stats
 from .storage import folded, store
-from .transfer import presync, resolve
+from .readback import resolve
+from .transfer import presync
 
 __all__ = ["finalize", "unpropagated"]
 

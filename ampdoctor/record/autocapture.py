@@ -100,7 +100,7 @@ class CapturePolicy:
             self.worked = scale if self.worked is None else max(self.worked, scale)
         k = self.kind(bad_fwd, bad_bwd, scale, scaler)
         if k == "forward" and raised_only:
-            k = "raised"  # (the forward raised, nothing non-finite: a kind of its own, see transfer.resolve)
+            k = "raised"  # (the forward raised, nothing non-finite: a kind of its own, see readback.resolve)
         if k == "backward" and k in self.kinds and clean >= RECUR_CLEAN and scale is not None \
                 and worked is not None and scale <= worked and not self.recurred \
                 and self.captures < self.cfg.max_captures - 1:

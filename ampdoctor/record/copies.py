@@ -51,7 +51,7 @@ def outside_compare(m, snap) -> tuple[list[str], torch.Tensor, set] | None:
     elements are unchanged: `(names, [[unchanged, sampled], ...], by_data)`, read with the step's transfer. An update
     made outside the optimizer that rounds away (w * 0.9999 + 0.0001 * w' == w in fp16) leaves them all as they
     were. `by_data`: the names whose version did not move (written through `.data`, as DINO/BYOL/MoCo momentum
-    encoders do, or not written at all): transfer.resolve keeps those only where some element did change."""
+    encoders do, or not written at all): readback.resolve keeps those only where some element did change."""
     names, rows, by_data = [], [], set()
     for name, p, version, before in snap[1]:
         if p._version == version:

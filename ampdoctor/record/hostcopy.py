@@ -1,12 +1,30 @@
 """How the step's values reach the host: `Pending` stages them (one concatenation and one copy per device; with a
 GradScaler on CUDA the copy is asynchronous, read at the next iteration) and `HostSlots` keeps the pinned buffers
-and events those copies go through for the watch's life. What is staged, and when, is transfer.py's.
+and events those copies go through for the watch's life; `cuda_scaler` says whether they are read later. What is
+staged, and when, is transfer.py's; reading the values back is readback.py's.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["HostSlots", "Pending", "current_stream"]
+__all__ = ["HostSlots", "Pending", "cuda_scaler", "current_stream"]
+
+
+def cuda_scaler(scaler) -> bool:
+    """A CUDA GradScaler on a machine with CUDA: the step's values are read later, without a synchronisation of their
+    own (also when it is disabled, e.g. `GradScaler(enabled=False)` for bf16). On a machine without CUDA
+    (`torch.cuda.amp.GradScaler()` there is disabled, the model on the CPU) they are read now, before the optimizer
+    step changes the weights the CPU checks read (presync's `w_deferred`)."""
+    return scaler is not None and getattr(scaler, "_device", "") == "cuda" and _cuda_here()
+
+
+@functools.cache
+def _cuda_here() -> bool:
+    """torch.cuda.is_available(), asked once (it is read every step)."""
+    return torch.cuda.is_available()
+
 
 
 _STREAMS: dict = {}  # (stream id, device index, device type) -> its torch.cuda.Stream (streams live for the process)

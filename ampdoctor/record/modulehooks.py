@@ -88,7 +88,7 @@ class ModuleHookCallbacks:
                     self.outside_snap = outside_snapshot(self, st.step)
                     self.masters_left = MASTERS_STEPS if (self.w.meta.optimizer or {}).get("masters") else 0
                     # the weights as the step found them: a forward that writes its own weights (an in-place
-                    # renorm, an EMA codebook) is their producer, not an earlier update (transfer.resolve)
+                    # renorm, an EMA codebook) is their producer, not an earlier update (readback.resolve)
                     st.pw_index = checked_weights(self)
                     st.w_start = weight_amax(self, st) if st.pw_index else None
                 if st.micro == 1 and self.masters_left:  # (a hand-rolled master-weight loop: copies.py)

@@ -13,7 +13,8 @@ from .openstep import StepPhase
 from .params import grads_after_unscale
 from .monitor import guarded, scaler_stage
 from .optsink import _grad_versions, _unscaled_through_another
-from .transfer import found_inf_all, presync, presync_more, resolve_early, skipped_grads, stage_rows
+from .readback import resolve_early
+from .transfer import found_inf_all, presync, presync_more, skipped_grads, stage_rows
 
 __all__ = ["MonitorCallbacks"]
 

@@ -84,7 +84,7 @@ class _Step:
     #                                            kept out of the event until the transfer fills its total_norm
     full_clip: object = None  # without a scaler: the clip event whose parameters held all of the model's
     full_norms: list = field(default_factory=list)  # indexes into norms of such clips' total norms (presync)
-    grad_by_norm: bool = False  # the routine gradient check reads those norms first (transfer.resolve)
+    grad_by_norm: bool = False  # the routine gradient check reads those norms first (readback.resolve)
     scale_t: object = None
     found_inf_t: object = None
     grad_parts: object = None  # (names, abs-max, L2) of the gradients right after unscale_ (params.grads_after_unscale)
@@ -114,7 +114,7 @@ class _Step:
     micro: int = 0
     forwards: int = 0  # top-level forwards that returned (grad or no grad: a frozen teacher's: optsink._foreign_step)
     exception: dict | None = None
-    synced: dict | None = None  # the step's values read back on the host (transfer.resolve)
+    synced: dict | None = None  # the step's values read back on the host (readback.resolve)
     bseq: int = 0
     in_scaler_step: int = 0     # nesting depth of scaler.step() calls (its own unscale_ and optimizer.step inside)
     scaled_since_update: bool = False  # scaler.scale() ran and scaler.update() not yet: the gradients are scaled
@@ -144,12 +144,12 @@ class _Step:
     probes: list = field(default_factory=list)  # stats.integer_probe vectors of small low-precision inputs
     probe_seen: dict = field(default_factory=dict)
     int_calls: list = field(default_factory=list)  # a routine step's watched integer inputs (intwatch.py)
-    bad_input: dict | None = None  # a bad step's non-finite model input (transfer.nonfinite_input)
+    bad_input: dict | None = None  # a bad step's non-finite model input (readback.resolve)
     loss_in_model: bool | None = None  # the scaled loss's node was made before the root's forward returned
     scaled_outs: list = field(default_factory=list)  # (scale CallEvent, [backward ran through it], id of the loss's
     #                                                  node, micro-batch) per scale() (assemble.unpropagated)
     micro_stepped: int | None = None  # `micro` at the step's first unscale_/step
-    scaled_micros: set = field(default_factory=set)  # the micro-batches whose output a scale() took (transfer.resolve)
+    scaled_micros: set = field(default_factory=set)  # the micro-batches whose output a scale() took (readback.resolve)
     discarded: int = 0  # iterations the loop threw away in this step (optsink.discards_iteration)
     discard_micro: int = -1  # `micro` when a GradScaler loop's last such iteration was looked at (one per forward)
     scale_reads: int = 0  # scaler.get_scale() calls so far (monitorsink.scale_read)

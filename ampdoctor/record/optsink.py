@@ -13,7 +13,8 @@ from .gradexits import in_backward
 from .monitor import guarded, others_stepped, scaler_stage
 from .openstep import StepPhase
 from .params import norms, update_check_post, update_check_pre
-from .transfer import presync, resolve_early
+from .readback import resolve_early
+from .transfer import presync
 
 __all__ = ["OptimizerCallbacks"]
 
@@ -249,7 +250,7 @@ class OptimizerCallbacks:
             st.bwd_task = task
             if first and st.batches and _forward_went_bad(st):
                 # the updates to come change the weights this step's forwards ran with: a capture (and the check of
-                # which weights were already non-finite, transfer.resolve) takes them as they are now, as it takes
+                # which weights were already non-finite, readback.resolve) takes them as they are now, as it takes
                 # those of a forward that writes its own weights (record/modstate.py)
                 found = {f"param:{n}": p.detach().clone() for n, p in self.params}
                 for b in st.batches:

@@ -111,7 +111,7 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.outside_snap = None  # frozen fp16/bf16 weights as a sampled step found them (copies.outside_snapshot)
         self.masters_snap = None  # a master-weight loop's weights and masters as a forward found them (params.py)
         self.masters_left = 0     # forwards still to snapshot them, from the last sampled step on
-        self.routine_weight_checks = 0  # bad routine steps whose weights were read (transfer.resolve; a few only)
+        self.routine_weight_checks = 0  # bad routine steps whose weights were read (readback.resolve; a few only)
         self.max_input = 0  # the most input values a batch held so far (modulehooks._input_jump)
         self.scaler_adopted = False  # a scaler was just found (Watch.adopt_scaler): its next call is marked
         self.disabled = False
