@@ -93,6 +93,18 @@ def _op_text(ev: OpEvent, device: str, softmax_inputs: list = (), sdpa_used: boo
                    "input or weights (a weight or activation that grew: check the learning rate and warmup); HF T5 "
                    "clamps such outputs (`x = torch.clamp(x, -65504 + 1000, 65504 - 1000)`):\n" + snip)
         return msg, fix
+    low = ("float16", "bfloat16")
+    if ev.kind == "overflow" and short == "_to_copy" and ev.out_dtype in low and ev.in_dtypes \
+            and not any(d in low for d in ev.in_dtypes) and not is_mask_like(ev.absmax_in):
+        # a value made in fp32 (an fp32 op under autocast, a learned scale's exp) cast into a low-precision op's
+        # input: autocast's cast (or a .half()/.to()) is where it turns inf (a mask constant's cast: the mask text)
+        msg = (f"{ev.op} in {where} cast finite {'/'.join(ev.in_dtypes)} values (max |x| = {ev.absmax_in:.4g}) to "
+               f"{ev.out_dtype}, whose max is {lim:g}: they became {inf}. The value was computed in fp32 and is too "
+               "large for the low-precision op it feeds (autocast casts that op's inputs; .half()/.to() does the same)")
+        fix = ("bound or rescale the value before that op (a learned scale or temperature: clamp it, as CLIP clamps "
+               "`logit_scale.exp()` at 100; normalise what it multiplies), or run the op that takes it in fp32:\n"
+               + snip)
+        return msg, fix
     if ev.kind == "overflow" and short == "pow" and ev.scalar_base is not None and abs(ev.scalar_base) > 1:
         # c ** x: an exponential written as a power (decibels to amplitude, 2 ** x, mu-law's (1 + mu) ** |y|)
         c = ev.scalar_base
