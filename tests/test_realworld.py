@@ -141,9 +141,10 @@ def test_a_search_cut_short_by_a_broken_forward_stays_the_search():
 # the loop written wrong around real models (loops.MISUSES): no-update and update-first make torch itself raise at the
 # second iteration; the report read after the crash must still name the misuse, and the watched run must crash the
 # same way after the same losses. half: pure fp16 + AdamW, whose eps vanishes: fp16_master_weights among the first
-# three (it was a warning below its consequences)
+# three (it was a warning below its consequences). no-scaler,aux-1e-4: fp16 autocast without a GradScaler, the loss
+# weighted 1e-4: `underflow` at the head, where the loss's gradient enters fp16
 @pytest.mark.parametrize("name", ["gpt2/clip-scaled", "nanogpt/no-update", "vit/update-first", "bert/half",
-                                  "resnet/half"])
+                                  "resnet/half", "gpt2/no-scaler,aux-1e-4", "resnet/no-scaler,aux-1e-4"])
 def test_loop_misuse_named(name):
     r = _run(name, "float16", quick=False)
     if name.endswith(("no-update", "update-first")):  # torch raises: the same error, after the same losses

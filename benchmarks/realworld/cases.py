@@ -197,6 +197,16 @@ def injected_cases() -> list[Case]:
                                                                                  hf_probe("llama", size))},
                       expect=lambda gt, info: [[Expect(("overflow",), "model.layers.1.mlp", ("aten::mul",), (3,))]],
                       note="gate and up finite, their product overflows"))
+    # (m) fp16 autocast without a GradScaler, the loss weighted 1e-4 (an auxiliary loss in multi-task training): the
+    # loss's gradient enters fp16 at the head below fp16's normal range, and flushes to zero below 2^-24
+    # (FP16.md, "gradients below 2^-24 flushed to zero without loss scaling"); the producer is the head, where the
+    # gradient first enters fp16, not a layer deeper down that only receives what is left
+    heads = {"gpt2": "lm_head", "llama": "lm_head", "resnet": "fc", "vit": "head"}
+    for m, head in heads.items():
+        cases.append(Case(f"{m}/no-scaler,aux-1e-4", m, "float16", kind="injected", iters={"tiny": 6, "small": 12},
+                          options=lambda size, dev: {"misuse": "no-scaler", "loss_weight": 1e-4},
+                          expect=lambda gt, info, head=head: [[Expect(("underflow",), head, None, (0,))]],
+                          note="fp16 autocast, no GradScaler, loss x 1e-4"))
     # (i) the loop written wrong (loops.MISUSES) around every model: the call-order finding, whatever the model
     misuse_rule = {"clip-scaled": "clip_before_unscale", "no-update": "missing_scaler_update",
                    "update-first": "scaler_misorder", "half": "fp16_master_weights"}

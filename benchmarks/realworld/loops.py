@@ -13,10 +13,13 @@ FP16_MAX = 65504.0
 
 
 def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=False, iters=8, lr=None, seed=0,
-                init_scale=2.0 ** 16, checkpointing=False, watch=None, inject=None, on_iter=None, misuse=None):
+                init_scale=2.0 ** 16, checkpointing=False, watch=None, inject=None, on_iter=None, misuse=None,
+                loss_weight=1.0):
     """fp16: autocast + GradScaler (scale, unscale_, clip, step, update); bf16: autocast, no scaler.
     `zero_grad()` at the top of the iteration, `loss.item()` at the end. `misuse` (fp16): one of MISUSES, the
-    loop written the way a user gets it wrong. Returns (losses, watch, model)."""
+    loop written the way a user gets it wrong, or "no-scaler" (fp16 autocast without a GradScaler).
+    `loss_weight`: the loss is multiplied by it (an auxiliary loss's weight in multi-task training).
+    Returns (losses, watch, model)."""
     spec = SPECS[name]
     torch.manual_seed(seed)
     model = spec.build(size).to(device)
@@ -26,7 +29,7 @@ def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=Fal
     if checkpointing:  # transformers 5.x renamed it; older releases only have gradient_checkpointing_enable
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr if lr is None else lr)
-    fp16 = dtype == "float16" and misuse != "half"
+    fp16 = dtype == "float16" and misuse not in ("half", "no-scaler")
     scaler = torch.amp.GradScaler(device, init_scale=init_scale) if fp16 else None
     w = watch(model, opt, scaler) if watch else None
     fwd = torch.compile(model) if compile else model
@@ -41,6 +44,8 @@ def plain_train(name, *, size="tiny", device="cpu", dtype="float16", compile=Fal
         with torch.autocast(device, dtype=getattr(torch, dtype), enabled=misuse != "half"):
             out = fwd(*args, **kwargs)
             loss = spec.loss(out, target)
+            if loss_weight != 1.0:
+                loss = loss * loss_weight
         s0 = s1 = None
         if fp16:
             scaler.scale(loss).backward()
