@@ -21,7 +21,9 @@ random now and then, seeded with N per watch), as a loaded host's moving measure
 only a sequence of strides gives (CI's settle_near_2e4, see test_healthy_near_max.py) show up there.
 
 A test's explicit choice (config= or headroom=) is left alone, and so is every other watch's budget (nothing is
-patched module-wide). `python -m ampdoctor` subprocesses a test launches are not forced (the plugin is not loaded
+patched module-wide), and every watch of a test marked `stride_own` (one that checks the budget's own choice of
+stride: a forced stride fails it by design, and the watch its failure report holds open would leave the global
+patches in place for the worker's later tests). `python -m ampdoctor` subprocesses a test launches are not forced (the plugin is not loaded
 there). The terminal summary says how many watches were forced.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ import pytest
 _ENV = "AMPDOCTOR_FORCE_STRIDE"
 _WANDER_ENV = "AMPDOCTOR_WANDER_SEED"
 _forced = {"watches": 0, "explicit": 0, "tests": set()}
-_current = {"nodeid": None}
+_current = {"nodeid": None, "own": False}  # the running test; whether it is marked stride_own
 
 
 def forced_stride() -> int | None:
@@ -119,7 +121,7 @@ def install(k: int, patch=None, budget_class=None):
 
     @functools.wraps(orig)
     def __init__(self, model, *args, every=None, config=None, headroom=None, **kw):
-        if config is not None or headroom is not None:
+        if config is not None or headroom is not None or _current["own"]:
             _forced["explicit"] += 1
             return orig(self, model, *args, every=every, config=config, headroom=headroom, **kw)
         every = DEFAULT_EVERY if every is None else every
@@ -183,10 +185,11 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     _current["nodeid"] = item.nodeid
+    _current["own"] = item.get_closest_marker("stride_own") is not None
     try:
         yield
     finally:
-        _current["nodeid"] = None
+        _current["nodeid"], _current["own"] = None, False
 
 
 def pytest_report_header(config):

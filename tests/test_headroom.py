@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,6 +143,7 @@ def test_tensorboard_headroom_bits_every_step():
     assert 5 < v < 20
 
 
+@pytest.mark.stride_own
 def test_headroom_false_keeps_routine_steps_bare_and_auto_alternates_while_it_measures():
     """headroom=False: no headroom hooks below the root, routine steps carry no series. The default ("auto"):
     the first routine step carries it (observed: every hook on), then steps with and without it alternate

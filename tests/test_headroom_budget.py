@@ -70,6 +70,7 @@ def test_config_accepts_true_false_auto_only():
         WatchConfig(headroom_budget=0)
 
 
+@pytest.mark.stride_own
 def test_a_real_run_whose_series_is_slow_gets_a_long_stride(monkeypatch):
     """End to end with real hooks: the series made slow on purpose (a 10 ms sleep in its reduction) on a ~1 ms
     step comes back on few routine steps; the same run at headroom=True carries it on all of them."""
