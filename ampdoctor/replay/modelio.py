@@ -114,12 +114,22 @@ def load_weights(model: torch.nn.Module, state_dict: dict) -> None:
     first: dict = {}
     for k, v in model.state_dict(keep_vars=True).items():
         j = first.setdefault(id(v), k)
-        if j != k and j in state_dict and k in state_dict and not torch.equal(state_dict[j], state_dict[k]):
+        if j != k and j in state_dict and k in state_dict and not _same_values(state_dict[j], state_dict[k]):
             raise BadInput(f"model does not match capture: {j} and {k} are one tied tensor in the model but differ in "
                            "the capture (taken from a model where they were separate)")
     with torch.no_grad():
         model.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v
                                for k, v in state_dict.items()}, strict=not any(v.is_meta for v in own.values()))
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal with NaN equal to NaN: a tied weight that went NaN (a pure fp16 AdamW's 0 / 0) is still one value
+    under both its names (torch.equal says NaN != NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def autocast_ctx(device: str, dtype: torch.dtype | None):
