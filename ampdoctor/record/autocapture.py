@@ -231,11 +231,15 @@ def _capture_extra(st, k: int, kind: str | None = None) -> dict:
     the loss function tells from it whether a non-finite output gradient came from the loss computation or only
     from the loss scale. `entry`: the module of the model that batch `k` went into when it was not the model's own
     forward (record/entries.py; the replay runs that module). `kind`: what went bad (forward, backward, persistent,
-    raised), for a reader that finds the capture before the step's record (runcaptures.py)."""
+    raised), for a reader that finds the capture before the step's record (runcaptures.py). `raised`: the type and
+    first line of the error the step raised, if it raised one."""
     losses = (getattr(st, "synced", None) or {}).get("losses") or []
     extra = {"loss_finite": all(math.isfinite(v) for v in losses) if losses else None}
     if kind:
         extra["kind"] = kind
+    exc = getattr(st, "exception", None)
+    if exc:  # the error the step raised: a replay that raises it again reproduced the step (replay._as_captured)
+        extra["raised"] = {"type": exc.get("type"), "message": exc.get("message")}
     entry = st.entry_of.get(id(st.batches[k]))
     if entry is not None:
         extra["entry"] = entry

@@ -76,6 +76,15 @@ _SHAPES = re.compile(r"shapes? cannot be multiplied|size mismatch|must match the
 """RuntimeError messages of a shape that does not fit (torch's matmul, elementwise, conv, norm and loss checks)."""
 
 
+def _as_captured(cap, e: BaseException) -> bool:
+    """The step the capture holds raised this same error (its type and first line, record/autocapture.py): the
+    replay reproduced the step's failure (a dtype mismatch, a shape check in the user's code), not a model that does
+    not fit the capture."""
+    got = ((cap.manifest or {}).get("extra") or {}).get("raised")
+    return isinstance(got, dict) and got.get("type") == type(e).__name__ and \
+        got.get("message") == str(e).split("\n")[0][:500]
+
+
 def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Callable | str | None = None, *,
            device: str | None = None, shadow: bool = True, whatif: bool = True, fix_search: bool = True,
            progress: Callable[[str], None] | None = None) -> Report:
@@ -167,7 +176,8 @@ def _replay(cap, m, loss_fn, dev, do_shadow, do_whatif, do_fix, say) -> Report:
             ran = any(ev.phase == "forward" for ev in tracer.events)
             if isinstance(e, NotImplementedError) and (ran or str(e).startswith("Could not run")):
                 forward_error = _first_line(e)  # (torch's own: an op without a kernel for a backend, e.g. sparse)
-            elif not ran or tb_module(e, {id(mod): n for n, mod in m.named_modules()}, None) is None:
+            elif (not ran or tb_module(e, {id(mod): n for n, mod in m.named_modules()}, None) is None) \
+                    and not _as_captured(cap, e):
                 raise BadInput(f"replaying the capture failed in the model: {type(e).__name__}: {_first_line(e)}")
             else:
                 # raised inside the model's forward after an op of it had made inf/NaN: the model's own check
