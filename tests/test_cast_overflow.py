@@ -43,6 +43,7 @@ def _run(tmp_path, spike_at=3, iters=6):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+    w.close()
     return w.report()
 
 

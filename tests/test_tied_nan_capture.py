@@ -65,6 +65,7 @@ def test_pure_fp16_tied_model_replays_its_capture_in_process(tmp_path):
     assert bool(m.emb.weight.isnan().any()), "the update wrote NaN into the tied weight"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        w.close()
         rep = w.report()
     failed = [str(c.message) for c in caught if "replay" in str(c.message)]
     assert not failed, failed
