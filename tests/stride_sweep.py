@@ -22,8 +22,7 @@ only a sequence of strides gives (CI's settle_near_2e4, see test_healthy_near_ma
 
 A test's explicit choice (config= or headroom=) is left alone, and so is every other watch's budget (nothing is
 patched module-wide), and every watch of a test marked `stride_own` (one that checks the budget's own choice of
-stride: a forced stride fails it by design, and the watch its failure report holds open would leave the global
-patches in place for the worker's later tests). `python -m ampdoctor` subprocesses a test launches are not forced (the plugin is not loaded
+stride: a forced stride fails it by design). `python -m ampdoctor` subprocesses a test launches are not forced (the plugin is not loaded
 there). The terminal summary says how many watches were forced.
 """
 from __future__ import annotations
