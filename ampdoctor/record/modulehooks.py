@@ -13,6 +13,7 @@ import sys
 import torch
 
 from . import modstate
+from ..errors import error_line
 from .gradexits import EntryHook, ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import GRAD_OUT_BYTES, in_compiled_frame, keep_grad
 from .openstep import _Call
@@ -254,7 +255,7 @@ class ModuleHookCallbacks:
     def exception_info(self, exc: BaseException, default_module: str | None) -> dict:
         f, ln = tb_location(exc)
         return {"module": tb_module(exc, self.w._names, default_module), "type": type(exc).__name__,
-                "message": str(exc).split("\n")[0][:500], "file": f, "line": ln, "autocast": autocast_str()}
+                "message": error_line(exc), "file": f, "line": ln, "autocast": autocast_str()}
 
     def _row(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None) -> None:
         """Queue tensor `t`'s statistics in the open step (openstep._Step.measure)."""

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..capture import Capture, Opaque, load_capture
-from ..errors import BadInput
+from ..errors import BadInput, error_line
 from ..findings import Finding, Report
 from ..rules.outside import bad_data_finding, captured_weights_finding
 from ..tensors import nonfinite_input, tb_module
@@ -82,7 +82,7 @@ def _as_captured(cap, e: BaseException) -> bool:
     not fit the capture."""
     got = ((cap.manifest or {}).get("extra") or {}).get("raised")
     return isinstance(got, dict) and got.get("type") == type(e).__name__ and \
-        got.get("message") == str(e).split("\n")[0][:500]
+        got.get("message") == error_line(e)
 
 
 def replay(capture: str | os.PathLike | Capture, model: Any = None, loss_fn: Callable | str | None = None, *,
