@@ -85,8 +85,9 @@ xfails, each failing only at the report check; at first 2 and 8 were wrong too):
   (running_mean) is never checked for rounding.
 - 4, 5: empty reports: without a non-finite step nothing is replayed against fp32 (replay/explain.py's
   precision_loss needs a capture), and no integer input is involved.
-- 6: an empty report, also at every=1: the bf16 positions are made inside `rotary`, never a module's input, so the
-  integer probe (record/openstep.py probe_integers, on module inputs) never sees them.
+- 6 (fixed since; was a strict xfail): an empty report, also at every=1: the bf16 positions are made inside
+  `rotary`, never a module's input, so the integer probe (record/openstep.py probe_integers, on module inputs) never
+  saw them. record/lowcast.py now probes what torch.arange makes in bf16 inside a sampled step's forward.
 - 8 (fixed since; was a strict xfail): `[error] update_underflow at mix.2 step 60` (51% of mix.2's sampled
   elements: borderline true, the oracle measures 50% of mix.2.weight at step 59-60), nothing at `seasonal`: the
   integer probe ran only on sampled steps (record/modulehooks.py returns before probing when `not st.sampled`), and
@@ -633,8 +634,8 @@ def rope_run(run_dir, fixed):
     return r, m, rnd
 
 
-@wrong("top3=[] (an empty report, also at every=1): the bf16 positions are made inside `rotary` (from its "
-       "inv_freq buffer's dtype), never a module's input, so the integer probe never sees them")
+# (was a strict xfail, "an empty report": the bf16 positions are made inside `rotary`, never a module's input;
+# record/lowcast.py probes what torch.arange makes in bf16 inside a forward)
 def test_rotary_positions_in_the_bf16_inv_freq_dtype_are_precision_loss_at_rotary(tmp_path):
     r, m, _ = rope_run(tmp_path / "run", fixed=False)
     assert m.rotary.inv_freq.dtype == BF16

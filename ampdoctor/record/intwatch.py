@@ -45,8 +45,8 @@ class IntWatch:
         m = self.m
         if m.compiled or m.disabled:
             return
-        names = {c.module: c.type for c in calls
-                 if any(_ramp(probe_row(probes, i)) for i, _ in c.probes)}
+        names = {c.module: c.type for c in calls  # (inputs only: not values made inside a forward, lowcast.py)
+                 if any(_ramp(probe_row(probes, i)) for i, dt in c.probes if "@" not in dt)}
         # a parent passing the values down is not watched when a module below it received them too
         inner = [n for n in names if not any(o != n and (n == "" or o.startswith(n + ".")) for o in names)]
         for name in inner:

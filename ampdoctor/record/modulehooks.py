@@ -16,6 +16,7 @@ from . import modstate
 from ..errors import error_line
 from .gradexits import EntryHook, ExitHook, Regions, gradient_exits, in_backward, input_nodes, sequence_nr
 from .hooks import GRAD_OUT_BYTES, in_compiled_frame, keep_grad
+from .lowcast import LowCastMode
 from .openstep import _Call
 from .copies import MASTERS_STEPS, masters_compare, masters_snapshot, outside_compare, outside_snapshot
 from .params import checked_weights, model_grads, norms, weight_amax
@@ -43,7 +44,9 @@ class ModuleHookCallbacks:
 
     def _forward_pre(self, module, args, kwargs):
         st = self.st
+        top = False
         if not st.stack and (module is self.root or id(module) in self.entries):  # (entries: record/entries.py)
+            top = True
             if module is self.root and not self.compiled and in_compiled_frame():
                 # torch.compile'd after the watch began: the other modules' hooks would be traced into the
                 # graph (and recompile it whenever they change); they come off for good
@@ -116,6 +119,10 @@ class ModuleHookCallbacks:
             if is_measurable(t):
                 self._row(c, "inp", t, light=True)
                 st.probe_integers(c, t)
+        if top and st.micro == 1 and self._lowcast_due(st.step):
+            self.lowcast = (LowCastMode(self), module)  # (integers made in fp16/bf16 inside the forward)
+            self.lowcast[0].__enter__()
+            self.lowcast_at = st.step
         if grad:
             ins = [t for t in tensors if t.requires_grad and is_measurable(t)]
             if ins:  # where the gradient towards these inputs leaves this module (see gradient_exits)
@@ -146,6 +153,8 @@ class ModuleHookCallbacks:
             self.sync_module_hooks()
 
     def forward_post(self, module, args, kwargs, output):
+        if self.lowcast is not None and self.lowcast[1] is module and (self.disabled or len(self.st.stack) <= 1):
+            self._lowcast_off()
         if self.disabled or self.suspended or torch.compiler.is_compiling() or in_backward():
             return None
         try:
@@ -233,6 +242,26 @@ class ModuleHookCallbacks:
                 st.regions = Regions()
             for node, idx in gradient_exits(outs, ins, c.seq0, st.regions):
                 node.register_hook(ExitHook(idx, hook))
+
+    def _lowcast_due(self, step: int) -> bool:
+        """Whether this sampled step's forward runs under lowcast.LowCastMode: step 0, then as modstate.due probes
+        (steps 1-8, then every PROBE_GAP steps); never on a compiled model or one with compiled parts (the mode would
+        enter their graphs)."""
+        return not (self.compiled or self.lowcast is not None or self.has_compiled_parts) \
+            and (step == 0 or modstate.due(step, True, self.lowcast_at))
+
+    def _lowcast_off(self) -> None:
+        """The root's forward ended (or ampdoctor failed inside it): the mode comes off the stack. A mode the model
+        pushed inside its forward and left on top of ours is not popped: ours is switched off in place."""
+        mode, _ = self.lowcast
+        self.lowcast = None
+        n = torch._C._len_torch_function_stack()
+        if n and torch._C._get_function_stack_at(n - 1) is mode:
+            mode.__exit__(None, None, None)
+        else:
+            mode.off = True
+        if mode.error is not None:
+            self.fail(mode.error)
 
     def _rng_due(self, step: int) -> bool:
         """Whether a sampled step's forward is probed for Python's and NumPy's RNG: not once both are known to be

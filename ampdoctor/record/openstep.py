@@ -16,7 +16,7 @@ import torch
 from . import cpustats
 from . import fused
 from .stats import (EXACT_INTEGERS, PROBE_MAX_NUMEL, cast_in, compiled, full_stats, integer_probe, light_stats,
-                    ref_dtype, thresholds)
+                    probe_name, ref_dtype, thresholds)
 from ..tensors import autocast_dtype, dt_name
 
 __all__ = ["StepPhase", "StepPhaseError", "_Call", "_Step"]
@@ -186,6 +186,15 @@ class _Step:
             if low is None:
                 return
             name = f"float32>{dt_name(low)}"
+        self._probe(c, t, name or dt_name(t.dtype))
+
+    def probe_cast(self, c: _Call, t: torch.Tensor, low: torch.dtype, via: str) -> None:
+        """Queue `stats.integer_probe` of tensor `t`, which op `via` made in, or casts to, the low dtype `low` inside
+        call `c`'s forward (record/lowcast.py)."""
+        if 0 < t.numel() <= PROBE_MAX_NUMEL:
+            self._probe(c, t, probe_name(t.dtype, low, via))
+
+    def _probe(self, c: _Call, t: torch.Tensor, name: str) -> None:
         if sum(1 for d in t.shape if d > 1) > 1:
             return  # positions and timesteps are vectors ((B,), (T,), (1, T)); activations are not: every bf16
             #         value past 128 is an integer, so a large activation would look like one
@@ -201,7 +210,7 @@ class _Step:
             idx = len(self.probes)
             self.probes.append(integer_probe(t))
             _remember(self.probe_seen, key, t, idx)
-        c.probes.append((idx, name or dt_name(t.dtype)))
+        c.probes.append((idx, name))
 
     def measure(self, c: _Call, slot: str, t: torch.Tensor, light: bool, ref=None, compile_stats=False) -> None:
         """Queue the statistics of tensor `t` as a row of call `c`'s `slot` (inp, out, gout, gin)."""

@@ -15,7 +15,7 @@ from ..records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
 
 __all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT",
            "integer_probe", "EXACT_INTEGERS", "PROBE_MAX_NUMEL", "integer_valued", "probe_row", "integer_input",
-           "CAST_IN", "cast_in"]
+           "probe_name", "CAST_IN", "cast_in"]
 
 NSTAT = len(STAT_FIELDS)
 _F64 = torch.float64
@@ -241,7 +241,9 @@ def integer_valued(row, dtype: str) -> dict | None:
     and -1e4). bf16 holds every integer only up to 256; fp16 up to 2048, but past 512 any product with a fraction
     (a sinusoidal embedding's t * freq) lands on a grid 0.5 apart (`rounds_products_from`). `dtype` "float32>bfloat16":
     an fp32 input that the module computes with in bf16 (a Linear under autocast casts it: `CAST_IN`); the result
-    then says `held_as` float32. None otherwise."""
+    then says `held_as` float32. "...@op": values op made in, or cast to, the dtype inside a forward (`probe_name`):
+    the result says `via` op. None otherwise."""
+    dtype, _, via = dtype.partition("@")
     held, _, dtype = dtype.rpartition(">")
     limit = {"float16": 2048.0, "bfloat16": 256.0}.get(dtype)
     if limit is None or row is None or len(row) < 4:
@@ -253,7 +255,16 @@ def integer_valued(row, dtype: str) -> dict | None:
     out = {"dtype": dtype, "max": amax, "exact_up_to": limit, "rounds_products_from": products}
     if held:
         out["held_as"] = held
+    if via:
+        out["via"] = via
     return out
+
+
+def probe_name(held: torch.dtype, low: torch.dtype, via: str) -> str:
+    """The dtype name of a probe of values that op `via` made in, or cast to, `low` inside a forward
+    (record/lowcast.py), as `integer_valued` reads it: "int64>bfloat16@add", "bfloat16@arange"."""
+    lo = str(low).replace("torch.", "")
+    return (lo if held is low else f"{str(held).replace('torch.', '')}>{lo}") + f"@{via}"
 
 
 CAST_IN = frozenset({"Linear", "Bilinear", "LazyLinear", "NonDynamicallyQuantizableLinear"})

@@ -71,6 +71,10 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
         self.rng_extra = (False, False, gens) if gens else None
         self.rng_probe = None
         self.rng_probed_at = -(1 << 30)  # the last step whose forward was probed for Python's / NumPy's RNG
+        self.lowcast = None  # (lowcast.LowCastMode, the module whose forward it is active for), or None
+        self.lowcast_at = -(1 << 30)  # the last step whose forward ran under it (modulehooks._lowcast_due)
+        self.has_compiled_parts = any(hasattr(mod, "_orig_mod") or getattr(mod, "_compiled_call_impl", None)
+                                      is not None for mod in watch.model.modules())
         self.threw_away = False  # the loop threw an iteration away (its own loss scale: optsink.discards_iteration)
         # the module state the forward reads besides its arguments (record/modstate.py): [(key, module, name, copy)]
         # found on probed steps, snapshotted with each batch from then on
@@ -231,6 +235,8 @@ class StepMachine(ModuleHookCallbacks, MonitorCallbacks, OptimizerCallbacks, Cli
             return
         self.disabled = True
         self.hr.on = False
+        if self.lowcast is not None:  # (the root's forward-post hook, which takes it off, is removed next)
+            self._lowcast_off()
         self.remove_module_hooks()
         self.hr_hooks.remove()
         self.int_watch.remove()

@@ -257,9 +257,15 @@ def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
             seen.add(module)
             spacing = 2.0 ** max(math.floor(math.log2(mx)) - math.log2(lim) + 1, 1) if mx > lim else 1.0
             held = info.get("held_as") if isinstance(info.get("held_as"), str) else None
+            via = info.get("via") if isinstance(info.get("via"), str) else None
             # (an fp32 input that the module casts to the low dtype itself: a Linear under autocast)
             takes = (f"takes a {held} input that holds only integers and computes with it in {dt} (autocast casts "
                      f"it there), up to" if held else f"takes a {dt} input that holds only integers, up to")
+            if via:  # made or cast inside the forward (record/lowcast.py): no module's input
+                takes = (f"makes integers in {dt} itself (`torch.{via}(..., dtype={dt})`), up to" if not held else
+                         f"runs `{via}` in {dt} under autocast on a float32 tensor that holds only integers, up to"
+                         if held == "float32" and via not in ("to", "type", "type_as", "half", "bfloat16") else
+                         f"casts a {held} tensor that holds only integers to {dt} inside its forward (`{via}`), up to")
             if mx > lim:
                 msg = (f"`{module or '(root)'}` ({typ}) {takes} "
                        f"{mx:g}: {dt} holds every integer only up to {lim:g}, so above it neighbouring values "
@@ -273,9 +279,15 @@ def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
                        f"past {frm:g} lands on a grid {grid:g} apart — a sinusoidal embedding's phases t * freq "
                        f"are off by {grid / 2:g} rad or more, and its sin/cos with them, if the module computes them "
                        f"in {dt} (not after `.float()`, and not if it only casts the values to an integer type).")
-            fix = ("Keep positions and timesteps in fp32 (or int64) until the embedding has used them, and cast "
-                   "the embedding's output, not its input, to the model's dtype:\n"
-                   "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))") if not held else (
+            fix = ("Make the positions or timesteps in fp32 (or int64), compute from them in fp32 with autocast "
+                   "off, and cast only the result to the model's dtype (as transformers' rotary embeddings do now):\n"
+                   "t = torch.arange(T, device=x.device, dtype=torch.float32)  # not dtype=self.inv_freq.dtype\n"
+                   "with torch.autocast(x.device.type, enabled=False):\n"
+                   "    freqs = torch.outer(t, self.inv_freq.float())\n"
+                   "cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)") if via else (
+                "Keep positions and timesteps in fp32 (or int64) until the embedding has used them, and cast "
+                "the embedding's output, not its input, to the model's dtype:\n"
+                "emb = module(t.float()).to(x.dtype)  # not module(t.to(x.dtype))") if not held else (
                 "Autocast casts this module's input to the low dtype, which keeps the same few significant bits at "
                 "any scale (t / 1000 collides just as t does): keep the module in fp32:\n"
                 + fp32_snippet(module, autocast_device(run)))
@@ -284,5 +296,5 @@ def integer_precision(run: RunData, cfg: RuleConfig) -> list[Finding]:
             out.append(Finding("precision_loss", "warning" if mx > lim else "info", "forward", module, None, r.step,
                                msg, fix,
                                {"dtype": dt, "max_integer": mx, "exact_up_to": lim, "spacing_at_max": spacing,
-                                "rank_hint": 45}))
+                                **({"via": via} if via else {}), "rank_hint": 45}))
     return out
