@@ -1,5 +1,6 @@
 """record/lowcast.py: integers made in, or cast to, bf16/fp16 inside a module's forward (never a module's input) are
-probed on a sampled step and named as precision_loss at that module; the mode that sees them changes nothing, comes
+probed on a sampled step and named as precision_loss at that module (and so are rows of positions, (B, T), that a
+module takes: openstep._rising_row); the mode that sees them changes nothing, comes
 off the stack with the forward (also when it raises), and stays away from models with compiled parts.
 
 Each case trains a small real model with a real optimizer under CPU bf16 autocast (or a pure bf16 model) and reads
@@ -156,3 +157,52 @@ def test_a_model_with_a_compiled_part_runs_without_the_mode():
             opt.step()
     h.remove()
     assert depth == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# (B, T) rows of positions as a module's input (openstep._rising_row): probed when a row rises, not when it does not
+# ----------------------------------------------------------------------------------------------------------------------
+class Sinus(nn.Module):
+    def forward(self, pos):
+        ang = pos[..., None] * torch.linspace(0.001, 0.1, 8, dtype=pos.dtype)
+        return torch.cat([ang.sin(), ang.cos()], -1)
+
+
+class RowNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = Sinus()
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, feats):
+        return self.out(self.enc(feats))
+
+
+def _rows_run(kind: str):
+    torch.manual_seed(0)
+    m = RowNet().to(BF16)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    with ampdoctor.watch(m, optimizer=opt) as w:
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            if kind == "positions":  # packed documents: each row restarts at 0 once, padding -1 at the end
+                pos = torch.cat([torch.arange(300), torch.arange(250), -torch.ones(50)]).repeat(4, 1)
+            else:                    # integer counts (B, C), as large, in no order along a row
+                pos = torch.randint(0, 600, (4, 600), generator=g).float()
+            feats = pos.to(BF16)
+            opt.zero_grad()
+            loss = m(feats).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+    return w.report()
+
+
+def test_rows_of_positions_past_256_in_bf16_are_precision_loss_at_the_module_taking_them():
+    rep = _rows_run("positions")
+    hit = [f for f in rep.findings[:3] if f.rule == "precision_loss" and f.module == "enc"]
+    assert hit and hit[0].step == 0 and hit[0].evidence["max_integer"] >= 288, [f.one_line() for f in rep.findings]
+
+
+def test_a_count_matrix_that_does_not_rise_along_its_rows_is_quiet():
+    rep = _rows_run("counts")
+    assert not _precision(rep), [f.one_line() for f in rep.findings]

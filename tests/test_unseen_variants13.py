@@ -52,7 +52,7 @@ What ampdoctor got wrong (strict xfails, 7 of 12):
  8. unscale_ after the first of four micro-batches: update_spike / overflow / skipped_steps (consequences), no
     scaler_misorder. (Fixed since: a scaled backward after this optimizer's unscale_ and before its step is
     scaler_misorder at the unscale_.)
-11. bf16 running-sum (B, T) positions: an empty report ((B, T) inputs are not probed for integers).
+11. bf16 running-sum (B, T) positions: an empty report ((B, T) inputs were not probed for integers; fixed since).
 12. float32_matmul_precision "medium" on an AMX CPU: "[info] env_tf32 ... TF32 does not apply" although fp32
     matmuls really run in bf16 here.
 """
@@ -699,9 +699,8 @@ def _packed(i):
     return idx, mask
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ampdoctor reports nothing (an empty report): (B, T) position ids are not probed for integers, only "
-    "vector-shaped inputs ((B,), (T,), (1, T))"))
+# (was a strict xfail, "an empty report": (B, T) position ids were not probed; openstep._rising_row probes their
+# rising row)
 def test_bf16_running_sum_positions_past_256_repeat_and_are_precision_loss_at_pos_enc():
     torch.manual_seed(0)
     m = PackedLM()

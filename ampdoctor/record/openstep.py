@@ -195,9 +195,11 @@ class _Step:
             self._probe(c, t, probe_name(t.dtype, low, via))
 
     def _probe(self, c: _Call, t: torch.Tensor, name: str) -> None:
-        if sum(1 for d in t.shape if d > 1) > 1:
-            return  # positions and timesteps are vectors ((B,), (T,), (1, T)); activations are not: every bf16
-            #         value past 128 is an integer, so a large activation would look like one
+        rows = sum(1 for d in t.shape if d > 1) > 1
+        if rows and t.dim() != 2:
+            return  # positions and timesteps are vectors ((B,), (T,), (1, T)) or rows of positions (B, T: see
+            #         _rising_row); activations are not: every bf16 value past 128 is an integer, so a large
+            #         activation would look like one
         if self.probes and t.device != self.probes[0].device:
             return
         key = _memory_key(t)
@@ -208,7 +210,7 @@ class _Step:
             idx = hit[1]
         else:
             idx = len(self.probes)
-            self.probes.append(integer_probe(t))
+            self.probes.append(integer_probe(_rising_row(t) if rows else t))
             _remember(self.probe_seen, key, t, idx)
         c.probes.append((idx, name))
 
@@ -251,6 +253,20 @@ class _Step:
 
 
 _FORWARD = ("inp", "out")  # the slots a forward fills (the fused statistics may hold its values longer)
+
+
+def _rising_row(t: torch.Tensor) -> torch.Tensor:
+    """Of a 2-D tensor, its row with the largest value if that row rises (non-decreasing in RISING of its steps, as
+    position ids do, with a reset where a packed document begins or padding starts), else zeros, which the probe
+    reads as nothing to report. A (B, C) activation or a count matrix does not rise along its columns. On the
+    device: no synchronisation."""
+    d = t.detach()
+    r = d.index_select(0, d.float().amax(-1).argmax().reshape(1))[0]
+    up = (r[1:] >= r[:-1]).float().mean() >= RISING
+    return torch.where(up, r, torch.zeros_like(r))
+
+
+RISING = 0.9
 
 
 def _memory_key(t: torch.Tensor, *extra):
