@@ -356,7 +356,8 @@ class AuxNet(nn.Module):
         return self.head(h), self.aux(h)
 
 
-@pytest.mark.xfail(strict=True, reason="ampdoctor reports no findings at all (rep.findings == [])")
+# (was a strict xfail, "no findings at all": an output of exact zeros has no subnormal share to judge; rules/underflow.py
+# _flushed_to_zero names it)
 def test_auxiliary_loss_weight_1e_8_in_fp16_underflows_at_the_aux_head():
     torch.manual_seed(0)
     m = AuxNet()

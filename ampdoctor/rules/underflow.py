@@ -142,6 +142,9 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 if phase == "forward" and any(k in c.type for k in ("Dropout", "Softmax", "Identity")):
                     continue  # probabilities: tiny values are expected there
                 nz = s.nonzero_finite
+                if phase == "forward" and _flushed_to_zero(r, c, s, cfg):
+                    flagged.append((phase, c, s, s.zeros / s.numel))
+                    continue
                 if nz < cfg.underflow_min_nonzero or s.subnormal < 0:
                     continue
                 share = s.subnormal / nz
@@ -200,19 +203,53 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 fix = (f"Nothing to do: from step {cleared} on, the outputs of `{c.module}` are clear of fp16's "
                        "subnormal range (an abs-max of 2^-3 or more). Tiny values at initialisation that the first "
                        "updates grow out of lose nothing the run needed.")
+            zeroed = phase == "forward" and _flushed_to_zero(r, c, s, cfg)
+            text = (f"{share:.0%} of the outputs of `{c.module}` are exactly zero (abs-max {s.absmax:.3g}) although "
+                    f"its input is not (abs-max {c.inp.absmax:.3g}): something it computes in fp16 (a tiny weight or "
+                    f"factor, a product of small values) falls below 2^-24 and is flushed to zero, so "
+                    if zeroed else
+                    f"{share:.0%} of the nonzero {'gradients flowing into' if phase == 'backward' else 'outputs of'} "
+                    f"`{c.module}` are below fp16's normal range (2^-14); ")
+            if zeroed and cleared is None:
+                what = "what it adds to the model (a loss term, a branch) is gone"
             out.append(Finding(
                 "underflow", "error" if phase == "backward" else "warning" if cleared is None else "info", phase,
                 c.module, None,
                 r.step if onset is None or any(q.modules for q in run.steps if onset <= q.step < r.step) else onset,
-                f"{share:.0%} of the nonzero {'gradients flowing into' if phase == 'backward' else 'outputs of'} "
-                f"`{c.module}` are below fp16's normal range (2^-14); "
-                f"{what}.",
+                f"{text}{what}.",
                 fix, {"subnormal": s.subnormal, "nonzero": s.nonzero_finite, "zeros": s.zeros, "numel": s.numel,
                       "min_nonzero": s.min_nonzero, "absmax": s.absmax, "share": share,
                       "loss_scale": r.scale, "rank_hint": 20,
                       **({"loss_fell_at": onset, "observed_step": r.step} if onset is not None else {}),
                       **({"cleared_at": cleared} if cleared is not None else {})}))
     return out
+
+
+_PASSES_ZEROS = ("Dropout", "Softmax", "Identity", "ReLU", "Threshold", "Hardtanh", "Hardshrink", "Softshrink",
+                 "Tanhshrink", "Embedding", "Pad", "Upsample", "MaxPool", "AvgPool", "Flatten", "Unflatten")
+"""Module types whose exact zeros are what they do (an activation's, a mask's, padding), not a flush."""
+
+
+def _flushed_to_zero(r, c, s, cfg: RuleConfig) -> bool:
+    """A module's fp16 output that is almost all exact zeros, with what is left below 2^-3 and mostly subnormal,
+    from an input that is not tiny: it computed something below fp16's range in its own forward (an auxiliary loss
+    weighted 1e-8, a LayerScale gain at 1e-9) and fp16 flushed it to zero. Not where one of its submodules already
+    returned the same values (that one made them), nor an activation, mask or padding module."""
+    if s.dtype != "float16" or s.numel < cfg.underflow_min_nonzero or s.zeros < FLUSHED_SHARE * s.numel \
+            or not 0 <= s.absmax < _NEGLIGIBLE_BELOW or s.subnormal < 0:
+        return False
+    nz = s.nonzero_finite
+    if nz and s.subnormal < 0.5 * nz or any(k in c.type for k in _PASSES_ZEROS):
+        return False
+    if c.inp is None or not (_NEGLIGIBLE_BELOW <= c.inp.absmax < math.inf):
+        return False
+    row = s.to_dict()
+    inner = c.module + "." if c.module else ""
+    return not any(d is not c and d.out is not None and d.module.startswith(inner) and d.out.to_dict() == row
+                   for d in r.modules)
+
+
+FLUSHED_SHARE = 0.9
 
 
 @register("vanished_gradient", emits=("underflow",))
