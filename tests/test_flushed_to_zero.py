@@ -89,3 +89,44 @@ def test_the_same_penalty_weighted_so_that_fp16_holds_it_is_quiet():
 def test_a_dead_relu_branch_is_not_an_underflow():
     rep, _, _ = _run(0.1, dead=True)
     assert not _underflows(rep), [f.one_line() for f in rep.findings]
+
+
+class LoRA(nn.Module):
+    """A low-rank adapter as peft initialises it: B is all zeros, so its output is zero until B has trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = nn.Linear(16, 4, bias=False)
+        self.B = nn.Linear(4, 16, bias=False)
+        nn.init.zeros_(self.B.weight)
+
+    def forward(self, x):
+        return self.B(self.A(x)) * 2.0
+
+
+class Adapted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base, self.lora, self.head = nn.Linear(16, 16), LoRA(), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.base(x) + self.lora(x))
+
+
+def test_a_zero_initialised_lora_b_is_not_an_underflow():
+    torch.manual_seed(0)
+    m = Adapted()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+    with ampdoctor.watch(m, optimizer=opt) as w:
+        for _ in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(m(x).float(), y)
+            loss.backward()
+            opt.step()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert (m.lora(x) != 0).any()  # real: B has trained away from zero
+    rep = w.report()
+    assert not _underflows(rep), [f.one_line() for f in rep.findings]

@@ -234,7 +234,8 @@ def _flushed_to_zero(r, c, s, cfg: RuleConfig) -> bool:
     """A module's fp16 output that is almost all exact zeros, with what is left below 2^-3 and mostly subnormal,
     from an input that is not tiny: it computed something below fp16's range in its own forward (an auxiliary loss
     weighted 1e-8, a LayerScale gain at 1e-9) and fp16 flushed it to zero. Not where one of its submodules already
-    returned the same values (that one made them), nor an activation, mask or padding module."""
+    returned the same values (that one made them), nor an activation, mask or padding module, nor one holding
+    weights that are all zero (initialised so: their output is zero in any dtype)."""
     if s.dtype != "float16" or s.numel < cfg.underflow_min_nonzero or s.zeros < FLUSHED_SHARE * s.numel \
             or not 0 <= s.absmax < _NEGLIGIBLE_BELOW or s.subnormal < 0:
         return False
@@ -245,6 +246,9 @@ def _flushed_to_zero(r, c, s, cfg: RuleConfig) -> bool:
         return False
     row = s.to_dict()
     inner = c.module + "." if c.module else ""
+    if any(0 in (p.weight_norm, p.weight_absmax) for p in r.params
+           if p.module == c.module or p.module.startswith(inner)):
+        return False  # zero-initialised weights (LoRA's B, adaLN-Zero, a ControlNet zero conv): zeros by design
     return not any(d is not c and d.out is not None and d.module.startswith(inner) and d.out.to_dict() == row
                    for d in r.modules)
 
