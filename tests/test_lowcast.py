@@ -3,8 +3,8 @@ probed on a sampled step and named as precision_loss at that module (and so are 
 module takes: openstep._rising_row); the mode that sees them changes nothing, comes
 off the stack with the forward (also when it raises), and stays away from models with compiled parts.
 
-Each case trains a small real model with a real optimizer under CPU bf16 autocast (or a pure bf16 model) and reads
-the report; the twins differ only in the line that makes the positions.
+Each case trains a small real model with a real optimizer under bf16 autocast (or a pure bf16 model) and reads the
+report, on the CPU and, where there is one, on CUDA; the twins differ only in the line that makes the positions.
 """
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ class Pos(nn.Module):
 
     def forward(self, x):
         n = x.shape[1]
+        dev = x.device
         if self.how == "arange_low":      # the bug: positions made in the activations' dtype
-            t = torch.arange(n, dtype=x.dtype)
+            t = torch.arange(n, dtype=x.dtype, device=dev)
         elif self.how == "promote":       # the bug: int64 positions promoted to bf16 by the add
-            return torch.sin(x + torch.arange(n)[None, :, None])
+            return torch.sin(x + torch.arange(n, device=dev)[None, :, None])
         elif self.how == "counts":        # fine: a mean over integer counts (a division) stays quiet
-            lengths = torch.tensor([n, 100, n, 3])[: x.shape[0]]
+            lengths = torch.tensor([n, 100, n, 3], device=dev)[: x.shape[0]]
             return x + (x.sum(1, keepdim=True) / lengths[:, None, None])
         else:                             # the twin: positions in fp32, only the result cast
-            t = torch.arange(n, dtype=torch.float32)
+            t = torch.arange(n, dtype=torch.float32, device=dev)
         ang = torch.outer(t.float(), self.freq)
         return x + torch.cat([ang.sin(), ang.cos()], -1).to(x.dtype)[None]
 
@@ -58,9 +59,12 @@ def _batch(i):
     return torch.randn(4, T, 4, generator=g), torch.randn(4, T, 1, generator=g)
 
 
-def _run(how: str, watch: bool, steps: int = 4, every=None, pure=False, raise_at=None):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _run(how: str, watch: bool, steps: int = 4, every=None, pure=False, raise_at=None, device="cpu"):
     torch.manual_seed(0)
-    m = Net(how)
+    m = Net(how).to(device)
     if pure:
         m = m.to(BF16)
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
@@ -69,11 +73,11 @@ def _run(how: str, watch: bool, steps: int = 4, every=None, pure=False, raise_at
     h = m.pos.register_forward_hook(lambda mod, a, o: depth.append(torch._C._len_torch_function_stack()))
     try:
         for i in range(steps):
-            x, y = _batch(i)
+            x, y = (t.to(device) for t in _batch(i))
             if pure:
                 x, y = x.to(BF16), y.to(BF16)
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=BF16, enabled=not pure):
+            with torch.autocast(device, dtype=BF16, enabled=not pure):
                 if raise_at == i:
                     with pytest.raises(RuntimeError):
                         m(x[..., :3])  # a shape error inside the forward
@@ -95,9 +99,10 @@ def _precision(rep):
     return [f for f in rep.findings if f.rule == "precision_loss"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how,via", [("arange_low", ("arange",)), ("promote", ("add", "__add__"))])
-def test_integers_made_in_bf16_inside_a_module_are_precision_loss_there(how, via):
-    w, m, losses, depth = _run(how, True)
+def test_integers_made_in_bf16_inside_a_module_are_precision_loss_there(how, via, device):
+    w, m, losses, depth = _run(how, True, device=device)
     # real: the positions past 256 collide in bf16
     assert torch.arange(T, dtype=BF16).unique().numel() < T
     rep = w.report()
@@ -116,18 +121,20 @@ def test_pure_bf16_model_arange_in_the_weights_dtype_is_named():
     assert hit and hit[0].evidence["dtype"] == "bfloat16", [f.one_line() for f in w.report().findings]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["fp32", "counts"])
-def test_twins_are_quiet(how):
-    w, _, losses, _ = _run(how, True)
+def test_twins_are_quiet(how, device):
+    w, _, losses, _ = _run(how, True, device=device)
     rep = w.report()
     assert not _precision(rep), [f.one_line() for f in rep.findings]
     assert not [f for f in rep.findings if f.severity in ("warning", "error")], [f.one_line() for f in rep.findings]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["arange_low", "promote"])
-def test_watching_changes_nothing_and_the_mode_comes_off(how):
-    _, m0, plain, _ = _run(how, False, steps=10, every=1)
-    w, m1, watched, depth = _run(how, True, steps=10, every=1)
+def test_watching_changes_nothing_and_the_mode_comes_off(how, device):
+    _, m0, plain, _ = _run(how, False, steps=10, every=1, device=device)
+    w, m1, watched, depth = _run(how, True, steps=10, every=1, device=device)
     assert plain == watched
     for a, b in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(a, b)
