@@ -213,3 +213,19 @@ def test_rows_of_positions_past_256_in_bf16_are_precision_loss_at_the_module_tak
 def test_a_count_matrix_that_does_not_rise_along_its_rows_is_quiet():
     rep = _rows_run("counts")
     assert not _precision(rep), [f.one_line() for f in rep.findings]
+
+
+def test_forwards_without_optimizer_steps_run_under_the_mode_once():
+    """An evaluation before training (no optimizer step: the watch stays at step 0) pays for the mode on one forward,
+    not on each."""
+    torch.manual_seed(0)
+    m = Net("arange_low")
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    depth = []
+    h = m.pos.register_forward_hook(lambda mod, a, o: depth.append(torch._C._len_torch_function_stack()))
+    with ampdoctor.watch(m, optimizer=opt, every=1):
+        with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+            for i in range(4):
+                m(_batch(i)[0])
+    h.remove()
+    assert depth == [1, 0, 0, 0], depth

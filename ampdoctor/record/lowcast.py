@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..tensors import autocast_dtype
+
 __all__ = ["LowCastMode"]
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -66,8 +68,7 @@ class LowCastMode(TorchFunctionMode):
             for a in args[:2]:
                 if isinstance(a, torch.Tensor) and a.dtype in _INTS and a.numel() > 1:
                     st.probe_cast(c, a, low, name)
-        elif name in _AUTOCAST and torch.is_autocast_enabled(out.device.type) \
-                and torch.get_autocast_dtype(out.device.type) is low:
+        elif name in _AUTOCAST and autocast_dtype(out.device.type) is low:
             for a in args[:3]:
                 if isinstance(a, torch.Tensor) and a.dtype is torch.float32:
                     st.probe_cast(c, a, low, name)

@@ -245,10 +245,11 @@ class ModuleHookCallbacks:
 
     def _lowcast_due(self, step: int) -> bool:
         """Whether this sampled step's forward runs under lowcast.LowCastMode: step 0, then as modstate.due probes
-        (steps 1-8, then every PROBE_GAP steps); never on a compiled model or one with compiled parts (the mode would
-        enter their graphs)."""
+        (steps 1-8, then every PROBE_GAP steps), one forward a step (not an evaluation's forwards after it, nor a
+        loop without optimizer steps, which stays at step 0); never on a compiled model or one with compiled parts
+        (the mode would enter their graphs)."""
         return not (self.compiled or self.lowcast is not None or self.has_compiled_parts) \
-            and (step == 0 or modstate.due(step, True, self.lowcast_at))
+            and step != self.lowcast_at and (step == 0 or modstate.due(step, True, self.lowcast_at))
 
     def _lowcast_off(self) -> None:
         """The root's forward ended (or ampdoctor failed inside it): the mode comes off the stack. A mode the model
