@@ -215,17 +215,18 @@ def test_a_count_matrix_that_does_not_rise_along_its_rows_is_quiet():
     assert not _precision(rep), [f.one_line() for f in rep.findings]
 
 
-def test_forwards_without_optimizer_steps_run_under_the_mode_once():
-    """An evaluation before training (no optimizer step: the watch stays at step 0) pays for the mode on one forward,
-    not on each."""
+def test_iterations_without_optimizer_steps_run_under_the_mode_once():
+    """Iterations that never step the optimizer (saliency maps before training: forward, backward, zero_grad; the
+    watch stays at step 0) pay for the mode on one forward, not on each."""
     torch.manual_seed(0)
     m = Net("arange_low")
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
     depth = []
     h = m.pos.register_forward_hook(lambda mod, a, o: depth.append(torch._C._len_torch_function_stack()))
     with ampdoctor.watch(m, optimizer=opt, every=1):
-        with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
-            for i in range(4):
-                m(_batch(i)[0])
+        for i in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16):
+                m(_batch(i)[0]).float().sum().backward()
     h.remove()
     assert depth == [1, 0, 0, 0], depth
