@@ -51,8 +51,8 @@ with a nonzero gradient compared before/after, the `.grad` after each micro-batc
 ValueError, the backward producer by full backward hooks), then ampdoctor's report must hold an `error` finding of the
 rule at the module among the first three findings, at the step it began.
 
-What ampdoctor got wrong (strict xfails, 1 of 15 runs left):
- 3. at the default: only `[error] nan_origin at (run) step 6: The gradients became non-finite at step 6, a step
+What ampdoctor got wrong (strict xfails; none left):
+ 3. (fixed since: rules/outside.py _accumulated) at the default: only `[error] nan_origin at (run) step 6: The gradients became non-finite at step 6, a step
     without per-layer statistics; replay its capture ... or watch with every=1`: no module, the rule of a NaN
     (the static-scale loop skips step 7 the same way). Right at every=1 (`overflow at head step 6`, backward).
 Fixed since: 2. watch(m, optimizer=opt) over fp16 "master" copies raised WatchError ("the optimizer does not hold
@@ -72,7 +72,6 @@ import torch.nn.functional as F
 
 import ampdoctor
 from scenarios import alarms, lines, one_thread
-from probe_harness import xf as _xf
 
 
 one_thread_fixture = pytest.fixture(autouse=True)(one_thread)
@@ -252,12 +251,9 @@ def _micro_batch(i, j, n=32):
     return x, (x @ _T3).argmax(-1)
 
 
-RAMPUP_EVERY = [pytest.param(None, id="default", marks=_xf(
-    "default: only `[error] nan_origin at (run) step 6: The gradients became non-finite at step 6, a step without "
-    "per-layer statistics; replay its capture (`ampdoctor replay`) or watch with every=1 to name the layer`: no module "
-    "and the rule of a NaN, although every later step (7) overflows the same way in `head`'s accumulated .grad. "
-    "At every=1 it is right (`[error] overflow at head step 6`, backward)")),
-    pytest.param(1, id="every1")]
+# (the default was a strict xfail: only `nan_origin at (run) step 6`, "a step without per-layer statistics"; at every=1
+# it was right. rules/outside.py _accumulated names `head`'s accumulated fp16 .grad now)
+RAMPUP_EVERY = [pytest.param(None, id="default"), pytest.param(1, id="every1")]
 
 
 @pytest.mark.parametrize("every", RAMPUP_EVERY)

@@ -191,6 +191,8 @@ def unlocated(run: RunData) -> list[Finding]:
                        "layer could be named.")
                 fix = ("Watch the module the loop runs (e.g. the clone, with its own `ampdoctor.watch`), or save its "
                        "failing batch with `ampdoctor.save_batch` and replay it.")
+            elif where == "gradients" and (acc := _accumulated(r)) is not None:
+                return [acc]
             else:
                 phase = "backward" if where == "gradients" else "forward"
                 msg = "a step without per-layer statistics; replay its capture (`ampdoctor replay`) or watch with " \
@@ -200,6 +202,36 @@ def unlocated(run: RunData) -> list[Finding]:
             return [Finding("overflow" if inf else "nan_origin", "error", phase, None, None, r.step,
                             f"The {where} became non-finite at step {r.step}, {msg}", fix, ev)]
     return []
+
+
+_LOW_GRADS = ("float16", "bfloat16")
+
+
+def _accumulated(r: StepRecord) -> Finding | None:
+    """A step of several micro-batches whose gradients went non-finite with every loss finite, on a step without
+    per-layer statistics, where the non-finite gradients are all of one module's fp16/bf16 parameters: their .grad
+    is summed in that dtype, and the sum of finite micro-batch gradients passed its max (a pure fp16 model, a
+    static loss scale, 32 micro-batches). A backward op that made inf would have sent it on to the modules below,
+    whose parameters would hold it too."""
+    if r.micro_batches < 2 or r.loss_finite is False or r.output_finite is False:
+        return None
+    bad = [p for p in r.params if p.grad_nonfinite]
+    if not bad or any(p.dtype not in _LOW_GRADS for p in bad) or len({p.module for p in bad}) != 1:
+        return None
+    module, dt = bad[0].module, bad[0].dtype
+    inf = all(p.grad_absmax == math.inf for p in bad)
+    names = ", ".join(f"`{p.name}`" for p in bad[:4])
+    return Finding(
+        "overflow" if inf else "nan_origin", "error", "backward", module, None, r.step,
+        f"The {dt} gradients of {names} became {'±inf' if inf else 'non-finite'} at step {r.step} while every loss "
+        f"stayed finite, and no other parameter's did, over {r.micro_batches} micro-batches accumulated into "
+        f"them: the sum of the micro-batches' gradients in the {dt} .grad passed {dt}'s max (a backward op that made "
+        "inf would have sent it on to the layers below).",
+        "Accumulate the gradients in fp32: keep fp32 master weights (`torch.autocast` with fp32 parameters and a "
+        "GradScaler), or divide each micro-batch's loss by the number of micro-batches before backward (and keep the "
+        "loss scale small enough for the sum), or train in bf16.",
+        {"params": [p.name for p in bad][:20], "micro_batches": r.micro_batches, "dtype": dt, "accumulated": True,
+         "capture": r.capture, "rank_hint": 11})
 
 
 def _clean(r: StepRecord) -> bool:
