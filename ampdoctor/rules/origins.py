@@ -190,7 +190,7 @@ def producers(run: RunData, cfg: RuleConfig) -> list[Finding]:
                    "in fp32:\n" + fp32_snippet(module, dev))
         out.append(Finding(rule, sev, phase, module, None, step, msg, fix, ev))
     out.extend(outside)
-    data = bad_data(run)
+    data = bad_data(run, dev)
     out.extend(data)
     if not groups and not out:
         out.extend(bad_weights(run) or unlocated(run))

@@ -119,10 +119,52 @@ def _applied_bad_gradients(prev: StepRecord | None, bad_modules: set[str], kind:
          "weights_bad_from": prev.step + 1, "modules": sorted(bad_modules)[:20], "rank_hint": 12})]
 
 
-def bad_data(run: RunData) -> list[Finding]:
-    """The first step whose batch already held inf/NaN when the model received it: no module produced it."""
+def bad_data(run: RunData, device: str = "cuda") -> list[Finding]:
+    """The first step whose batch already held inf/NaN when the model received it: no module produced it — unless
+    a module's output held them on the steps just before, with their losses finite (`carried`)."""
     r = next((r for r in run.steps if r.bad_input), None)
-    return [bad_data_finding(r.bad_input, r.step, r.capture)] if r is not None else []
+    if r is None:
+        return []
+    return carried(run, r, device) or [bad_data_finding(r.bad_input, r.step, r.capture)]
+
+
+def carried(run: RunData, r: StepRecord, device: str) -> list[Finding]:
+    """Step `r`'s batch held inf/NaN, and on a step just before it (every step between with a finite loss) the
+    always-on headroom saw a module's output hold inf/NaN first (`first_bad`; a module whose output was finite on an
+    earlier step, not a mask's -inf): the model made them and returned them (a recurrent memory, a truncated-BPTT
+    state, a cache) and the loop fed them back as an input. Named at that module, on that step."""
+    mods = run.meta.modules or []
+    before = [q for q in run.steps if q.step < r.step]
+    for i in range(len(before) - 1, -1, -1):
+        q = before[i]
+        if q.loss_finite is False or q.bad_input:
+            return []
+        h = q.headroom or {}
+        fwd, slot = h.get("fwd") or (), h.get("first_bad")
+        if not (isinstance(slot, int) and 0 <= slot < min(len(fwd), len(mods))):
+            continue
+        if not any(isinstance((x.headroom or {}).get("fwd"), (list, tuple)) and slot < len(x.headroom["fwd"])
+                   and isinstance(x.headroom["fwd"][slot], (int, float)) and math.isfinite(x.headroom["fwd"][slot])
+                   for x in before[:i]):
+            return []  # (never finite before: a mask module's -inf)
+        module, typ = mods[slot][0], mods[slot][1] if len(mods[slot]) > 1 else "?"
+        v = fwd[slot]
+        nan = v != v
+        b = r.bad_input
+        arg = b.get("arg")
+        name = f"argument {arg}" if isinstance(arg, int) else f"`{arg}`"
+        at = f"`{module}`" if module else "`(root)`"
+        return [Finding(
+            "nan_origin" if nan else "overflow", "error", "forward", module, None, q.step,
+            f"{at} ({typ}) was the first module whose output held {'NaN' if nan else '±inf'} at step {q.step}, while "
+            f"that step's loss stayed finite; the model returned the values (a recurrent memory or state, a cache) and "
+            f"the loop fed them back: the batch of step {r.step} held them (model input {name}) and the loss went "
+            "non-finite there. The data did not bring them.",
+            "Keep the carried state in fp32 (accumulate the memory with `.float()`), or bound or renormalise it "
+            "before it is returned:\n" + fp32_snippet(module, device),
+            {"carried": True, "input": arg, "fed_back_at": r.step, "type": typ, "source": "headroom",
+             "capture": r.capture, "rank_hint": 9})]
+    return []
 
 
 def bad_data_finding(b: dict, step: int | None, capture: str | None) -> Finding:
