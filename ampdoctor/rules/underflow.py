@@ -235,7 +235,8 @@ def _flushed_to_zero(r, c, s, cfg: RuleConfig) -> bool:
     from an input that is not tiny: it computed something below fp16's range in its own forward (an auxiliary loss
     weighted 1e-8, a LayerScale gain at 1e-9) and fp16 flushed it to zero. Not where one of its submodules already
     returned the same values (that one made them), nor an activation, mask or padding module, nor one holding
-    weights that are all zero (initialised so: their output is zero in any dtype)."""
+    weights that are all zero (initialised so: their output is zero in any dtype). An output of zeros only (none
+    subnormal left) counts where a submodule's output was not tiny."""
     if s.dtype != "float16" or s.numel < cfg.underflow_min_nonzero or s.zeros < FLUSHED_SHARE * s.numel \
             or not 0 <= s.absmax < _NEGLIGIBLE_BELOW or s.subnormal < 0:
         return False
@@ -249,8 +250,13 @@ def _flushed_to_zero(r, c, s, cfg: RuleConfig) -> bool:
     if any(0 in (p.weight_norm, p.weight_absmax) for p in r.params
            if p.module == c.module or p.module.startswith(inner)):
         return False  # zero-initialised weights (LoRA's B, adaLN-Zero, a ControlNet zero conv): zeros by design
-    return not any(d is not c and d.out is not None and d.module.startswith(inner) and d.out.to_dict() == row
-                   for d in r.modules)
+    subs = [d for d in r.modules if d is not c and d.out is not None and d.module.startswith(inner)]
+    if any(d.out.to_dict() == row for d in subs):
+        return False
+    # all exact zeros, none subnormal: only where a submodule's output was not tiny (the module's own code made
+    # them small: a weight of 1e-8 times a Linear's output), not a module with nothing inside (an additive mask that
+    # masks nothing in this batch is all zeros too)
+    return bool(nz) or any(_NEGLIGIBLE_BELOW <= d.out.absmax < math.inf for d in subs)
 
 
 FLUSHED_SHARE = 0.9
