@@ -230,3 +230,22 @@ def test_iterations_without_optimizer_steps_run_under_the_mode_once():
                 m(_batch(i)[0]).float().sum().backward()
     h.remove()
     assert depth == [1, 0, 0, 0], depth
+
+
+def test_short_rows_of_raw_counts_that_rise_are_features_not_positions():
+    """(B, 4) raw counts up to 5000 into a Linear under bf16 autocast, each row sorted (as some feature pipelines
+    emit them): a few features a sample, rising by construction, are not rows of positions (openstep.MIN_ROW)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-6)
+    with ampdoctor.watch(m, optimizer=opt, every=1) as w:
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            counts = (torch.rand(64, 4, generator=g) * 5000).round().sort(-1).values
+            counts[:, 0] = (torch.rand(64, generator=g) * 200).round()  # (some small counts too, as real ones have)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16):
+                loss = m(counts).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+    assert not _precision(w.report()), [f.one_line() for f in w.report().findings]

@@ -196,10 +196,11 @@ class _Step:
 
     def _probe(self, c: _Call, t: torch.Tensor, name: str) -> None:
         rows = sum(1 for d in t.shape if d > 1) > 1
-        if rows and t.dim() != 2:
+        if rows and (t.dim() != 2 or t.shape[1] < MIN_ROW):
             return  # positions and timesteps are vectors ((B,), (T,), (1, T)) or rows of positions (B, T: see
             #         _rising_row); activations are not: every bf16 value past 128 is an integer, so a large
-            #         activation would look like one
+            #         activation would look like one; nor a few features a sample (raw counts, (B, 4)), whose
+            #         short rows rise by chance
         if self.probes and t.device != self.probes[0].device:
             return
         key = _memory_key(t)
@@ -267,6 +268,7 @@ def _rising_row(t: torch.Tensor) -> torch.Tensor:
 
 
 RISING = 0.9
+MIN_ROW = 16  # values a row of positions holds at least (a sequence); shorter rows are feature vectors
 
 
 def _memory_key(t: torch.Tensor, *extra):
