@@ -59,16 +59,24 @@ class LowCastMode(TorchFunctionMode):
             return
         low = out.dtype
         if name in _MADE:
-            st.probe_cast(c, out, low, name)
+            if type(out) is torch.Tensor:
+                st.probe_cast(c, out, low, name)
         elif name in _CONVERT:
-            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            src = args[0] if args and _plain(args[0]) else None
             if src is not None and (src.dtype in _INTS or src.dtype is torch.float32):
                 st.probe_cast(c, src, low, name)
         elif name in _PROMOTE:
             for a in args[:2]:
-                if isinstance(a, torch.Tensor) and a.dtype in _INTS and a.numel() > 1:
+                if _plain(a) and a.dtype in _INTS and a.numel() > 1:
                     st.probe_cast(c, a, low, name)
         elif name in _AUTOCAST and autocast_dtype(out.device.type) is low:
             for a in args[:3]:
-                if isinstance(a, torch.Tensor) and a.dtype is torch.float32:
+                if _plain(a) and a.dtype is torch.float32:
                     st.probe_cast(c, a, low, name)
+
+
+def _plain(a) -> bool:
+    """A plain tensor outside autograd: what positions and timesteps are. Not a weight or an activation (they
+    require grad: a Linear's fp32 weight under autocast is cast on every call), nor a tensor subclass (a DTensor's
+    values are a shard)."""
+    return type(a) is torch.Tensor and not a.requires_grad
