@@ -1,6 +1,7 @@
 """Origins of an inf/NaN that are not a module's forward or backward: a buffer the training writes, a batch that
-already held inf/NaN, weights an earlier update wrote, a bad step without per-layer statistics, and an inf that
-later ops absorbed on such a step, seen only by the always-on series (the `producers` rule,
+already held inf/NaN (or a state the model returned and the loop fed back: `carried`), weights an earlier update
+wrote, a bad step without per-layer statistics (an fp16 .grad summed over micro-batches: `_accumulated`), and an
+inf that later ops absorbed on such a step, seen only by the always-on series (the `producers` rule,
 ampdoctor/rules/origins.py, calls these; the loss computed outside the model is rules/lossorigin.py's)."""
 from __future__ import annotations
 
