@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..records import DTYPE_LIMITS, STAT_FIELDS, TensorStats
+from ..tensors import dt_name
 
 __all__ = ["full_stats", "light_stats", "vector_to_stats", "ref_dtype", "is_measurable", "combine", "NSTAT",
            "integer_probe", "EXACT_INTEGERS", "PROBE_MAX_NUMEL", "integer_valued", "probe_row", "integer_input",
@@ -263,8 +264,7 @@ def integer_valued(row, dtype: str) -> dict | None:
 def probe_name(held: torch.dtype, low: torch.dtype, via: str) -> str:
     """The dtype name of a probe of values that op `via` made in, or cast to, `low` inside a forward
     (record/lowcast.py), as `integer_valued` reads it: "int64>bfloat16@add", "bfloat16@arange"."""
-    lo = str(low).replace("torch.", "")
-    return (lo if held is low else f"{str(held).replace('torch.', '')}>{lo}") + f"@{via}"
+    return (dt_name(low) if held is low else f"{dt_name(held)}>{dt_name(low)}") + f"@{via}"
 
 
 CAST_IN = frozenset({"Linear", "Bilinear", "LazyLinear", "NonDynamicallyQuantizableLinear"})

@@ -144,9 +144,8 @@ def carried(run: RunData, r: StepRecord, device: str) -> list[Finding]:
         fwd, slot = h.get("fwd") or (), h.get("first_bad")
         if not (isinstance(slot, int) and 0 <= slot < min(len(fwd), len(mods))):
             continue
-        if not any(isinstance((x.headroom or {}).get("fwd"), (list, tuple)) and slot < len(x.headroom["fwd"])
-                   and isinstance(x.headroom["fwd"][slot], (int, float)) and math.isfinite(x.headroom["fwd"][slot])
-                   for x in before[:i]):
+        if not any(isinstance(v, (int, float)) and math.isfinite(v)
+                   for v in (x.headroom_of(slot)[0] for x in before[:i])):
             return []  # (never finite before: a mask module's -inf)
         module, typ = mods[slot][0], mods[slot][1] if len(mods[slot]) > 1 else "?"
         v = fwd[slot]

@@ -143,7 +143,7 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                     continue  # probabilities: tiny values are expected there
                 nz = s.nonzero_finite
                 if phase == "forward" and _flushed_to_zero(r, c, s, cfg):
-                    flagged.append((phase, c, s, s.zeros / s.numel))
+                    flagged.append((phase, c, s, s.zeros / s.numel, True))
                     continue
                 if nz < cfg.underflow_min_nonzero or s.subnormal < 0:
                     continue
@@ -156,7 +156,7 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 if phase == "backward" and run.has_scaler:
                     need = max(need, _PINNED_SHARE)  # (a pinned scaler: most of them, not a tail of small ones)
                 if share >= need:
-                    flagged.append((phase, c, s, share))
+                    flagged.append((phase, c, s, share, False))
         for phase in ("backward", "forward"):
             fl = [f for f in flagged if f[0] == phase]
             if any(d[0] == phase for d in done):
@@ -168,7 +168,7 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
             fl = [f for f in fl if f[2].dtype == "float16"] or fl
             first = min(fl, key=lambda f: (f[1].bseq if phase == "backward" and f[1].bseq is not None else f[1].seq))
             same = [f for f in fl if f[2].to_dict() == first[2].to_dict()]
-            _, c, s, share = max(same, key=lambda f: f[1].depth)
+            _, c, s, share, zeroed = max(same, key=lambda f: f[1].depth)
             done.add((phase, c.module))
             scaled = run.has_scaler and phase == "backward"
             fix = ("Use loss scaling: `scaler = torch.amp.GradScaler()`; `scaler.scale(loss).backward()`; "
@@ -203,7 +203,6 @@ def underflow(run: RunData, cfg: RuleConfig) -> list[Finding]:
                 fix = (f"Nothing to do: from step {cleared} on, the outputs of `{c.module}` are clear of fp16's "
                        "subnormal range (an abs-max of 2^-3 or more). Tiny values at initialisation that the first "
                        "updates grow out of lose nothing the run needed.")
-            zeroed = phase == "forward" and _flushed_to_zero(r, c, s, cfg)
             text = (f"{share:.0%} of the outputs of `{c.module}` are exactly zero (abs-max {s.absmax:.3g}) although "
                     f"its input is not (abs-max {c.inp.absmax:.3g}): something it computes in fp16 (a tiny weight or "
                     f"factor, a product of small values) falls below 2^-24 and is flushed to zero, so "
